@@ -1,0 +1,71 @@
+"""Token estimates for text the backend has not reported on yet.
+
+The backend's ``usage`` is ground truth; this is the local estimate used before a
+request is sent (budgets, compaction decisions). Counts are memoized by an xxhash
+of the text so a long history is tokenized once, not on every turn.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+import xxhash
+
+from proxy.tokenization.encoding import load_encoding
+
+# Chat templates wrap every message in a few control tokens (role header, end marker).
+PER_MESSAGE_OVERHEAD = 4
+
+
+class TokenCounter:
+    """Counts tokens of strings and chat messages with a bounded memo."""
+
+    def __init__(self, max_entries: int = 65536) -> None:
+        self._encoding = load_encoding()
+        self._memo: OrderedDict[int, int] = OrderedDict()
+        self._max_entries = max_entries
+
+    def count_text(self, text: str) -> int:
+        if not text:
+            return 0
+        key = xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
+        cached = self._memo.get(key)
+        if cached is not None:
+            self._memo.move_to_end(key)
+            return cached
+        count = len(self._encoding.encode_ordinary(text))
+        self._memo[key] = count
+        if len(self._memo) > self._max_entries:
+            self._memo.popitem(last=False)
+        return count
+
+    def count_message(self, message: dict[str, Any]) -> int:
+        return PER_MESSAGE_OVERHEAD + self.count_text(message_text(message))
+
+    def count_messages(self, messages: list[dict[str, Any]]) -> int:
+        return sum(self.count_message(m) for m in messages)
+
+    def count_tools(self, tools: list[Any] | None) -> int:
+        if not tools:
+            return 0
+        return self.count_text(json.dumps(tools, ensure_ascii=False, separators=(",", ":")))
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """All text a chat template would render for one message, concatenated."""
+    parts: list[str] = []
+    content = message.get("content")
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+    for call in message.get("tool_calls") or ():
+        if isinstance(call, dict):
+            fn = call.get("function") or {}
+            parts.append(str(fn.get("name", "")))
+            parts.append(str(fn.get("arguments", "")))
+    return "\n".join(parts)

@@ -1,0 +1,1 @@
+"""Compaction of old conversation turns into a stable, cache-friendly summary."""
