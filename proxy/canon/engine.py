@@ -1,0 +1,186 @@
+"""The canonicalization engine: request -> (canonical request, actions). No I/O.
+
+Stages, in order:
+1. tools, tool_choice, functions, response_format: canonical order and JSON;
+2. whitespace / Unicode normalization of client-authored text;
+3. history tool calls: exact ids and argument bytes the backend generated;
+4. (``relocate`` mode) volatile lines of the leading system prompt moved behind
+   the stable part: detectors, user rules and learned volatility decide which.
+
+The input is never mutated. Apart from the optional learned-volatility and
+tool-call memories passed in, the result depends only on the input, and
+``canonicalize(canonicalize(x)) == canonicalize(x)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from proxy.canon.actions import Action
+from proxy.canon.fingerprint import leading_system_count, stable_prefix_hash
+from proxy.canon.learned import LearnedVolatility
+from proxy.canon.normalize import normalize_messages
+from proxy.canon.relocate import lines_touched, partition_lines, split_lines
+from proxy.canon.toolcalls import ToolCallMemory, restore_tool_calls
+from proxy.canon.tools import canonicalize_tool_fields
+from proxy.canon.volatile import BUILTIN_DETECTORS, Detector, Span, detect_spans
+
+Mode = Literal["off", "safe", "relocate"]
+Target = Literal["before_last_user", "system_end"]
+
+
+@dataclass(frozen=True)
+class CanonOptions:
+    mode: Mode = "relocate"
+    relocate_target: Target = "before_last_user"
+    normalize_whitespace: bool = True
+    normalize_unicode: bool = True
+    detectors: Sequence[Detector] = field(default_factory=lambda: tuple(BUILTIN_DETECTORS.values()))
+
+
+@dataclass
+class CanonResult:
+    body: dict[str, Any]
+    actions: list[Action]
+    prefix_hash: str
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.actions)
+
+
+def canonicalize(
+    body: dict[str, Any],
+    options: CanonOptions,
+    *,
+    namespace: str = "",
+    learned: LearnedVolatility | None = None,
+    tool_memory: ToolCallMemory | None = None,
+) -> CanonResult:
+    """Canonicalize a chat-completions body. ``namespace`` (the tenant) scopes the memories."""
+    if options.mode == "off" or not isinstance(body.get("messages"), list):
+        return CanonResult(body, [], stable_prefix_hash(body))
+    out = dict(body)
+    messages = [_copy_message(m) for m in body["messages"]]
+    out["messages"] = messages
+    actions = canonicalize_tool_fields(out)
+
+    if options.normalize_whitespace or options.normalize_unicode:
+        changed = normalize_messages(
+            messages, whitespace=options.normalize_whitespace, unicode=options.normalize_unicode
+        )
+        if changed:
+            actions.append(Action("text_normalized", str(changed)))
+
+    actions.extend(restore_tool_calls(messages, namespace, tool_memory))
+
+    if options.mode == "relocate":
+        app_key = _app_key(namespace, out)
+        actions.extend(_relocate_volatile(messages, options, learned, app_key))
+
+    return CanonResult(out, actions, stable_prefix_hash(out))
+
+
+def _copy_message(message: Any) -> Any:
+    if not isinstance(message, dict):
+        return message
+    copied = dict(message)
+    content = copied.get("content")
+    if isinstance(content, list):
+        copied["content"] = [dict(p) if isinstance(p, dict) else p for p in content]
+    return copied
+
+
+def _app_key(namespace: str, body: dict[str, Any]) -> str:
+    tools = body.get("tools") or body.get("functions") or []
+    names = ",".join(
+        str((t.get("function") or t).get("name", "")) if isinstance(t, dict) else "" for t in tools
+    )
+    return f"{namespace}\x00{body.get('model', '')}\x00{names}"
+
+
+def _relocate_volatile(
+    messages: list[dict[str, Any]],
+    options: CanonOptions,
+    learned: LearnedVolatility | None,
+    app_key: str,
+) -> list[Action]:
+    system_count = leading_system_count(messages)
+    if system_count == 0:
+        return []
+    to_end = options.relocate_target == "system_end" or not _has_user_after(messages, system_count)
+    actions: list[Action] = []
+    moved_blocks: list[str] = []
+    emptied: list[int] = []
+    for index in range(system_count):
+        content = messages[index].get("content")
+        if not isinstance(content, str) or not content:
+            continue
+        spans = detect_spans(content, options.detectors)
+        lines = split_lines(content)
+        volatile = lines_touched(content, spans)
+        if learned is not None:
+            learned_lines = _reindex(
+                lines, volatile, learned.observe(f"{app_key}\x00{index}", _without(lines, volatile))
+            )
+            if learned_lines:
+                actions.append(Action("learned_volatile_lines", str(len(learned_lines))))
+            volatile |= learned_lines
+        if not volatile:
+            continue
+        stable, moved = partition_lines(lines, volatile)
+        if not moved:
+            continue
+        if to_end:
+            new_content = f"{stable}\n\n{moved}" if stable else moved
+            if new_content != content:
+                messages[index] = {**messages[index], "content": new_content}
+                actions.extend(_span_actions(spans))
+                actions.append(Action("volatile_moved", "system_end"))
+            continue
+        if not stable and index == system_count - 1 and _last_user_index(messages) == system_count:
+            # A wholly volatile last system message right before the only user turn is already in place.
+            continue
+        actions.extend(_span_actions(spans))
+        moved_blocks.append(moved)
+        if stable:
+            messages[index] = {**messages[index], "content": stable}
+        else:
+            emptied.append(index)
+    if moved_blocks:
+        last_user = _last_user_index(messages)
+        messages.insert(last_user, {"role": "system", "content": "\n\n".join(moved_blocks)})
+        for index in reversed(emptied):
+            del messages[index]
+        actions.append(Action("volatile_moved", "before_last_user"))
+    return actions
+
+
+def _without(lines: list[str], excluded: set[int]) -> list[str]:
+    return [line for i, line in enumerate(lines) if i not in excluded]
+
+
+def _reindex(lines: list[str], excluded: set[int], learned: set[int]) -> set[int]:
+    """Map indices into the reduced line list back to indices into ``lines``."""
+    kept = [i for i in range(len(lines)) if i not in excluded]
+    return {kept[i] for i in learned}
+
+
+def _span_actions(spans: list[Span]) -> list[Action]:
+    counts: dict[str, int] = {}
+    for span in spans:
+        counts[span.kind] = counts.get(span.kind, 0) + 1
+    return [Action(f"volatile_{kind}", str(n)) for kind, n in sorted(counts.items())]
+
+
+def _has_user_after(messages: list[dict[str, Any]], start: int) -> bool:
+    return any(m.get("role") == "user" for m in messages[start:])
+
+
+def _last_user_index(messages: list[dict[str, Any]]) -> int:
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].get("role") == "user":
+            return index
+    return len(messages)

@@ -1,0 +1,35 @@
+"""The stable-prefix fingerprint: what routing affinity and per-prefix metrics key on."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import xxhash
+
+STABLE_ROLES = frozenset({"system", "developer"})
+
+
+def leading_system_count(messages: list[dict[str, Any]]) -> int:
+    count = 0
+    for message in messages:
+        if message.get("role") not in STABLE_ROLES:
+            break
+        count += 1
+    return count
+
+
+def stable_prefix_hash(body: dict[str, Any]) -> str:
+    """xxh64 over model, tools and the leading system messages, as forwarded."""
+    messages = body.get("messages") or []
+    digest = xxhash.xxh3_64()
+    digest.update(str(body.get("model", "")).encode())
+    digest.update(b"\x00")
+    tools = body.get("tools") or body.get("functions")
+    if tools:
+        digest.update(json.dumps(tools, ensure_ascii=False, separators=(",", ":")).encode())
+    digest.update(b"\x00")
+    for message in messages[: leading_system_count(messages)]:
+        digest.update(json.dumps(message.get("content"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        digest.update(b"\x00")
+    return digest.hexdigest()

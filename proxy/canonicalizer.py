@@ -1,0 +1,89 @@
+"""The proxy's stateful side of canonicalization: options from config and the memories."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from proxy.assistant import ToolCall
+from proxy.canon import (
+    CanonOptions,
+    CanonResult,
+    LearnedVolatility,
+    ToolCallMemory,
+    canonicalize,
+    remember_generated_calls,
+)
+from proxy.canon.volatile import BUILTIN_DETECTORS, Detector, marker_detector, regex_detector
+from proxy.config import CanonSettings
+
+
+def build_detectors(settings: CanonSettings) -> tuple[Detector, ...]:
+    detectors: list[Detector] = []
+    for name in settings.builtin_detectors:
+        if name not in BUILTIN_DETECTORS:
+            raise ValueError(f"unknown detector {name!r}; known: {', '.join(BUILTIN_DETECTORS)}")
+        detectors.append(BUILTIN_DETECTORS[name])
+    for rule in settings.rules:
+        if rule.pattern:
+            detectors.append(regex_detector(rule.name, rule.pattern))
+        if rule.start_marker and rule.end_marker:
+            detectors.append(marker_detector(rule.name, rule.start_marker, rule.end_marker))
+    return tuple(detectors)
+
+
+class Canonicalizer:
+    def __init__(self, settings: CanonSettings) -> None:
+        detectors = build_detectors(settings)
+        self._default = self._options(settings, settings.mode, detectors)
+        self._per_model = {
+            model: self._options(settings, mode, detectors) for model, mode in settings.model_modes.items()
+        }
+        self.learned = (
+            LearnedVolatility(settings.learned_apps_max, settings.learned_history)
+            if settings.learn_volatility
+            else None
+        )
+        self.tool_memory = ToolCallMemory()
+
+    @staticmethod
+    def _options(settings: CanonSettings, mode: Any, detectors: tuple[Detector, ...]) -> CanonOptions:
+        return CanonOptions(
+            mode=mode,
+            relocate_target=settings.relocate_target,
+            normalize_whitespace=settings.normalize_whitespace,
+            normalize_unicode=settings.normalize_unicode,
+            detectors=detectors,
+        )
+
+    def apply(self, body: dict[str, Any], tenant: str) -> CanonResult:
+        options = self._per_model.get(str(body.get("model")), self._default)
+        return canonicalize(
+            body, options, namespace=tenant, learned=self.learned, tool_memory=self.tool_memory
+        )
+
+    def record_reply(self, forwarded: dict[str, Any], tenant: str, calls: list[ToolCall]) -> None:
+        if calls:
+            remember_generated_calls(
+                forwarded["messages"], tenant, [(c.id, c.name, c.arguments) for c in calls], self.tool_memory
+            )
+
+
+class PrefixTracker:
+    """Bounded memory of stable-prefix hashes: was this prefix seen before, and how often."""
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._max_entries = max_entries
+
+    def hit(self, prefix_hash: str) -> bool:
+        """Count one request; returns True when the prefix was seen before."""
+        count = self._counts.get(prefix_hash, 0)
+        self._counts[prefix_hash] = count + 1
+        self._counts.move_to_end(prefix_hash)
+        if len(self._counts) > self._max_entries:
+            self._counts.popitem(last=False)
+        return count > 0
+
+    def top(self, n: int = 20) -> list[tuple[str, int]]:
+        return sorted(self._counts.items(), key=lambda item: -item[1])[:n]

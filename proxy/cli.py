@@ -1,0 +1,85 @@
+"""The ``prefix-proxy`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from proxy.access_log import configure_logging
+    from proxy.app import create_app
+    from proxy.config import load_settings
+
+    settings = load_settings(args.config, upstream=args.upstream, host=args.host, port=args.port)
+    configure_logging(settings.log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
+def _fake_backend(args: argparse.Namespace) -> int:
+    from proxy.fakebackend import FakeBackendConfig, serve
+
+    config = FakeBackendConfig(
+        model=args.model,
+        block_size=args.block_size,
+        cache_capacity_blocks=args.capacity_blocks,
+        max_model_len=args.max_model_len,
+        tokenizer_path=args.tokenizer,
+        prefill_seconds_per_token=args.prefill_ms_per_1k_tokens / 1e6,
+        seconds_per_output_token=args.ms_per_output_token / 1e3,
+    )
+    serve(config, args.host, args.port)
+    return 0
+
+
+def _kv(args: argparse.Namespace) -> int:
+    from proxy.kvcache import describe
+
+    print(describe(args.model, args.context, args.dtype, args.config_json))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefix-proxy", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the proxy in front of an OpenAI-compatible upstream")
+    serve.add_argument("--upstream", help="upstream base URL, e.g. http://127.0.0.1:8000/v1")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--config", help="YAML or TOML config file (env PREFIX_PROXY_CONFIG)")
+    serve.set_defaults(handler=_serve)
+
+    fake = commands.add_parser("fake-backend", help="run the bundled vLLM-faithful test backend")
+    fake.add_argument("--host", default="127.0.0.1")
+    fake.add_argument("--port", type=int, default=8000)
+    fake.add_argument("--model", default="fake-model")
+    fake.add_argument("--block-size", type=int, default=16)
+    fake.add_argument("--capacity-blocks", type=int, default=65536)
+    fake.add_argument("--max-model-len", type=int, default=32768)
+    fake.add_argument("--tokenizer", help="path to a Hugging Face tokenizer.json (default: bundled cl100k)")
+    fake.add_argument("--prefill-ms-per-1k-tokens", type=float, default=0.0)
+    fake.add_argument("--ms-per-output-token", type=float, default=0.0)
+    fake.set_defaults(handler=_fake_backend)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

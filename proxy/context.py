@@ -1,0 +1,49 @@
+"""Per-request state carried through the pipeline and into the access log."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from proxy.usage import Usage
+
+
+@dataclass
+class RequestContext:
+    route: str
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started: float = field(default_factory=time.perf_counter)
+    tenant: str = "anonymous"
+    model: str | None = None
+    stream: bool = False
+    status: int = 200
+    actions: list[str] = field(default_factory=list)
+    prefix_hash: str | None = None
+    session_id: str | None = None
+    usage: Usage | None = None
+    upstream_sent: float | None = None
+    upstream_headers: float | None = None
+    upstream_done: float | None = None
+    first_chunk: float | None = None
+    error_code: str | None = None
+
+    def mark_upstream_sent(self) -> None:
+        self.upstream_sent = time.perf_counter()
+
+    def pre_upstream_seconds(self) -> float:
+        end = self.upstream_sent if self.upstream_sent is not None else time.perf_counter()
+        return end - self.started
+
+    def overhead_seconds(self, now: float | None = None) -> float:
+        """Proxy time so far: everything except the upstream's own time."""
+        now = time.perf_counter() if now is None else now
+        if self.upstream_sent is None:
+            return now - self.started
+        upstream_end = self.upstream_done or self.upstream_headers or self.upstream_sent
+        return (self.upstream_sent - self.started) + max(0.0, now - upstream_end)
+
+    def upstream_seconds(self) -> float | None:
+        if self.upstream_sent is None or self.upstream_done is None:
+            return None
+        return self.upstream_done - self.upstream_sent

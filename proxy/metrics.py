@@ -1,0 +1,179 @@
+"""Prometheus metrics of the proxy (names documented in docs/metrics.md).
+
+Label values that come from clients (model, tenant) pass through a
+:class:`BoundedLabel` so a misbehaving client cannot explode cardinality.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from proxy.usage import Usage
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+UPSTREAM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+OVERFLOW_LABEL = "other"
+
+
+class BoundedLabel:
+    """Admits the first ``limit`` distinct values of a label; later ones read as ``other``."""
+
+    def __init__(self, limit: int, preset: tuple[str, ...] = ()) -> None:
+        self._limit = limit
+        self._seen: set[str] = set(preset)
+        self._lock = threading.Lock()
+
+    def __call__(self, value: str | None) -> str:
+        if not value:
+            return "unknown"
+        if value in self._seen:
+            return value
+        with self._lock:
+            if len(self._seen) < self._limit:
+                self._seen.add(value)
+                return value
+        return OVERFLOW_LABEL
+
+
+class Metrics:
+    """All proxy metrics, on a registry of their own so several apps can live in one process."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, max_label_values: int = 64) -> None:
+        self.registry = CollectorRegistry()
+        self.model_label = BoundedLabel(max_label_values)
+        self.tenant_label = BoundedLabel(max_label_values, preset=("anonymous",))
+        r = self.registry
+        self.requests = Counter(
+            "prefix_proxy_requests",
+            "Requests answered, by route, HTTP status, model and tenant.",
+            ["route", "status", "model", "tenant"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "prefix_proxy_upstream_errors",
+            "Upstream failures by kind (unreachable, timeout, http_4xx, http_5xx).",
+            ["route", "kind"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "prefix_proxy_prompt_tokens",
+            "Prompt tokens the upstream reported.",
+            ["model", "tenant"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "prefix_proxy_cached_tokens",
+            "Prompt tokens the upstream served from its prefix cache.",
+            ["model", "tenant"],
+            registry=r,
+        )
+        self.prefill_tokens = Counter(
+            "prefix_proxy_prefill_tokens",
+            "Prompt tokens the upstream had to compute (prompt - cached).",
+            ["model", "tenant"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "prefix_proxy_completion_tokens",
+            "Completion tokens the upstream reported.",
+            ["model", "tenant"],
+            registry=r,
+        )
+        self.tokens_saved = Counter(
+            "prefix_proxy_tokens_saved",
+            "Prefill tokens saved, by source (canonicalization, summary).",
+            ["model", "tenant", "source"],
+            registry=r,
+        )
+        self.canon_actions = Counter(
+            "prefix_proxy_canon_actions", "Canonicalization rewrites applied, by kind.", ["kind"], registry=r
+        )
+        self.prefix_requests = Counter(
+            "prefix_proxy_prefix_requests",
+            "Requests by whether their stable prefix was seen before.",
+            ["reuse"],
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "prefix_proxy_overhead_seconds",
+            "Time the proxy itself added to a request (excludes upstream time).",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_latency = Histogram(
+            "prefix_proxy_upstream_seconds",
+            "Upstream time, from sending the request to the last byte.",
+            ["route"],
+            buckets=UPSTREAM_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "prefix_proxy_time_to_first_token_seconds",
+            "Time from request arrival to the first streamed chunk.",
+            ["model"],
+            buckets=UPSTREAM_BUCKETS,
+            registry=r,
+        )
+        self.streams_cancelled = Counter(
+            "prefix_proxy_streams_cancelled", "Streams closed because the client went away.", registry=r
+        )
+        self.sessions_active = Gauge(
+            "prefix_proxy_sessions_active", "Sessions seen within the activity window.", registry=r
+        )
+        self.session_kv_bytes = Gauge(
+            "prefix_proxy_session_kv_bytes",
+            "KV-cache bytes the tracked sessions' contexts represent.",
+            registry=r,
+        )
+        self.budget_rejections = Counter(
+            "prefix_proxy_budget_rejections",
+            "Requests refused by a budget, by kind.",
+            ["kind", "tenant"],
+            registry=r,
+        )
+        self.compactions = Counter(
+            "prefix_proxy_compactions",
+            "Summary compactions by outcome (started, succeeded, failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.compaction_seconds = Histogram(
+            "prefix_proxy_compaction_seconds",
+            "Time to compact a session.",
+            buckets=UPSTREAM_BUCKETS,
+            registry=r,
+        )
+        self.compaction_tokens_removed = Counter(
+            "prefix_proxy_compaction_tokens_removed", "Tokens of history replaced by summaries.", registry=r
+        )
+        self.summary_tokens = Counter(
+            "prefix_proxy_summary_tokens", "Tokens of the summaries produced.", registry=r
+        )
+        self.store_up = Gauge(
+            "prefix_proxy_store_up", "1 when the session store answers, 0 while degraded.", registry=r
+        )
+        self.store_errors = Counter(
+            "prefix_proxy_store_errors",
+            "Session-store operations that failed (request served without sessions).",
+            registry=r,
+        )
+        self.store_up.set(1)
+
+    def record_usage(self, model: str, tenant: str, usage: Usage) -> None:
+        model, tenant = self.model_label(model), self.tenant_label(tenant)
+        self.prompt_tokens.labels(model, tenant).inc(usage.prompt_tokens)
+        self.cached_tokens.labels(model, tenant).inc(usage.cached_tokens)
+        self.prefill_tokens.labels(model, tenant).inc(usage.prefill_tokens)
+        self.completion_tokens.labels(model, tenant).inc(usage.completion_tokens)
+
+    def record_request(self, route: str, status: int, model: str | None, tenant: str) -> None:
+        self.requests.labels(route, str(status), self.model_label(model), self.tenant_label(tenant)).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

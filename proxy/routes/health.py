@@ -1,0 +1,30 @@
+"""Liveness, readiness and the Prometheus scrape endpoint."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.errors import json_response
+from proxy.state import get_state
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> Response:
+    return json_response({"status": "ok"})
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> Response:
+    if await get_state(request).upstream.ready():
+        return json_response({"status": "ready"})
+    return json_response({"status": "upstream unreachable"}, status=503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    registry = get_state(request).metrics
+    return Response(registry.exposition(), media_type=registry.content_type)

@@ -1,0 +1,72 @@
+"""Routes the proxy forwards without rewriting: completions, embeddings, models."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.body import parse_json_object, read_body, require_model, validate_completion_request
+from proxy.errors import ProxyError
+from proxy.forward import dumps, error_response, finish, new_context, proxy_headers, send_json, send_stream
+from proxy.state import get_state
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = get_state(request)
+    ctx = new_context(request, "completions")
+    try:
+        body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+        validate_completion_request(body)
+        ctx.model = body["model"]
+        ctx.stream = bool(body.get("stream"))
+        if not ctx.stream:
+            return await send_json(state, request, ctx, "/completions", dumps(body))
+        options = body.get("stream_options")
+        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        body = {
+            **body,
+            "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True},
+        }
+        return await send_stream(
+            state, request, ctx, "/completions", dumps(body), client_wants_usage=wants_usage
+        )
+    except ProxyError as error:
+        return error_response(state, ctx, error)
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    state = get_state(request)
+    ctx = new_context(request, "embeddings")
+    try:
+        raw = await read_body(request, state.settings.max_body_bytes)
+        ctx.model = require_model(parse_json_object(raw))
+        return await send_json(state, request, ctx, "/embeddings", raw)
+    except ProxyError as error:
+        return error_response(state, ctx, error)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    state = get_state(request)
+    ctx = new_context(request, "models")
+    try:
+        ctx.mark_upstream_sent()
+        headers = state.upstream.auth_headers(request.headers.get("authorization"))
+        response = await state.upstream.open("GET", "/models", headers=headers)
+        ctx.upstream_headers = time.perf_counter()
+        raw = await state.upstream.read(response)
+        ctx.upstream_done = time.perf_counter()
+        ctx.status = response.status_code
+        finish(state, ctx)
+        return Response(
+            raw, status_code=response.status_code, headers=proxy_headers(ctx), media_type="application/json"
+        )
+    except ProxyError as error:
+        return error_response(state, ctx, error)

@@ -1,0 +1,26 @@
+"""The long-lived objects one proxy app shares across requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from proxy.canonicalizer import Canonicalizer, PrefixTracker
+from proxy.config import Settings
+from proxy.metrics import Metrics
+from proxy.upstream import Upstream
+
+
+@dataclass
+class ProxyState:
+    settings: Settings
+    metrics: Metrics
+    upstream: Upstream
+    canonicalizer: Canonicalizer
+    prefixes: PrefixTracker
+
+
+def get_state(request: Request) -> ProxyState:
+    state: ProxyState = request.app.state.proxy
+    return state

@@ -1,0 +1,91 @@
+"""The upstream OpenAI-compatible server (vLLM, or anything that speaks its API).
+
+One pooled ``httpx.AsyncClient`` per upstream; transport failures become
+OpenAI-shaped 502/504 errors so no client ever sees a stack trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import httpx
+
+from proxy.errors import ProxyError, upstream_timeout, upstream_unreachable
+
+
+class Upstream:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        connect_timeout_s: float = 5.0,
+        timeout_s: float = 600.0,
+        max_connections: int = 1000,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        # vLLM serves /tokenize, /health and /metrics at the server root, not under /v1.
+        self.root_url = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        self._api_key = api_key
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            transport=transport,
+        )
+
+    def auth_headers(self, client_authorization: str | None) -> dict[str, str]:
+        """The upstream's own key when configured; else the client's, for transparent set-ups."""
+        if self._api_key:
+            return {"authorization": f"Bearer {self._api_key}"}
+        if client_authorization:
+            return {"authorization": client_authorization}
+        return {}
+
+    async def open(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        root: bool = False,
+    ) -> httpx.Response:
+        """Send a request and return the response with its body not yet read (streaming)."""
+        url = (self.root_url if root else self.base_url) + path
+        request = self.client.build_request(method, url, content=content, headers=headers)
+        try:
+            return await self.client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            if isinstance(exc, httpx.ConnectTimeout):
+                raise upstream_unreachable("connect timeout") from exc
+            raise upstream_timeout() from exc
+        except httpx.TransportError as exc:
+            raise upstream_unreachable(type(exc).__name__) from exc
+
+    async def read(self, response: httpx.Response) -> bytes:
+        """Read a response body, mapping a mid-body timeout or drop to 504/502."""
+        try:
+            return await response.aread()
+        except httpx.TimeoutException as exc:
+            raise upstream_timeout() from exc
+        except httpx.TransportError as exc:
+            raise upstream_unreachable(type(exc).__name__) from exc
+        finally:
+            await response.aclose()
+
+    async def ready(self) -> bool:
+        try:
+            response = await self.client.get(
+                self.base_url + "/models", headers=self.auth_headers(None), timeout=3.0
+            )
+        except httpx.HTTPError:
+            return False
+        return response.status_code < 500
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def upstream_error_kind(exc: ProxyError) -> str:
+    return "timeout" if exc.status == 504 else "unreachable"
