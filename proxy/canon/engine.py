@@ -76,11 +76,13 @@ def canonicalize(
 
     actions.extend(restore_tool_calls(messages, namespace, tool_memory))
 
+    stable_count = leading_system_count(messages)
     if options.mode == "relocate":
         app_key = _app_key(namespace, out)
-        actions.extend(_relocate_volatile(messages, options, learned, app_key))
+        relocation, stable_count = _relocate_volatile(messages, options, learned, app_key)
+        actions.extend(relocation)
 
-    return CanonResult(out, actions, stable_prefix_hash(out))
+    return CanonResult(out, actions, stable_prefix_hash(out, stable_count))
 
 
 def _copy_message(message: Any) -> Any:
@@ -106,10 +108,12 @@ def _relocate_volatile(
     options: CanonOptions,
     learned: LearnedVolatility | None,
     app_key: str,
-) -> list[Action]:
+) -> tuple[list[Action], int]:
+    """Returns the actions and how many leading system messages are now stable."""
     system_count = leading_system_count(messages)
     if system_count == 0:
-        return []
+        return [], 0
+    stable_count = system_count
     to_end = options.relocate_target == "system_end" or not _has_user_after(messages, system_count)
     actions: list[Action] = []
     moved_blocks: list[str] = []
@@ -142,6 +146,7 @@ def _relocate_volatile(
             continue
         if not stable and index == system_count - 1 and _last_user_index(messages) == system_count:
             # A wholly volatile last system message right before the only user turn is already in place.
+            stable_count = index
             continue
         actions.extend(_span_actions(spans))
         moved_blocks.append(moved)
@@ -154,8 +159,9 @@ def _relocate_volatile(
         messages.insert(last_user, {"role": "system", "content": "\n\n".join(moved_blocks)})
         for index in reversed(emptied):
             del messages[index]
+        stable_count = system_count - len(emptied)
         actions.append(Action("volatile_moved", "before_last_user"))
-    return actions
+    return actions, stable_count
 
 
 def _without(lines: list[str], excluded: set[int]) -> list[str]:

@@ -19,9 +19,11 @@ def leading_system_count(messages: list[dict[str, Any]]) -> int:
     return count
 
 
-def stable_prefix_hash(body: dict[str, Any]) -> str:
-    """xxh64 over model, tools and the leading system messages, as forwarded."""
+def stable_prefix_hash(body: dict[str, Any], stable_count: int | None = None) -> str:
+    """xxh64 over model, tools and the stable leading system messages, as forwarded."""
     messages = body.get("messages") or []
+    if stable_count is None:
+        stable_count = leading_system_count(messages)
     digest = xxhash.xxh3_64()
     digest.update(str(body.get("model", "")).encode())
     digest.update(b"\x00")
@@ -29,7 +31,7 @@ def stable_prefix_hash(body: dict[str, Any]) -> str:
     if tools:
         digest.update(json.dumps(tools, ensure_ascii=False, separators=(",", ":")).encode())
     digest.update(b"\x00")
-    for message in messages[: leading_system_count(messages)]:
+    for message in messages[:stable_count]:
         digest.update(json.dumps(message.get("content"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
         digest.update(b"\x00")
     return digest.hexdigest()

@@ -4,7 +4,7 @@ Rule for dates (what is NOT moved): a date is volatile only when it reads like
 a clock or a stamp, not like part of an instruction. It is moved when it carries
 a time of day (a clock reading such as ``14:03`` or ``02:03:11 PM``), or when it
 stands on a short metadata line (``Current date: 2026-11-29``, ``Today is
-Sunday``): at most :data:`METADATA_LINE_CHARS` characters of other text on its
+Sunday``): at most :data:`METADATA_LINE_BYTES` UTF-8 bytes of other text on its
 line. A date inside an instruction sentence (``Only cite laws passed after
 2021-01-01.``) stays where it is, unless a user rule or learned volatility says
 otherwise. UUIDs and long hex request ids are always moved: they are unique to
@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-METADATA_LINE_CHARS = 48
+METADATA_LINE_BYTES = 48
 
 _MONTHS = r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)"  # noqa: E501
 _WEEKDAYS = r"(?:Mon(?:day)?|Tue(?:s(?:day)?)?|Wed(?:nesday)?|Thu(?:rs(?:day)?)?|Fri(?:day)?|Sat(?:urday)?|Sun(?:day)?)"  # noqa: E501
@@ -75,7 +75,9 @@ def _on_metadata_line(text: str, span_start: int, span_end: int, pattern: re.Pat
     line = text[line_start:line_end]
     residue = _WEEKDAY.sub("", pattern.sub("", line))
     residue = _DATETIME.sub("", residue)
-    return len(residue.strip(" \t-—:：,.;|*#>()[]【】（）")) <= METADATA_LINE_CHARS
+    residue = residue.strip(" \t-—:：,.;|*#>()[]【】（）")
+    # Bytes, not characters: a CJK character carries about as much as a short English word.
+    return len(residue.encode()) <= METADATA_LINE_BYTES
 
 
 def detect_context_blocks(text: str) -> Iterable[Span]:

@@ -1,0 +1,225 @@
+"""Canonicalization behaviour: relocation, tools, learned volatility, tool-call restoration."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.canon import (
+    CanonOptions,
+    LearnedVolatility,
+    ToolCallMemory,
+    canonicalize,
+    remember_generated_calls,
+)
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+RELOCATE = CanonOptions()
+
+
+def system_of(body: dict[str, Any]) -> str:
+    return body["messages"][0]["content"]
+
+
+def test_context_block_moves_before_last_user_turn() -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "<context>\nchunk\n</context>\nYou answer from the context."},
+            {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "q2"},
+        ],
+    }
+    result = canonicalize(body, RELOCATE).body
+    assert [m["role"] for m in result["messages"]] == ["system", "user", "assistant", "system", "user"]
+    assert system_of(result) == "You answer from the context."
+    assert result["messages"][3]["content"] == "<context>\nchunk\n</context>"
+
+
+def test_system_end_target_keeps_one_system_message() -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Now: 2026-11-29 14:03\nBe brief."},
+            {"role": "user", "content": "hi"},
+        ],
+    }
+    result = canonicalize(body, CanonOptions(relocate_target="system_end")).body
+    assert system_of(result) == "Be brief.\n\nNow: 2026-11-29 14:03"
+    assert len(result["messages"]) == 2
+
+
+def test_safe_mode_never_moves_text() -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Now: 2026-11-29 14:03\nBe brief."},
+            {"role": "user", "content": "hi"},
+        ],
+    }
+    assert canonicalize(body, CanonOptions(mode="safe")).body["messages"] == body["messages"]
+
+
+def test_two_orders_of_tools_give_one_prefix() -> None:
+    a = {"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {}}}}
+    b = {"function": {"parameters": {"properties": {}, "type": "object"}, "name": "b"}, "type": "function"}
+    first = canonicalize(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [a, b]}, RELOCATE
+    )
+    second = canonicalize(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [b, a]}, RELOCATE
+    )
+    assert json.dumps(first.body) == json.dumps(second.body)
+    assert first.prefix_hash == second.prefix_hash
+
+
+def test_timestamp_no_longer_changes_prefix_hash() -> None:
+    def request(stamp: str) -> dict[str, Any]:
+        return {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": f"Current time: {stamp}\nBe brief."},
+                {"role": "user", "content": "hi"},
+            ],
+        }
+
+    first = canonicalize(request("2026-11-29 14:03:11"), RELOCATE)
+    second = canonicalize(request("2026-11-29 14:05:42"), RELOCATE)
+    assert first.prefix_hash == second.prefix_hash
+
+
+def _dify_prompts_with_inline_query() -> list[str]:
+    path = DATA / "dify_prompts.jsonl"
+    if not path.exists():
+        pytest.skip("../shared/data is not available")
+    prompts = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        for message in record["messages"]:
+            if message["role"] == "system" and "{{#sys.query#}}" in message["text"]:
+                prompts.append(message["text"])
+    return prompts
+
+
+def test_learned_volatility_moves_an_inlined_query() -> None:
+    templates = _dify_prompts_with_inline_query()
+    assert templates, "the data set has system prompts that inline the user's question"
+    learned = LearnedVolatility()
+    queries = [
+        "如何申请退款？",
+        "What is the refund policy for damaged goods?",
+        "订单什么时候发货",
+        "Can I change my address?",
+    ]
+    for template in templates:
+        hashes = []
+        for query in queries:
+            body = {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": template.replace("{{#sys.query#}}", query)},
+                    {"role": "user", "content": query},
+                ],
+            }
+            result = canonicalize(body, RELOCATE, namespace="t", learned=learned)
+            moved = [m["content"] for m in result.body["messages"][1:] if m["role"] == "system"]
+            hashes.append(result.prefix_hash)
+            if len(hashes) > 1 and "\n" in template:  # a one-line prompt has no stable part to protect
+                assert query in "".join(moved), "the query line must move behind the stable part"
+                assert query not in system_of(result.body)
+        if "\n" in template:
+            # From the second request on, the forwarded system prompt no longer changes.
+            assert len(set(hashes[1:])) == 1
+
+
+def test_learned_volatility_is_bounded_and_per_namespace() -> None:
+    learned = LearnedVolatility(max_apps=4)
+    for app in range(20):
+        for variant in range(3):
+            body = {
+                "model": f"m{app}",
+                "messages": [
+                    {"role": "system", "content": f"stable\nvar {variant}"},
+                    {"role": "user", "content": "x"},
+                ],
+            }
+            canonicalize(body, RELOCATE, namespace="tenant", learned=learned)
+    assert len(learned) <= 4
+
+
+def _dify_agent_history(call_id: str, arguments: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny"},
+    ]
+
+
+def test_generated_tool_calls_restored_byte_for_byte() -> None:
+    memory = ToolCallMemory()
+    first_request = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "weather in Paris?"},
+    ]
+    # The backend generated this call; the proxy relayed it and remembers it.
+    remember_generated_calls(
+        first_request,
+        "t",
+        [("chatcmpl-tool-abc123", "get_weather", '{"city": "Paris", "unit": "C"}')],
+        memory,
+    )
+    # Dify re-sends it with a fresh uuid4 and re-serialized arguments.
+    fresh = str(uuid.uuid4())
+    body = {"model": "m", "messages": _dify_agent_history(fresh, '{"unit":"C","city":"Paris"}')}
+    result = canonicalize(body, RELOCATE, namespace="t", tool_memory=memory)
+    call = result.body["messages"][2]["tool_calls"][0]
+    assert call["id"] == "chatcmpl-tool-abc123"
+    assert call["function"]["arguments"] == '{"city": "Paris", "unit": "C"}'
+    assert result.body["messages"][3]["tool_call_id"] == "chatcmpl-tool-abc123"
+    assert "tool_call_ids_restored:1" in [str(a) for a in result.actions]
+
+
+def test_unknown_tool_calls_get_deterministic_ids() -> None:
+    first = canonicalize(
+        {"model": "m", "messages": _dify_agent_history(str(uuid.uuid4()), '{"city":"Paris"}')},
+        RELOCATE,
+        namespace="t",
+        tool_memory=ToolCallMemory(),
+    )
+    second = canonicalize(
+        {"model": "m", "messages": _dify_agent_history(str(uuid.uuid4()), '{"city":"Paris"}')},
+        RELOCATE,
+        namespace="t",
+        tool_memory=ToolCallMemory(),
+    )
+    assert json.dumps(first.body) == json.dumps(second.body)
+    # Arguments the proxy never saw generated are left exactly as the client sent them.
+    assert first.body["messages"][2]["tool_calls"][0]["function"]["arguments"] == '{"city":"Paris"}'
+
+
+def test_tool_call_memory_is_tenant_scoped() -> None:
+    memory = ToolCallMemory()
+    prior = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "weather in Paris?"},
+    ]
+    remember_generated_calls(prior, "tenant-a", [("secret-id", "get_weather", '{"city":"Paris"}')], memory)
+    body = {"model": "m", "messages": _dify_agent_history("x", '{"city":"Paris"}')}
+    result = canonicalize(body, RELOCATE, namespace="tenant-b", tool_memory=memory)
+    assert result.body["messages"][2]["tool_calls"][0]["id"] != "secret-id"
