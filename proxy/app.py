@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,17 +17,39 @@ from starlette.responses import Response
 from proxy.canonicalizer import Canonicalizer, PrefixTracker
 from proxy.config import Settings
 from proxy.errors import ProxyError, error_body, json_response
+from proxy.kvcache import resolve_shape
 from proxy.metrics import Metrics
-from proxy.routes import chat, health, passthrough
+from proxy.models_info import ModelCatalog
+from proxy.routes import admin, chat, health, passthrough
+from proxy.sessions.memory import MemorySessionStore
+from proxy.sessions.redis_store import RedisSessionStore
+from proxy.sessions.service import SessionService, StoreUnavailable
+from proxy.sessions.store import SessionStore
 from proxy.state import ProxyState
+from proxy.tenants import TenantDirectory
+from proxy.tokenization import TokenCounter
 from proxy.upstream import Upstream
+
+GAUGE_INTERVAL_S = 15.0
+
+
+def build_store(settings: Settings) -> tuple[SessionStore, RedisSessionStore | None]:
+    sessions = settings.sessions
+    if sessions.store == "redis":
+        store = RedisSessionStore(
+            sessions.redis_url,
+            prefix=sessions.key_prefix,
+            ttl_s=sessions.ttl_s,
+            timeout_s=sessions.operation_timeout_s,
+        )
+        return store, store
+    return MemorySessionStore(sessions.ttl_s), None
+
 
 logger = logging.getLogger("prefix_proxy.app")
 
 
-def create_app(
-    settings: Settings | None = None, *, transport: httpx.AsyncBaseTransport | None = None
-) -> FastAPI:
+def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     settings = settings or Settings()
     upstream = Upstream(
         settings.upstream,
@@ -35,24 +59,55 @@ def create_app(
         max_connections=settings.max_connections,
         transport=transport,
     )
+    metrics = Metrics(settings.metrics_max_label_values, tenants=[t.name for t in settings.tenants])
+    store, redis_store = build_store(settings)
+    sessions = SessionService(store, settings.sessions, metrics)
+    tenant_lookup = None
+    if redis_store is not None and settings.sessions.tenants_in_redis:
+        tenant_lookup = redis_store.tenant_by_digest
     state = ProxyState(
         settings=settings,
-        metrics=Metrics(settings.metrics_max_label_values),
+        metrics=metrics,
         upstream=upstream,
         canonicalizer=Canonicalizer(settings.canon),
         prefixes=PrefixTracker(),
+        sessions=sessions,
+        tenants=TenantDirectory(settings.tenants, tenant_lookup),
+        models=ModelCatalog(upstream, ttl_s=settings.max_model_len_cache_s),
+        token_counter=TokenCounter(),
     )
+    kv_bytes_per_token = (
+        resolve_shape(settings.kv_model, settings.kv_config_json).bytes_per_token(settings.kv_dtype)
+        if settings.kv_model or settings.kv_config_json
+        else 0
+    )
+
+    async def refresh_gauges() -> None:
+        while True:
+            try:
+                active, context_tokens = await sessions.call(
+                    store.stats(time.time() - settings.sessions_active_window_s)
+                )
+                metrics.sessions_active.set(active)
+                metrics.session_kv_bytes.set(context_tokens * kv_bytes_per_token)
+            except StoreUnavailable:
+                pass
+            await asyncio.sleep(GAUGE_INTERVAL_S)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gauges = asyncio.create_task(refresh_gauges())
         try:
             yield
         finally:
+            gauges.cancel()
+            await sessions.drain()
+            await store.aclose()
             await upstream.aclose()
 
     app = FastAPI(title="prefix-proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = state
-    for module in (chat, passthrough, health):
+    for module in (chat, passthrough, health, admin):
         app.include_router(module.router)
 
     @app.exception_handler(ProxyError)
@@ -62,9 +117,7 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return json_response(
-            error_body(str(exc.detail), error_type, None, str(exc.status_code)), exc.status_code
-        )
+        return json_response(error_body(str(exc.detail), error_type, None, str(exc.status_code)), exc.status_code)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> Response:

@@ -59,3 +59,13 @@ class AssistantRecorder:
 
     def calls(self) -> list[ToolCall]:
         return [self.tool_calls[i] for i in sorted(self.tool_calls)]
+
+    def message(self) -> dict[str, Any]:
+        """The reply as the client will re-send it in its history."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.calls()
+            ]
+        return message

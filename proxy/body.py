@@ -61,9 +61,7 @@ def validate_chat_request(body: dict[str, Any]) -> None:
             raise bad_request(f"messages[{index}] must be an object", param=f"messages[{index}]")
         role = message.get("role")
         if role not in VALID_ROLES:
-            raise bad_request(
-                f"messages[{index}].role {role!r} is not a valid role", param=f"messages[{index}].role"
-            )
+            raise bad_request(f"messages[{index}].role {role!r} is not a valid role", param=f"messages[{index}].role")
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
             raise bad_request(

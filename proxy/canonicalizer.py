@@ -58,9 +58,7 @@ class Canonicalizer:
 
     def apply(self, body: dict[str, Any], tenant: str) -> CanonResult:
         options = self._per_model.get(str(body.get("model")), self._default)
-        return canonicalize(
-            body, options, namespace=tenant, learned=self.learned, tool_memory=self.tool_memory
-        )
+        return canonicalize(body, options, namespace=tenant, learned=self.learned, tool_memory=self.tool_memory)
 
     def record_reply(self, forwarded: dict[str, Any], tenant: str, calls: list[ToolCall]) -> None:
         if calls:

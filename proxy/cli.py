@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     fake.add_argument("--ms-per-output-token", type=float, default=0.0)
     fake.set_defaults(handler=_fake_backend)
 
+    kv = commands.add_parser("kv", help="KV-cache bytes a context costs on a model")
+    kv.add_argument("--model", help="preset name, e.g. llama-3.1-8b, qwen2.5-72b")
+    kv.add_argument("--config-json", help="a Hugging Face config.json instead of a preset")
+    kv.add_argument("--context", type=int, default=131072, help="tokens")
+    kv.add_argument("--dtype", default="fp16", help="fp16, bf16, fp8, int8, fp32")
+    kv.set_defaults(handler=_kv)
+
     return parser
 
 

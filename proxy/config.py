@@ -46,6 +46,55 @@ class CanonSettings(BaseModel):
     model_modes: dict[str, CanonMode] = Field(default_factory=dict)
 
 
+class BudgetSettings(BaseModel):
+    """Token budgets. Unset limits mean unlimited; see docs/sessions.md for the semantics."""
+
+    # Context budget per request; default: the model's max_model_len minus the request's max_tokens.
+    context_limit_tokens: int | None = None
+    # Fraction of the context budget at which a session becomes due for compaction.
+    soft_ratio: float = Field(0.75, gt=0, le=1)
+    session_tokens_per_window: int | None = None
+    tenant_tokens_per_window: int | None = None
+    window_s: int = Field(3600, gt=0)
+    # Completion tokens reserved for a request without max_tokens while it is in flight.
+    completion_reserve_tokens: int = Field(512, ge=0)
+
+
+class BudgetOverrides(BaseModel):
+    context_limit_tokens: int | None = None
+    soft_ratio: float | None = None
+    session_tokens_per_window: int | None = None
+    tenant_tokens_per_window: int | None = None
+    window_s: int | None = None
+    completion_reserve_tokens: int | None = None
+
+    def apply_to(self, base: BudgetSettings) -> BudgetSettings:
+        return base.model_copy(update=self.model_dump(exclude_none=True))
+
+
+class TenantSettings(BaseModel):
+    name: str
+    api_key: SecretStr
+    upstream_api_key: SecretStr | None = None
+    budget: BudgetOverrides = Field(default_factory=BudgetOverrides)
+
+
+class SessionSettings(BaseModel):
+    store: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "prefix-proxy:"
+    ttl_s: int = Field(7 * 24 * 3600, gt=0)
+    # Explicit session ids: this header, then the body's prompt_cache_key, then (if enabled) user.
+    header: str = "x-session-id"
+    use_prompt_cache_key: bool = True
+    use_user: bool = False
+    # How long a Redis failure keeps the proxy in pass-through before it tries Redis again.
+    retry_after_failure_s: float = 1.0
+    operation_timeout_s: float = 0.25
+    # Look up API keys in Redis too (hash <prefix>tenant:<sha256(key)> with name, budget JSON).
+    tenants_in_redis: bool = False
+
+
 class Settings(BaseSettings):
     """Everything the proxy reads at start-up."""
 
@@ -63,6 +112,17 @@ class Settings(BaseSettings):
     log_prompts: bool = False
     metrics_max_label_values: int = 64
     canon: CanonSettings = Field(default_factory=CanonSettings)
+    sessions: SessionSettings = Field(default_factory=SessionSettings)
+    budget: BudgetSettings = Field(default_factory=BudgetSettings)
+    model_budgets: dict[str, BudgetOverrides] = Field(default_factory=dict)
+    tenants: list[TenantSettings] = Field(default_factory=list)
+    admin_api_key: SecretStr | None = None
+    max_model_len_cache_s: float = 300.0
+    # The served model's KV shape, for the session KV-bytes gauge: a preset name or a config.json path.
+    kv_model: str | None = None
+    kv_config_json: str | None = None
+    kv_dtype: str = "fp16"
+    sessions_active_window_s: float = 900.0
 
     @field_validator("upstream")
     @classmethod

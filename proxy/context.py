@@ -27,6 +27,7 @@ class RequestContext:
     upstream_done: float | None = None
     first_chunk: float | None = None
     error_code: str | None = None
+    upstream_api_key: str | None = None
 
     def mark_upstream_sent(self) -> None:
         self.upstream_sent = time.perf_counter()

@@ -54,9 +54,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def upstream_unreachable(detail: str) -> ProxyError:
-    return ProxyError(
-        502, f"upstream unreachable: {detail}", type="upstream_error", code="upstream_unreachable"
-    )
+    return ProxyError(502, f"upstream unreachable: {detail}", type="upstream_error", code="upstream_unreachable")
 
 
 def upstream_timeout() -> ProxyError:

@@ -32,7 +32,13 @@ def new_context(request: Request, route: str) -> RequestContext:
 
 def upstream_headers(state: ProxyState, request: Request, ctx: RequestContext) -> dict[str, str]:
     headers = {"content-type": "application/json", REQUEST_ID_HEADER: ctx.request_id}
-    headers.update(state.upstream.auth_headers(request.headers.get("authorization")))
+    if ctx.upstream_api_key:
+        headers["authorization"] = f"Bearer {ctx.upstream_api_key}"
+    elif state.tenants.open:
+        headers.update(state.upstream.auth_headers(request.headers.get("authorization")))
+    else:
+        # The client's Authorization carries its proxy key, which the upstream must never see.
+        headers.update(state.upstream.auth_headers(None))
     return headers
 
 
@@ -85,15 +91,13 @@ async def send_json(
 ) -> Response:
     """Forward a non-streaming request; the upstream's bytes reach the client unchanged."""
     ctx.mark_upstream_sent()
-    response = await state.upstream.open(
-        "POST", path, content=payload, headers=upstream_headers(state, request, ctx)
-    )
+    response = await state.upstream.open("POST", path, content=payload, headers=upstream_headers(state, request, ctx))
     ctx.upstream_headers = time.perf_counter()
     raw = await state.upstream.read(response)
     ctx.upstream_done = time.perf_counter()
     ctx.status = response.status_code
     if response.status_code >= 400:
-        return _upstream_error(state, ctx, response.status_code, raw)
+        return upstream_error(state, ctx, response.status_code, raw)
     parsed = _parse(raw)
     if parsed is not None:
         ctx.usage = Usage.from_openai(parsed.get("usage"))
@@ -117,29 +121,34 @@ async def send_stream(
     *,
     client_wants_usage: bool,
     on_complete: Callable[[SSERelay], None] | None = None,
+    record_content: bool = False,
 ) -> Response:
     """Forward a streaming request; each SSE event reaches the client as soon as it is complete."""
     ctx.mark_upstream_sent()
-    response = await state.upstream.open(
-        "POST", path, content=payload, headers=upstream_headers(state, request, ctx)
-    )
+    response = await state.upstream.open("POST", path, content=payload, headers=upstream_headers(state, request, ctx))
     upstream_started = ctx.upstream_headers = time.perf_counter()
     ctx.status = response.status_code
     if response.status_code >= 400:
         raw = await state.upstream.read(response)
         ctx.upstream_done = time.perf_counter()
-        return _upstream_error(state, ctx, response.status_code, raw)
+        return upstream_error(state, ctx, response.status_code, raw)
 
     def first_chunk() -> None:
         ctx.first_chunk = time.perf_counter()
         state.metrics.ttft.labels(state.metrics.model_label(ctx.model)).observe(ctx.first_chunk - ctx.started)
 
-    relay = SSERelay(response, client_wants_usage=client_wants_usage, on_first_chunk=first_chunk)
+    relay = SSERelay(
+        response,
+        client_wants_usage=client_wants_usage,
+        on_first_chunk=first_chunk,
+        record_content=record_content,
+    )
 
     def on_finish(disconnected: bool) -> None:
         ctx.upstream_done = time.perf_counter()
         ctx.usage = relay.usage
-        if disconnected or not relay.completed:
+        # A disconnect noticed after the last event was relayed is just the client hanging up.
+        if not relay.completed:
             state.metrics.streams_cancelled.inc()
             ctx.error_code = "client_disconnected" if disconnected else "stream_interrupted"
         elif on_complete is not None:
@@ -158,7 +167,7 @@ async def send_stream(
     return RelayResponse(relay, headers=headers, on_finish=on_finish)
 
 
-def _upstream_error(state: ProxyState, ctx: RequestContext, status: int, raw: bytes) -> Response:
+def upstream_error(state: ProxyState, ctx: RequestContext, status: int, raw: bytes) -> Response:
     state.metrics.upstream_errors.labels(ctx.route, "http_4xx" if status < 500 else "http_5xx").inc()
     ctx.error_code = f"upstream_{status}"
     overhead = finish(state, ctx)

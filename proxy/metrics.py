@@ -43,10 +43,11 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, max_label_values: int = 64) -> None:
+    def __init__(self, max_label_values: int = 64, tenants: list[str] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_label = BoundedLabel(max_label_values)
-        self.tenant_label = BoundedLabel(max_label_values, preset=("anonymous",))
+        # Configured tenants are always labelled; others (Redis-provisioned) share the cap.
+        self.tenant_label = BoundedLabel(max_label_values, preset=("anonymous", *(tenants or [])))
         r = self.registry
         self.requests = Counter(
             "prefix_proxy_requests",
@@ -152,9 +153,7 @@ class Metrics:
         self.compaction_tokens_removed = Counter(
             "prefix_proxy_compaction_tokens_removed", "Tokens of history replaced by summaries.", registry=r
         )
-        self.summary_tokens = Counter(
-            "prefix_proxy_summary_tokens", "Tokens of the summaries produced.", registry=r
-        )
+        self.summary_tokens = Counter("prefix_proxy_summary_tokens", "Tokens of the summaries produced.", registry=r)
         self.store_up = Gauge(
             "prefix_proxy_store_up", "1 when the session store answers, 0 while degraded.", registry=r
         )

@@ -1,8 +1,9 @@
 """Server-sent-events relay: forward each event as soon as it is complete.
 
-Only events that carry usage or tool calls are parsed; everything else passes
-through as bytes. The proxy always asks the upstream for usage, so the usage-only
-chunk is removed again when the client did not ask for it.
+Only events that carry usage or tool calls are parsed (or every event, when the
+reply's text is wanted); everything else passes through as bytes. The proxy
+always asks the upstream for usage, so the usage-only chunk is removed again
+when the client did not ask for it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class SSERelay:
         *,
         client_wants_usage: bool,
         on_first_chunk: Callable[[], None] | None = None,
+        record_content: bool = False,
     ) -> None:
         self._response = response
         self._client_wants_usage = client_wants_usage
@@ -37,6 +39,8 @@ class SSERelay:
         self.usage: Usage | None = None
         self.assistant = AssistantRecorder()
         self.completed = False
+        # Session inference needs the reply's text, which means parsing every event.
+        self._record_content = record_content
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         pending = b""
@@ -50,7 +54,7 @@ class SSERelay:
                 if cut < 0:
                     continue
                 complete, pending = pending[: cut + 2], pending[cut + 2 :]
-                if _USAGE_MARK in complete or _TOOL_MARK in complete:
+                if self._record_content or _USAGE_MARK in complete or _TOOL_MARK in complete:
                     complete = self._inspect(complete)
                 if complete:
                     if first and self._on_first_chunk is not None:
@@ -68,7 +72,7 @@ class SSERelay:
         for event in block.split(_EVENT_END):
             if not event:
                 continue
-            if event.startswith(b"data: {") and (_USAGE_MARK in event or _TOOL_MARK in event):
+            if event.startswith(b"data: {") and (self._record_content or _USAGE_MARK in event or _TOOL_MARK in event):
                 rewritten = self._inspect_event(event)
                 if rewritten is None:
                     continue

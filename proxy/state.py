@@ -9,6 +9,10 @@ from starlette.requests import Request
 from proxy.canonicalizer import Canonicalizer, PrefixTracker
 from proxy.config import Settings
 from proxy.metrics import Metrics
+from proxy.models_info import ModelCatalog
+from proxy.sessions.service import SessionService
+from proxy.tenants import TenantDirectory
+from proxy.tokenization import TokenCounter
 from proxy.upstream import Upstream
 
 
@@ -19,6 +23,10 @@ class ProxyState:
     upstream: Upstream
     canonicalizer: Canonicalizer
     prefixes: PrefixTracker
+    sessions: SessionService
+    tenants: TenantDirectory
+    models: ModelCatalog
+    token_counter: TokenCounter
 
 
 def get_state(request: Request) -> ProxyState:

@@ -76,9 +76,7 @@ class Upstream:
 
     async def ready(self) -> bool:
         try:
-            response = await self.client.get(
-                self.base_url + "/models", headers=self.auth_headers(None), timeout=3.0
-            )
+            response = await self.client.get(self.base_url + "/models", headers=self.auth_headers(None), timeout=3.0)
         except httpx.HTTPError:
             return False
         return response.status_code < 500

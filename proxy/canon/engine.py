@@ -97,9 +97,7 @@ def _copy_message(message: Any) -> Any:
 
 def _app_key(namespace: str, body: dict[str, Any]) -> str:
     tools = body.get("tools") or body.get("functions") or []
-    names = ",".join(
-        str((t.get("function") or t).get("name", "")) if isinstance(t, dict) else "" for t in tools
-    )
+    names = ",".join(str((t.get("function") or t).get("name", "")) if isinstance(t, dict) else "" for t in tools)
     return f"{namespace}\x00{body.get('model', '')}\x00{names}"
 
 

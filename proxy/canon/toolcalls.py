@@ -90,9 +90,7 @@ def next_assistant_position(messages: list[dict[str, Any]]) -> tuple[int, int]:
     return anchor, ordinal
 
 
-def restore_tool_calls(
-    messages: list[dict[str, Any]], namespace: str, memory: ToolCallMemory | None
-) -> list[Action]:
+def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: ToolCallMemory | None) -> list[Action]:
     """Rewrite history tool calls in place (messages must be copies the caller owns)."""
     renamed: dict[str, str] = {}
     restored = derived = arguments_restored = 0

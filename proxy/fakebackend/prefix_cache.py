@@ -174,10 +174,9 @@ class PrefixCache:
         num_tokens = len(prompt_token_ids)
         if num_tokens == 0:
             raise ValueError("a request needs at least one prompt token")
-        if self.blocks_needed(num_tokens) > self.capacity_blocks:
-            raise ValueError(
-                f"prompt needs {self.blocks_needed(num_tokens)} KV blocks, the cache has {self.capacity_blocks}"
-            )
+        needed = self.blocks_needed(num_tokens)
+        if needed > self.capacity_blocks:
+            raise ValueError(f"prompt needs {needed} KV blocks, the cache has {self.capacity_blocks}")
         hashes = block_hashes(prompt_token_ids, self.block_size, cache_salt)
         hit = self._find_hit(hashes, num_tokens)
         num_new = self.blocks_needed(num_tokens) - len(hit)

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: the pipeline that makes prefixes stable."""
+"""POST /v1/chat/completions: authenticate, canonicalize, budget, forward, account."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from proxy.errors import ProxyError
 from proxy.forward import dumps, error_response, new_context, send_json, send_stream
 from proxy.relay import SSERelay
 from proxy.state import ProxyState, get_state
+from proxy.turns import ChatTurn
 
 router = APIRouter()
 ROUTE = "chat"
@@ -24,42 +25,63 @@ ROUTE = "chat"
 async def chat_completions(request: Request) -> Response:
     state = get_state(request)
     ctx = new_context(request, ROUTE)
+    turn: ChatTurn | None = None
     try:
+        tenant = await state.tenants.authenticate(request.headers.get("authorization"))
+        ctx.tenant = tenant.name
+        ctx.upstream_api_key = tenant.upstream_api_key
         body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
         validate_chat_request(body)
         ctx.model = body["model"]
         ctx.stream = bool(body.get("stream"))
 
-        canon = state.canonicalizer.apply(body, ctx.tenant)
+        canon = state.canonicalizer.apply(body, tenant.name)
         ctx.actions = [str(action) for action in canon.actions]
         ctx.prefix_hash = canon.prefix_hash
         _count_canonicalization(state, canon)
-
         forwarded = canon.body
+
+        turn = await ChatTurn.begin(state, tenant, request.headers, body, forwarded)
+        ctx.session_id = turn.session_id
+
         if not ctx.stream:
-            return await send_json(
-                state,
-                request,
-                ctx,
-                "/chat/completions",
-                dumps(forwarded),
-                on_reply=lambda reply: _remember_reply(state, ctx.tenant, forwarded, reply),
+            replies: list[dict[str, Any]] = []
+            response = await send_json(
+                state, request, ctx, "/chat/completions", dumps(forwarded), on_reply=replies.append
             )
+            reply = _reply_message(replies[0]) if replies else None
+            if reply is not None:
+                _remember_tool_calls(state, tenant.name, forwarded, reply)
+                await turn.finish(ctx.usage, reply.message())
+            elif response.status_code >= 400:
+                await turn.abandon()
+            return response
+
         client_wants_usage = _client_wants_usage(forwarded)
-        forwarded = {
-            **forwarded,
-            "stream_options": {**(forwarded.get("stream_options") or {}), "include_usage": True},
-        }
-        return await send_stream(
+        stream_options = {**(forwarded.get("stream_options") or {}), "include_usage": True}
+        upstream_body = {**forwarded, "stream_options": stream_options}
+        open_turn = turn
+
+        def on_complete(relay: SSERelay) -> None:
+            state.canonicalizer.record_reply(forwarded, tenant.name, relay.assistant.calls())
+            open_turn.finish_later(relay.usage, relay.assistant.message())
+
+        response = await send_stream(
             state,
             request,
             ctx,
             "/chat/completions",
-            dumps(forwarded),
+            dumps(upstream_body),
             client_wants_usage=client_wants_usage,
-            on_complete=lambda relay: _remember_stream(state, ctx.tenant, forwarded, relay),
+            on_complete=on_complete,
+            record_content=turn.session is not None,
         )
+        if response.status_code >= 400:
+            await turn.abandon()
+        return response
     except ProxyError as error:
+        if turn is not None and error.status >= 500:
+            await turn.abandon()
         return error_response(state, ctx, error)
 
 
@@ -75,14 +97,14 @@ def _count_canonicalization(state: ProxyState, canon: CanonResult) -> None:
     state.metrics.prefix_requests.labels("repeat" if seen else "new").inc()
 
 
-def _remember_reply(state: ProxyState, tenant: str, forwarded: dict[str, Any], reply: dict[str, Any]) -> None:
+def _reply_message(reply: dict[str, Any]) -> AssistantRecorder | None:
     choices = reply.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return
+        return None
     recorder = AssistantRecorder()
     recorder.feed_message(choices[0].get("message"))
-    state.canonicalizer.record_reply(forwarded, tenant, recorder.calls())
+    return recorder
 
 
-def _remember_stream(state: ProxyState, tenant: str, forwarded: dict[str, Any], relay: SSERelay) -> None:
-    state.canonicalizer.record_reply(forwarded, tenant, relay.assistant.calls())
+def _remember_tool_calls(state: ProxyState, tenant: str, forwarded: dict[str, Any], reply: AssistantRecorder) -> None:
+    state.canonicalizer.record_reply(forwarded, tenant, reply.calls())

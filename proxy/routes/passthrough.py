@@ -9,9 +9,25 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.body import parse_json_object, read_body, require_model, validate_completion_request
+from proxy.context import RequestContext
 from proxy.errors import ProxyError
-from proxy.forward import dumps, error_response, finish, new_context, proxy_headers, send_json, send_stream
-from proxy.state import get_state
+from proxy.forward import (
+    dumps,
+    error_response,
+    finish,
+    new_context,
+    proxy_headers,
+    send_json,
+    send_stream,
+)
+from proxy.state import ProxyState, get_state
+
+
+async def authenticate(state: ProxyState, request: Request, ctx: RequestContext) -> None:
+    tenant = await state.tenants.authenticate(request.headers.get("authorization"))
+    ctx.tenant = tenant.name
+    ctx.upstream_api_key = tenant.upstream_api_key
+
 
 router = APIRouter()
 
@@ -21,6 +37,7 @@ async def completions(request: Request) -> Response:
     state = get_state(request)
     ctx = new_context(request, "completions")
     try:
+        await authenticate(state, request, ctx)
         body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
         validate_completion_request(body)
         ctx.model = body["model"]
@@ -33,9 +50,7 @@ async def completions(request: Request) -> Response:
             **body,
             "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True},
         }
-        return await send_stream(
-            state, request, ctx, "/completions", dumps(body), client_wants_usage=wants_usage
-        )
+        return await send_stream(state, request, ctx, "/completions", dumps(body), client_wants_usage=wants_usage)
     except ProxyError as error:
         return error_response(state, ctx, error)
 
@@ -45,6 +60,7 @@ async def embeddings(request: Request) -> Response:
     state = get_state(request)
     ctx = new_context(request, "embeddings")
     try:
+        await authenticate(state, request, ctx)
         raw = await read_body(request, state.settings.max_body_bytes)
         ctx.model = require_model(parse_json_object(raw))
         return await send_json(state, request, ctx, "/embeddings", raw)

@@ -1,0 +1,1 @@
+"""Reproducible benchmarks (run as modules: python -m bench.<name>)."""

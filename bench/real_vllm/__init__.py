@@ -1,0 +1,1 @@
+"""Real vLLM (CPU build) for benchmarks and tests: see README.md."""

@@ -1,0 +1,95 @@
+"""Token budgets: pure decisions, no I/O (the store applies them atomically).
+
+Context budget (per request): the tokens a session may send. Hard limit =
+``context_limit_tokens`` if configured, else the model's ``max_model_len`` minus
+the request's ``max_tokens``. Crossing ``soft_ratio`` of it marks the session
+due for compaction; crossing the limit is a 400 ``context_length_exceeded``
+answered by the proxy instead of an upstream failure.
+
+Usage budget (per session and per tenant, over a fixed time window): a request
+is admitted only if its reservation (estimated prompt tokens + ``max_tokens``,
+or ``completion_reserve_tokens`` without it) fits under every limit; the
+reservation is corrected to the real usage when the request ends. Admission is
+atomic, so concurrent requests never reserve past a limit. The limit can be
+exceeded only by requests that use more than they reserved: at most the sum,
+over the requests in flight, of (actual tokens - reserved tokens), which is
+zero when clients set ``max_tokens`` and the prompt estimate is not low.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.config import BudgetOverrides, BudgetSettings
+from proxy.sessions.model import UsageLimit
+from proxy.tokenization import TokenCounter
+
+
+def effective_budget(
+    base: BudgetSettings, model_overrides: BudgetOverrides | None, tenant_overrides: BudgetOverrides | None
+) -> BudgetSettings:
+    """Global settings, then the model's overrides, then the tenant's (most specific wins)."""
+    budget = base
+    for overrides in (model_overrides, tenant_overrides):
+        if overrides is not None:
+            budget = overrides.apply_to(budget)
+    return budget
+
+
+def requested_completion_tokens(body: dict[str, Any]) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and value >= 0:
+            return value
+    return None
+
+
+def context_limit(budget: BudgetSettings, max_model_len: int | None, body: dict[str, Any]) -> int | None:
+    if budget.context_limit_tokens is not None:
+        return budget.context_limit_tokens
+    if max_model_len is None:
+        return None
+    return max_model_len - (requested_completion_tokens(body) or 0)
+
+
+def estimate_prompt_tokens(counter: TokenCounter, body: dict[str, Any], ratio: float = 1.0) -> int:
+    """Local estimate, scaled by the session's upstream/local ratio (upstream usage is ground truth)."""
+    messages = body.get("messages") or []
+    local = counter.count_messages(messages) + counter.count_tools(body.get("tools") or body.get("functions"))
+    return math.ceil(local * ratio)
+
+
+@dataclass(frozen=True)
+class ContextCheck:
+    estimate: int
+    limit: int | None
+    soft_limit: int | None
+
+    @property
+    def over_hard(self) -> bool:
+        return self.limit is not None and self.estimate > self.limit
+
+    @property
+    def over_soft(self) -> bool:
+        return self.soft_limit is not None and self.estimate > self.soft_limit
+
+
+def check_context(estimate: int, limit: int | None, soft_ratio: float) -> ContextCheck:
+    soft = None if limit is None else int(limit * soft_ratio)
+    return ContextCheck(estimate, limit, soft)
+
+
+def usage_limits(budget: BudgetSettings, tenant: str, session_id: str | None) -> list[UsageLimit]:
+    limits = []
+    if budget.tenant_tokens_per_window is not None:
+        limits.append(UsageLimit(f"t:{tenant}", budget.tenant_tokens_per_window, "tenant"))
+    if budget.session_tokens_per_window is not None and session_id:
+        limits.append(UsageLimit(f"s:{tenant}:{session_id}", budget.session_tokens_per_window, "session"))
+    return limits
+
+
+def reservation_amount(prompt_estimate: int, body: dict[str, Any], budget: BudgetSettings) -> int:
+    completion = requested_completion_tokens(body)
+    return prompt_estimate + (completion if completion is not None else budget.completion_reserve_tokens)

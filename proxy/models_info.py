@@ -1,0 +1,42 @@
+"""What the upstream says about its models (max_model_len), cached."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from proxy.errors import ProxyError
+from proxy.upstream import Upstream
+
+logger = logging.getLogger("prefix_proxy.models")
+
+
+class ModelCatalog:
+    def __init__(self, upstream: Upstream, ttl_s: float = 300.0, retry_s: float = 10.0) -> None:
+        self._upstream = upstream
+        self._ttl = ttl_s
+        self._retry = retry_s
+        self._lengths: dict[str, int] = {}
+        self._fresh_until = 0.0
+
+    async def max_model_len(self, model: str) -> int | None:
+        if time.monotonic() >= self._fresh_until:
+            await self._refresh()
+        return self._lengths.get(model)
+
+    async def _refresh(self) -> None:
+        try:
+            response = await self._upstream.open("GET", "/models", headers=self._upstream.auth_headers(None))
+            raw = await self._upstream.read(response)
+            data = json.loads(raw).get("data", []) if response.status_code == 200 else []
+        except (ProxyError, ValueError, AttributeError) as exc:
+            logger.warning("could not read the upstream's models: %s", exc)
+            self._fresh_until = time.monotonic() + self._retry
+            return
+        self._lengths = {
+            str(m["id"]): int(m["max_model_len"])
+            for m in data
+            if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)
+        }
+        self._fresh_until = time.monotonic() + self._ttl

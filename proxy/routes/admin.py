@@ -1,0 +1,146 @@
+"""Session inspection: an operator API (admin key, any tenant) and a tenant's own view (its key).
+
+Both read through the same tenant-namespaced store calls, so a tenant key can
+only ever name its own sessions.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.budget import effective_budget, usage_limits
+from proxy.errors import ProxyError, json_response
+from proxy.sessions.model import SessionRecord
+from proxy.sessions.service import StoreUnavailable
+from proxy.state import ProxyState, get_state
+from proxy.tenants import Tenant, bearer_token, unauthorized
+
+router = APIRouter()
+
+
+def _require_admin(state: ProxyState, request: Request) -> None:
+    configured = state.settings.admin_api_key
+    if configured is None:
+        raise ProxyError(403, "the admin API is disabled (set admin_api_key)", type="permission_error")
+    token = bearer_token(request.headers.get("authorization")) or ""
+    if not hmac.compare_digest(token.encode(), configured.get_secret_value().encode()):
+        raise unauthorized("invalid admin key")
+
+
+async def _describe(state: ProxyState, tenant: Tenant, record: SessionRecord) -> dict[str, Any]:
+    budget = effective_budget(state.settings.budget, None, tenant.budget)
+    view: dict[str, Any] = record.to_json()
+    view["summary_state"] = (
+        {"covered_messages": len(record.summary.get("covered", [])), "tokens": record.summary.get("tokens")}
+        if record.summary
+        else None
+    )
+    budget_left = {}
+    for limit in usage_limits(budget, tenant.name, record.session_id):
+        used = await state.sessions.call(state.sessions.store.usage(limit.key, budget.window_s, time.time()))
+        budget_left[limit.kind] = max(0, limit.limit - used)
+    view["budget_left"] = budget_left
+    return view
+
+
+async def _guarded(state: ProxyState, work: Any) -> Response:
+    try:
+        return await work
+    except StoreUnavailable:
+        return ProxyError(
+            503, "the session store is unavailable", type="server_error", code="store_unavailable"
+        ).response()
+    except ProxyError as error:
+        return error.response()
+
+
+async def _list(state: ProxyState, tenant: Tenant, limit: int) -> Response:
+    records = await state.sessions.call(state.sessions.store.list_sessions(tenant.name, limit))
+    return json_response({"object": "list", "tenant": tenant.name, "data": [r.to_json() for r in records]})
+
+
+async def _get(state: ProxyState, tenant: Tenant, session_id: str) -> Response:
+    record = await state.sessions.call(state.sessions.store.get(tenant.name, session_id))
+    if record is None:
+        raise ProxyError(404, f"no session {session_id!r}", type="not_found_error", code="session_not_found")
+    return json_response(await _describe(state, tenant, record))
+
+
+async def _delete(state: ProxyState, tenant: Tenant, session_id: str) -> Response:
+    deleted = await state.sessions.call(state.sessions.store.delete(tenant.name, session_id))
+    if not deleted:
+        raise ProxyError(404, f"no session {session_id!r}", type="not_found_error", code="session_not_found")
+    return json_response({"id": session_id, "deleted": True})
+
+
+async def _own_tenant(state: ProxyState, request: Request) -> Tenant:
+    return await state.tenants.authenticate(request.headers.get("authorization"))
+
+
+@router.get("/admin/tenants/{tenant}/sessions")
+async def admin_list(request: Request, tenant: str, limit: int = 100) -> Response:
+    state = get_state(request)
+
+    async def work() -> Response:
+        _require_admin(state, request)
+        return await _list(state, Tenant(tenant), min(limit, 1000))
+
+    return await _guarded(state, work())
+
+
+@router.get("/admin/tenants/{tenant}/sessions/{session_id}")
+async def admin_get(request: Request, tenant: str, session_id: str) -> Response:
+    state = get_state(request)
+
+    async def work() -> Response:
+        _require_admin(state, request)
+        return await _get(state, Tenant(tenant), session_id)
+
+    return await _guarded(state, work())
+
+
+@router.delete("/admin/tenants/{tenant}/sessions/{session_id}")
+async def admin_delete(request: Request, tenant: str, session_id: str) -> Response:
+    state = get_state(request)
+
+    async def work() -> Response:
+        _require_admin(state, request)
+        return await _delete(state, Tenant(tenant), session_id)
+
+    return await _guarded(state, work())
+
+
+@router.get("/v1/sessions")
+async def own_list(request: Request, limit: int = 100) -> Response:
+    state = get_state(request)
+
+    async def work() -> Response:
+        return await _list(state, await _own_tenant(state, request), min(limit, 1000))
+
+    return await _guarded(state, work())
+
+
+@router.get("/v1/sessions/{session_id}")
+async def own_get(request: Request, session_id: str) -> Response:
+    state = get_state(request)
+
+    async def work() -> Response:
+        return await _get(state, await _own_tenant(state, request), session_id)
+
+    return await _guarded(state, work())
+
+
+@router.delete("/v1/sessions/{session_id}")
+async def own_delete(request: Request, session_id: str) -> Response:
+    state = get_state(request)
+
+    async def work() -> Response:
+        return await _delete(state, await _own_tenant(state, request), session_id)
+
+    return await _guarded(state, work())

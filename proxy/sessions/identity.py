@@ -1,0 +1,100 @@
+"""Which conversation a request belongs to. Pure functions, no I/O.
+
+Explicit ids win (a header, ``prompt_cache_key``, or ``user`` when enabled).
+Otherwise a conversation is recognized by *adjacent-message fingerprints*: a
+64-bit hash of each pair (previous message, message) of the non-system history,
+in canonical form. Pairs survive a sliding memory window (dropping the oldest
+messages leaves every later pair intact), while two conversations that share a
+first message ("hi") part ways at the first model reply, which is unique. The
+request is attributed to the known session sharing the most pairs with it
+(ties: the most recently active); no shared pair means a new session.
+
+Limits: a conversation whose client rewrites every message (not only ids or
+whitespace, which canonicalization already fixes) cannot be followed; a
+conversation resent from scratch with identical content after its TTL starts
+over as a new session; the first two requests of a conversation share only the
+opening pair, so two conversations with an identical opening are told apart
+from the first reply on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+from proxy.canon.jsoncanon import canonical_arguments
+from proxy.tokenization.counter import message_text
+
+_START = 0x5EED
+_SKIPPED_ROLES = frozenset({"system", "developer"})
+
+
+def message_fingerprint(message: Mapping[str, Any]) -> int:
+    digest = xxhash.xxh3_64()
+    digest.update(str(message.get("role", "")).encode())
+    digest.update(b"\x00")
+    digest.update(message_text({"content": message.get("content")}).encode("utf-8", "surrogatepass"))
+    for call in message.get("tool_calls") or ():
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            function = call["function"]
+            digest.update(b"\x01" + str(function.get("name", "")).encode())
+            digest.update(canonical_arguments(function.get("arguments", "")).encode("utf-8", "surrogatepass"))
+    return digest.intdigest()
+
+
+def pair_fingerprint(previous: int, current: int) -> int:
+    return xxhash.xxh3_64_intdigest(previous.to_bytes(8, "little") + current.to_bytes(8, "little"))
+
+
+def conversation_fingerprints(messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Pair fingerprints of the non-system messages, in order."""
+    previous = _START
+    pairs: list[int] = []
+    for message in messages:
+        if message.get("role") in _SKIPPED_ROLES:
+            continue
+        current = message_fingerprint(message)
+        pairs.append(pair_fingerprint(previous, current))
+        previous = current
+    return pairs
+
+
+def reply_fingerprint(messages: Sequence[Mapping[str, Any]], reply: Mapping[str, Any]) -> int | None:
+    """The pair the model's reply will form with the last message, once the client re-sends it."""
+    last = next((m for m in reversed(messages) if m.get("role") not in _SKIPPED_ROLES), None)
+    if last is None:
+        return None
+    return pair_fingerprint(message_fingerprint(last), message_fingerprint(reply))
+
+
+def vote(matches: list[str | None], last_seen: Mapping[str, float]) -> str | None:
+    """The session with most matching pairs; ties go to the most recently active one."""
+    counts: dict[str, int] = {}
+    for session_id in matches:
+        if session_id:
+            counts[session_id] = counts.get(session_id, 0) + 1
+    if not counts:
+        return None
+    return max(counts, key=lambda sid: (counts[sid], last_seen.get(sid, 0.0), sid))
+
+
+def explicit_session_id(
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    *,
+    header: str,
+    use_prompt_cache_key: bool,
+    use_user: bool,
+) -> str | None:
+    value = headers.get(header)
+    if not value and use_prompt_cache_key:
+        value = body.get("prompt_cache_key")
+    if not value and use_user:
+        value = body.get("user")
+    if not isinstance(value, str) or not value.strip():
+        return None
+    value = value.strip()
+    # Client-chosen ids are hashed so they can neither collide with inferred ids nor inject key syntax.
+    return "x" + xxhash.xxh3_128_hexdigest(value.encode("utf-8", "surrogatepass"))[:31]

@@ -1,0 +1,55 @@
+"""Session records and budget decisions, as every store returns them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class SessionRecord:
+    tenant: str
+    session_id: str
+    created: float = 0.0
+    last_seen: float = 0.0
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    # Prompt tokens of the latest request as the upstream counted them (ground truth).
+    context_tokens: int = 0
+    # upstream prompt tokens / local estimate for the latest request: calibrates later estimates.
+    estimate_ratio: float = 1.0
+    fingerprints: int = 0
+    summary: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """What one finished request adds to its session."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    estimate_ratio: float
+    new_fingerprints: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class UsageLimit:
+    key: str
+    limit: int
+    kind: str  # "session" or "tenant"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    admitted: bool
+    amount: int = 0
+    keys: tuple[str, ...] = ()
+    rejected_kind: str | None = None
+    retry_after_s: int = 0
+    window: int = 0

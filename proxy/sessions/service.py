@@ -1,0 +1,155 @@
+"""The proxy's use of the session store, with graceful degradation.
+
+Any store failure (Redis down, slow, refusing) turns the request into plain
+pass-through: no session, no budgets, nothing fails. The failure is counted,
+logged once per outage, and the store is left alone for
+``retry_after_failure_s`` so an outage adds no latency to every request; after
+that the next request probes it again, and recovery is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from proxy.config import SessionSettings
+from proxy.metrics import Metrics
+from proxy.sessions.identity import conversation_fingerprints, explicit_session_id, reply_fingerprint, vote
+from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLimit
+from proxy.sessions.store import SessionStore
+from proxy.usage import Usage
+
+logger = logging.getLogger("prefix_proxy.sessions")
+T = TypeVar("T")
+
+
+class StoreUnavailable(Exception):
+    """The session store cannot be used right now; serve without session features."""
+
+
+@dataclass
+class SessionView:
+    tenant: str
+    session_id: str
+    record: SessionRecord | None
+    fingerprints: list[int] = field(default_factory=list)
+    known: set[int] = field(default_factory=set)
+    explicit: bool = False
+
+    @property
+    def estimate_ratio(self) -> float:
+        return self.record.estimate_ratio if self.record and self.record.estimate_ratio > 0 else 1.0
+
+
+class SessionService:
+    def __init__(self, store: SessionStore, settings: SessionSettings, metrics: Metrics) -> None:
+        self.store = store
+        self._settings = settings
+        self._metrics = metrics
+        self._down_until = 0.0
+        self._degraded = False
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def degraded(self) -> bool:
+        return self._degraded
+
+    async def call(self, operation: Awaitable[T]) -> T:
+        """Run one store operation; raises StoreUnavailable instead of the store's own errors."""
+        if self._degraded and time.monotonic() < self._down_until:
+            if asyncio.iscoroutine(operation):
+                operation.close()
+            raise StoreUnavailable()
+        try:
+            result = await asyncio.wait_for(operation, timeout=self._settings.operation_timeout_s * 4)
+        except Exception as exc:
+            self._mark_down(exc)
+            raise StoreUnavailable() from exc
+        if self._degraded:
+            self._degraded = False
+            self._metrics.store_up.set(1)
+            logger.warning("session store recovered; session features are back")
+        return result
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self._metrics.store_errors.inc()
+        self._down_until = time.monotonic() + self._settings.retry_after_failure_s
+        if not self._degraded:
+            self._degraded = True
+            self._metrics.store_up.set(0)
+            logger.warning("session store unavailable (%s): serving without sessions", type(exc).__name__)
+
+    async def resolve(
+        self, tenant: str, headers: Mapping[str, str], body: Mapping[str, Any], messages: list[dict[str, Any]]
+    ) -> SessionView:
+        fingerprints = conversation_fingerprints(messages)
+        explicit = explicit_session_id(
+            headers,
+            body,
+            header=self._settings.header,
+            use_prompt_cache_key=self._settings.use_prompt_cache_key,
+            use_user=self._settings.use_user,
+        )
+        if explicit:
+            record = await self.call(self.store.get(tenant, explicit))
+            return SessionView(tenant, explicit, record, fingerprints, set(), explicit=True)
+        matches, last_seen = await self.call(self.store.lookup(tenant, fingerprints))
+        session_id = vote(matches, last_seen)
+        if session_id is None:
+            return SessionView(tenant, uuid.uuid4().hex, None, fingerprints)
+        known = {fp for fp, match in zip(fingerprints, matches, strict=True) if match == session_id}
+        record = await self.call(self.store.get(tenant, session_id))
+        return SessionView(tenant, session_id, record, fingerprints, known)
+
+    async def reserve(self, limits: list[UsageLimit], amount: int, window_s: int) -> Reservation:
+        if not limits:
+            return Reservation(True)
+        return await self.call(self.store.reserve(limits, amount, window_s, time.time()))
+
+    async def record(
+        self,
+        view: SessionView,
+        usage: Usage | None,
+        reply: Mapping[str, Any] | None,
+        messages: list[dict[str, Any]],
+        local_estimate: int,
+        reservation: Reservation | None,
+        window_s: int,
+    ) -> None:
+        """Account one finished request. Never raises: a lost update only costs accuracy."""
+        new = [fp for fp in view.fingerprints if fp not in view.known]
+        if reply is not None:
+            reply_fp = reply_fingerprint(messages, reply)
+            if reply_fp is not None:
+                new.append(reply_fp)
+        prompt = usage.prompt_tokens if usage else 0
+        ratio = prompt / local_estimate if usage and local_estimate > 0 else view.estimate_ratio
+        turn = TurnRecord(
+            prompt_tokens=prompt,
+            cached_tokens=usage.cached_tokens if usage else 0,
+            completion_tokens=usage.completion_tokens if usage else 0,
+            estimate_ratio=ratio,
+            new_fingerprints=new,
+        )
+        try:
+            await self.call(self.store.record_turn(view.tenant, view.session_id, turn, time.time()))
+            if reservation is not None and reservation.keys:
+                spent = (usage.prompt_tokens + usage.completion_tokens) if usage else 0
+                await self.call(self.store.settle(reservation, spent - reservation.amount, window_s))
+        except StoreUnavailable:
+            pass
+
+    def record_later(self, *args: Any) -> None:
+        """Schedule :meth:`record` from synchronous code (end of a stream)."""
+        task = asyncio.get_running_loop().create_task(self.record(*args))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

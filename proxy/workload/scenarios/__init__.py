@@ -1,0 +1,18 @@
+"""The built-in scenarios, registered in the order of ``BUILTIN``.
+
+To add a scenario, write a module here that defines ``SCENARIO`` and append it below.
+"""
+
+from proxy.workload.registry import Scenario, register_scenario
+from proxy.workload.scenarios import dify_rag, fc_agent, inline_query, stable_app, timestamp_user
+
+BUILTIN: tuple[Scenario, ...] = (
+    dify_rag.SCENARIO,
+    timestamp_user.SCENARIO,
+    fc_agent.SCENARIO,
+    inline_query.SCENARIO,
+    stable_app.SCENARIO,
+)
+
+for _scenario in BUILTIN:
+    register_scenario(_scenario)
