@@ -22,9 +22,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from proxy.config import BudgetOverrides, BudgetSettings
 from proxy.sessions.model import UsageLimit
 from proxy.tokenization import TokenCounter
+from proxy.tokenization.counter import message_text
 
 
 def effective_budget(
@@ -54,11 +57,41 @@ def context_limit(budget: BudgetSettings, max_model_len: int | None, body: dict[
     return max_model_len - (requested_completion_tokens(body) or 0)
 
 
-def estimate_prompt_tokens(counter: TokenCounter, body: dict[str, Any], ratio: float = 1.0) -> int:
-    """Local estimate, scaled by the session's upstream/local ratio (upstream usage is ground truth)."""
+# Tokens per UTF-8 byte before a session has ground truth: 2 bytes a token over-estimates English
+# (about 4 bytes a token) and is close for CJK text (about 2-3), so a fast estimate errs high.
+DEFAULT_TOKENS_PER_BYTE = 0.5
+# Below this share of a limit the fast estimate is trusted; above it the text is tokenized.
+EXACT_COUNT_MARGIN = 0.85
+
+
+def request_bytes(body: dict[str, Any]) -> int:
+    """UTF-8 size of everything a chat template renders from the request (text and tools)."""
+    size = sum(len(message_text(m).encode("utf-8", "surrogatepass")) + 8 for m in body.get("messages") or [])
+    tools = body.get("tools") or body.get("functions")
+    if tools:
+        size += len(orjson.dumps(tools))
+    return size
+
+
+def fast_estimate(size_bytes: int, tokens_per_byte: float | None) -> int:
+    return math.ceil(size_bytes * (tokens_per_byte or DEFAULT_TOKENS_PER_BYTE))
+
+
+def estimate_prompt_tokens(
+    counter: TokenCounter, body: dict[str, Any], size_bytes: int, tokens_per_byte: float | None, limit: int | None
+) -> int:
+    """Prompt tokens of a request, as cheaply as the decision allows.
+
+    Tokenizing 8k tokens costs about 10 ms, far more than the proxy may add, so the
+    byte size (scaled by the session's measured tokens per byte, the upstream's
+    usage being ground truth) decides alone unless it comes near ``limit``; only
+    then is the text tokenized (tiktoken, offline, memoized per message).
+    """
+    estimate = fast_estimate(size_bytes, tokens_per_byte)
+    if limit is None or estimate <= limit * EXACT_COUNT_MARGIN:
+        return estimate
     messages = body.get("messages") or []
-    local = counter.count_messages(messages) + counter.count_tools(body.get("tools") or body.get("functions"))
-    return math.ceil(local * ratio)
+    return counter.count_messages(messages) + counter.count_tools(body.get("tools") or body.get("functions"))
 
 
 @dataclass(frozen=True)

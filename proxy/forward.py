@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -190,4 +191,8 @@ def _parse(raw: bytes) -> dict[str, Any] | None:
 
 
 def dumps(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        # orjson refuses lone surrogates (valid JSON escapes a client may send); json passes them on.
+        return json.dumps(body, separators=(",", ":")).encode()

@@ -12,6 +12,7 @@ from proxy.budget import (
     context_limit,
     effective_budget,
     estimate_prompt_tokens,
+    request_bytes,
     reservation_amount,
     usage_limits,
 )
@@ -53,7 +54,7 @@ class ChatTurn:
     budget: BudgetSettings
     forwarded: dict[str, Any]
     session: SessionView | None
-    local_estimate: int
+    request_bytes: int
     reservation: Reservation | None = None
     over_soft_limit: bool = False
 
@@ -72,14 +73,12 @@ class ChatTurn:
             session = await state.sessions.resolve(tenant.name, headers, body, forwarded["messages"])
         except StoreUnavailable:
             session = None
-        ratio = session.estimate_ratio if session else 1.0
-        local_estimate = estimate_prompt_tokens(state.token_counter, forwarded)
-        turn = cls(state, tenant, budget, forwarded, session, local_estimate)
-        check = check_context(
-            int(local_estimate * ratio),
-            context_limit(budget, await state.models.max_model_len(model), forwarded),
-            budget.soft_ratio,
-        )
+        size = request_bytes(forwarded)
+        limit = context_limit(budget, await state.models.max_model_len(model), forwarded)
+        tokens_per_byte = session.tokens_per_byte if session else None
+        estimate = estimate_prompt_tokens(state.token_counter, forwarded, size, tokens_per_byte, limit)
+        turn = cls(state, tenant, budget, forwarded, session, size)
+        check = check_context(estimate, limit, budget.soft_ratio)
         turn.over_soft_limit = check.over_soft
         if check.over_hard and check.limit is not None:
             state.metrics.budget_rejections.labels("context", state.metrics.tenant_label(tenant.name)).inc()
@@ -114,7 +113,7 @@ class ChatTurn:
             usage,
             reply,
             self.forwarded["messages"],
-            self.local_estimate,
+            self.request_bytes,
             self.reservation,
             self.budget.window_s,
         )
@@ -127,7 +126,7 @@ class ChatTurn:
             usage,
             reply,
             self.forwarded["messages"],
-            self.local_estimate,
+            self.request_bytes,
             self.reservation,
             self.budget.window_s,
         )

@@ -63,7 +63,7 @@ class MemorySessionStore:
         record.cached_tokens += turn.cached_tokens
         record.completion_tokens += turn.completion_tokens
         record.context_tokens = turn.prompt_tokens
-        record.estimate_ratio = turn.estimate_ratio
+        record.tokens_per_byte = turn.tokens_per_byte
         record.fingerprints += len(turn.new_fingerprints)
         self._sessions[(tenant, session_id)] = record
         self._sessions.move_to_end((tenant, session_id))

@@ -18,8 +18,8 @@ class SessionRecord:
     completion_tokens: int = 0
     # Prompt tokens of the latest request as the upstream counted them (ground truth).
     context_tokens: int = 0
-    # upstream prompt tokens / local estimate for the latest request: calibrates later estimates.
-    estimate_ratio: float = 1.0
+    # upstream prompt tokens / request bytes of the latest request: calibrates later estimates.
+    tokens_per_byte: float = 0.0
     fingerprints: int = 0
     summary: dict[str, Any] | None = None
 
@@ -34,7 +34,7 @@ class TurnRecord:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    estimate_ratio: float
+    tokens_per_byte: float
     new_fingerprints: list[int] = field(default_factory=list)
 
 

@@ -102,7 +102,7 @@ class RedisSessionStore:
                 mapping={
                     "last_seen": now,
                     "context_tokens": turn.prompt_tokens,
-                    "estimate_ratio": turn.estimate_ratio,
+                    "tokens_per_byte": turn.tokens_per_byte,
                 },
             )
             pipe.hincrby(key, "requests", 1)
@@ -206,7 +206,7 @@ def _record(tenant: str, session_id: str, data: dict[str, str]) -> SessionRecord
         setattr(record, name, int(data.get(name, 0)))
     record.created = float(data.get("created", 0.0))
     record.last_seen = float(data.get("last_seen", 0.0))
-    record.estimate_ratio = float(data.get("estimate_ratio", 1.0))
+    record.tokens_per_byte = float(data.get("tokens_per_byte", 0.0))
     if data.get("summary"):
         record.summary = json.loads(data["summary"])
     return record

@@ -42,8 +42,8 @@ class SessionView:
     explicit: bool = False
 
     @property
-    def estimate_ratio(self) -> float:
-        return self.record.estimate_ratio if self.record and self.record.estimate_ratio > 0 else 1.0
+    def tokens_per_byte(self) -> float | None:
+        return self.record.tokens_per_byte if self.record and self.record.tokens_per_byte > 0 else None
 
 
 class SessionService:
@@ -117,7 +117,7 @@ class SessionService:
         usage: Usage | None,
         reply: Mapping[str, Any] | None,
         messages: list[dict[str, Any]],
-        local_estimate: int,
+        request_bytes: int,
         reservation: Reservation | None,
         window_s: int,
     ) -> None:
@@ -128,12 +128,12 @@ class SessionService:
             if reply_fp is not None:
                 new.append(reply_fp)
         prompt = usage.prompt_tokens if usage else 0
-        ratio = prompt / local_estimate if usage and local_estimate > 0 else view.estimate_ratio
+        tokens_per_byte = prompt / request_bytes if usage and request_bytes > 0 else (view.tokens_per_byte or 0.0)
         turn = TurnRecord(
             prompt_tokens=prompt,
             cached_tokens=usage.cached_tokens if usage else 0,
             completion_tokens=usage.completion_tokens if usage else 0,
-            estimate_ratio=ratio,
+            tokens_per_byte=tokens_per_byte,
             new_fingerprints=new,
         )
         try:
