@@ -68,12 +68,8 @@ def test_safe_mode_never_moves_text() -> None:
 def test_two_orders_of_tools_give_one_prefix() -> None:
     a = {"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {}}}}
     b = {"function": {"parameters": {"properties": {}, "type": "object"}, "name": "b"}, "type": "function"}
-    first = canonicalize(
-        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [a, b]}, RELOCATE
-    )
-    second = canonicalize(
-        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [b, a]}, RELOCATE
-    )
+    first = canonicalize({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [a, b]}, RELOCATE)
+    second = canonicalize({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [b, a]}, RELOCATE)
     assert json.dumps(first.body) == json.dumps(second.body)
     assert first.prefix_hash == second.prefix_hash
 

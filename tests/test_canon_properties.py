@@ -45,9 +45,7 @@ LINE = st.one_of(STABLE_LINE, STABLE_LINE.map(lambda s: s + "  "), VOLATILE_LINE
 @st.composite
 def tool(draw: Any) -> dict[str, Any]:
     name = draw(st.sampled_from(["search", "get_weather", "book", "cancel", "lookup"]))
-    props = {
-        p: {"type": "string", "description": f"{p} value"} for p in draw(st.sets(st.sampled_from("abcdef")))
-    }
+    props = {p: {"type": "string", "description": f"{p} value"} for p in draw(st.sets(st.sampled_from("abcdef")))}
     parameters = {"type": "object", "properties": props, "required": sorted(props)[:1]}
     function = {"name": name, "description": f"{name} tool", "parameters": parameters}
     items = list({"type": "function", "function": function}.items())
@@ -60,9 +58,7 @@ def chat_request(draw: Any) -> dict[str, Any]:
     system = "\n".join(draw(st.lists(LINE, min_size=1, max_size=8)))
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
     for turn in range(draw(st.integers(1, 3))):
-        messages.append(
-            {"role": "user", "content": draw(STABLE_LINE) + draw(st.sampled_from(["", "\r\n", "  "]))}
-        )
+        messages.append({"role": "user", "content": draw(STABLE_LINE) + draw(st.sampled_from(["", "\r\n", "  "]))})
         if draw(st.booleans()):
             call_id = f"call_{turn}_{draw(st.integers(0, 9999))}"
             messages.append(
@@ -78,9 +74,7 @@ def chat_request(draw: Any) -> dict[str, Any]:
                     ],
                 }
             )
-            messages.append(
-                {"role": "tool", "tool_call_id": call_id, "content": "result " + draw(STABLE_LINE)}
-            )
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": "result " + draw(STABLE_LINE)})
         messages.append({"role": "assistant", "content": draw(STABLE_LINE) + "  "})
     messages.append({"role": "user", "content": draw(STABLE_LINE)})
     body: dict[str, Any] = {"model": "m", "messages": messages}

@@ -39,9 +39,7 @@ def conversation(question: str) -> list[dict[str, str]]:
 
 
 def test_non_stream_chat_reports_usage_and_headers(client: openai.OpenAI) -> None:
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=conversation("Where is my order?")
-    )
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=conversation("Where is my order?"))
     completion = raw.parse()
     assert completion.choices[0].message.content
     assert completion.usage is not None and completion.usage.prompt_tokens > 400
@@ -50,9 +48,7 @@ def test_non_stream_chat_reports_usage_and_headers(client: openai.OpenAI) -> Non
     assert raw.headers["x-request-id"]
     assert len(raw.headers["x-prefix-proxy-prefix"]) == 16
 
-    again = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=conversation("And my refund?")
-    )
+    again = client.chat.completions.with_raw_response.create(model=MODEL, messages=conversation("And my refund?"))
     cached = int(again.headers["x-prefix-proxy-cached-tokens"])
     assert cached > 400 and cached % 16 == 0
     assert again.parse().usage.prompt_tokens_details.cached_tokens == cached
@@ -90,9 +86,7 @@ def test_tool_calls_round_trip(client: openai.OpenAI, stream: bool) -> None:
                 entry["arguments"] += (delta.function.arguments if delta.function else None) or ""
         call = calls[0]
     else:
-        message = (
-            client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS).choices[0].message
-        )
+        message = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS).choices[0].message
         assert message.tool_calls
         tool_call = message.tool_calls[0]
         call = {
@@ -157,7 +151,5 @@ def test_embeddings_pass_through(client: openai.OpenAI) -> None:
 
 def test_completions_stream_and_not(client: openai.OpenAI) -> None:
     assert client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5).choices[0].text
-    chunks = list(
-        client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, stream=True)
-    )
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, stream=True))
     assert chunks and all(c.usage is None for c in chunks)

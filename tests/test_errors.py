@@ -25,9 +25,7 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]
     return dict(error)
 
 
-def post(
-    server: LiveServer, body: Any = None, *, content: bytes | None = None, timeout: float = 30
-) -> httpx.Response:
+def post(server: LiveServer, body: Any = None, *, content: bytes | None = None, timeout: float = 30) -> httpx.Response:
     return httpx.post(server.url + "/v1/chat/completions", json=body, content=content, timeout=timeout)
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.fakebackend.prefix_cache import PrefixCache, block_hashes, hash_block_tokens
+from proxy.fakebackend.prefix_cache import PrefixCache, RequestBlocks, block_hashes, hash_block_tokens
 
 BS = 4
 
@@ -59,7 +59,7 @@ class TestLookup:
     def test_first_request_misses_second_hits_full_blocks(self) -> None:
         cache = PrefixCache(BS, 64)
         assert run(cache, seq(0, 10)) == 0
-        assert run(cache, seq(0, 10) + [50, 51]) == 8
+        assert run(cache, [*seq(0, 10), 50, 51]) == 8
 
     def test_change_in_block_k_misses_k_and_later(self) -> None:
         cache = PrefixCache(BS, 64)
@@ -72,11 +72,11 @@ class TestLookup:
     def test_partial_block_never_hits(self) -> None:
         cache = PrefixCache(BS, 64)
         run(cache, seq(0, 7), output=[])  # 1 full block + 3 tokens
-        assert cache.lookup(seq(0, 7) + [100]) == 4
+        assert cache.lookup([*seq(0, 7), 100]) == 4
 
     def test_fully_cached_prompt_still_recomputes_a_token(self) -> None:
         cache = PrefixCache(BS, 64)
-        run(cache, seq(0, 8) + [1, 2, 3, 4], output=[9])
+        run(cache, [*seq(0, 8), 1, 2, 3, 4], output=[9])
         # Block-aligned prompt fully cached: the last block is recomputed (cap = len - 1).
         assert cache.lookup(seq(0, 8)) == 4
         assert run(cache, seq(0, 8)) == 4
@@ -188,27 +188,27 @@ class TestEviction:
         run(cache, a, output=[])  # free queue: a1, a0
         run(cache, b, output=[])  # free queue: a1, a0, b1, b0
         run(cache, seq(200, 12), output=[])  # takes a1, a0, b1
-        assert cache.lookup(a + [1]) == 0
-        assert cache.lookup(b + [1]) == 4  # b0 survives, b1 (the tail block) went first
+        assert cache.lookup([*a, 1]) == 0
+        assert cache.lookup([*b, 1]) == 4  # b0 survives, b1 (the tail block) went first
 
     def test_a_hit_refreshes_recency(self) -> None:
         cache = PrefixCache(BS, 4)
         a, b = seq(0, 8), seq(100, 8)
         run(cache, a, output=[])
         run(cache, b, output=[])
-        assert run(cache, a + [1], output=[]) == 8  # touch a: now most recently freed
+        assert run(cache, [*a, 1], output=[]) == 8  # touch a: now most recently freed
         run(cache, seq(200, 8), output=[])  # takes the two oldest free blocks: b's
-        assert cache.lookup(b + [1]) == 0
-        assert cache.lookup(a + [1]) == 8
+        assert cache.lookup([*b, 1]) == 0
+        assert cache.lookup([*a, 1]) == 8
 
     def test_hit_blocks_cannot_be_evicted_by_their_own_request(self) -> None:
         cache = PrefixCache(BS, 3)
         run(cache, seq(0, 8), output=[])
         # Hits 2 blocks (removed from the free queue) and needs 1 new: exactly fits.
-        request = cache.admit(seq(0, 8) + [9, 9, 9])
+        request = cache.admit([*seq(0, 8), 9, 9, 9])
         assert request is not None and request.num_cached_tokens == 8
         cache.finish(request, [1])
-        assert cache.lookup(seq(0, 8) + [9]) == 8
+        assert cache.lookup([*seq(0, 8), 9]) == 8
 
 
 # -- properties ----------------------------------------------------------------------------
@@ -221,7 +221,8 @@ def workloads(draw: st.DrawFn) -> list[tuple[list[int], list[int]]]:
     """Requests that often extend earlier prompts (+ replies), as chat turns do."""
     jobs: list[tuple[list[int], list[int]]] = []
     for _ in range(draw(st.integers(1, 12))):
-        if jobs and draw(st.booleans()):
+        extend_earlier = draw(st.booleans())
+        if jobs and extend_earlier:
             prompt, output = jobs[draw(st.integers(0, len(jobs) - 1))]
             base = (prompt + output)[: draw(st.integers(0, len(prompt + output)))]
         else:
@@ -267,7 +268,7 @@ def test_bounded_cache_invariants(
 ) -> None:
     cache = PrefixCache(block_size, capacity)
     history: list[list[int]] = []
-    running = []
+    running: list[tuple[RequestBlocks, list[int]]] = []
     for prompt, output in jobs:
         if cache.blocks_needed(len(prompt)) > capacity:
             continue

@@ -61,7 +61,11 @@ WEATHER = {
     },
 }
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}, "strict": True}}
-CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+CALL: dict[str, Any] = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+}
 
 CONVERSATIONS: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = {
     "user only": ([{"role": "user", "content": "Hi"}], None),
@@ -150,7 +154,7 @@ def test_python_and_jinja_render_identically(name: str, add_generation_prompt: b
     assert render_chat(messages, tools, add_generation_prompt) == render_jinja(messages, tools, add_generation_prompt)
 
 
-text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)
+text = st.text(st.characters(codec="utf-8"), max_size=30)
 arguments = st.dictionaries(st.text(max_size=5), st.one_of(st.integers(), text, st.booleans()), max_size=3)
 tool_call = st.builds(
     lambda name, args, raw: {
@@ -212,7 +216,9 @@ class TestRendering:
             '{"type": "function", "function": {"name": "search", "description": null, '
             '"parameters": {"type": "object"}, "strict": true}}\n</tools>\n\n'
         )
-        assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' in out
+        assert (
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' in out
+        )
 
     def test_tool_call_history_is_rendered_like_generated_text(self) -> None:
         out = render_chat([{"role": "user", "content": "Q"}, {"role": "assistant", "tool_calls": [CALL]}], [WEATHER])

@@ -64,9 +64,7 @@ def test_uuid4_detected() -> None:
 
 
 def test_request_ids_need_digits_and_letters() -> None:
-    assert found(detect_request_ids, "trace 4bf92f3577b34da6a3ce929d0e0e4736") == [
-        "4bf92f3577b34da6a3ce929d0e0e4736"
-    ]
+    assert found(detect_request_ids, "trace 4bf92f3577b34da6a3ce929d0e0e4736") == ["4bf92f3577b34da6a3ce929d0e0e4736"]
     assert found(detect_request_ids, "request req_8Hk2mQ9xZ1 done") == ["req_8Hk2mQ9xZ1"]
     assert found(detect_request_ids, "deadbeefdeadbeefdeadbeef") == []  # no digit: likely a word-ish token
     assert found(detect_request_ids, "1234567890123456789") == []

@@ -12,16 +12,16 @@ from http import HTTPStatus
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
     "EmbeddingRequest",
     "FakeOptions",
+    "Rejected",
     "StreamOptions",
     "TokenizeRequest",
-    "ValidationError",
     "error_response",
     "error_type_for",
 ]
@@ -29,6 +29,17 @@ __all__ = [
 
 class _OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class _ChatPromptFields(BaseModel):
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _one_open_turn(self) -> _ChatPromptFields:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return self
 
 
 class FakeOptions(BaseModel):
@@ -72,13 +83,11 @@ class _GenerationRequest(_OpenAIModel):
         return value
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(_GenerationRequest, _ChatPromptFields):
     messages: list[Any]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Any] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -118,14 +127,26 @@ class EmbeddingRequest(_OpenAIModel):
     dimensions: int | None = Field(default=None, ge=1)
 
 
-class TokenizeRequest(_OpenAIModel):
+class TokenizeRequest(_OpenAIModel, _ChatPromptFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None
     tools: list[Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     add_special_tokens: bool | None = None
+
+
+class Rejected(Exception):
+    """A request ends here, answered with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, err_type: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.err_type, self.param)
 
 
 def error_type_for(status: int) -> str:

@@ -19,6 +19,8 @@ from proxy.forward import (
     proxy_headers,
     send_json,
     send_stream,
+    upstream_error,
+    upstream_headers,
 )
 from proxy.state import ProxyState, get_state
 
@@ -73,13 +75,15 @@ async def models(request: Request) -> Response:
     state = get_state(request)
     ctx = new_context(request, "models")
     try:
+        await authenticate(state, request, ctx)
         ctx.mark_upstream_sent()
-        headers = state.upstream.auth_headers(request.headers.get("authorization"))
-        response = await state.upstream.open("GET", "/models", headers=headers)
+        response = await state.upstream.open("GET", "/models", headers=upstream_headers(state, request, ctx))
         ctx.upstream_headers = time.perf_counter()
         raw = await state.upstream.read(response)
         ctx.upstream_done = time.perf_counter()
         ctx.status = response.status_code
+        if response.status_code >= 400:
+            return upstream_error(state, ctx, response.status_code, raw)
         finish(state, ctx)
         return Response(
             raw, status_code=response.status_code, headers=proxy_headers(ctx), media_type="application/json"

@@ -6,15 +6,21 @@ Otherwise a conversation is recognized by *adjacent-message fingerprints*: a
 in canonical form. Pairs survive a sliding memory window (dropping the oldest
 messages leaves every later pair intact), while two conversations that share a
 first message ("hi") part ways at the first model reply, which is unique. The
-request is attributed to the known session sharing the most pairs with it
-(ties: the most recently active); no shared pair means a new session.
+request is attributed to the known session whose shared pairs weigh most (a
+pair weighs its position: later pairs are more specific; ties go to the most
+recently active session); no shared pair means a new session.
+
+Only the history before the newest message is looked up, so a request without
+history (a conversation's first message) always opens a new session.
 
 Limits: a conversation whose client rewrites every message (not only ids or
 whitespace, which canonicalization already fixes) cannot be followed; a
 conversation resent from scratch with identical content after its TTL starts
-over as a new session; the first two requests of a conversation share only the
-opening pair, so two conversations with an identical opening are told apart
-from the first reply on.
+over as a new session; a client whose window keeps only the newest message
+sends no history, so each of its requests is a new session (give it an explicit
+id); two conversations whose histories are identical so far (same messages,
+same replies) are one conversation as far as any observer can tell, and are told
+apart from the first message in which they differ.
 """
 
 from __future__ import annotations
@@ -70,11 +76,15 @@ def reply_fingerprint(messages: Sequence[Mapping[str, Any]], reply: Mapping[str,
 
 
 def vote(matches: list[str | None], last_seen: Mapping[str, float]) -> str | None:
-    """The session with most matching pairs; ties go to the most recently active one."""
+    """The session whose pairs match best; ties go to the most recently active one.
+
+    A pair counts by its position: later pairs are more specific to one conversation
+    (an opening "hi" is shared by many; the pair after the model's first reply is not).
+    """
     counts: dict[str, int] = {}
-    for session_id in matches:
+    for position, session_id in enumerate(matches, start=1):
         if session_id:
-            counts[session_id] = counts.get(session_id, 0) + 1
+            counts[session_id] = counts.get(session_id, 0) + position
     if not counts:
         return None
     return max(counts, key=lambda sid: (counts[sid], last_seen.get(sid, 0.0), sid))

@@ -98,11 +98,16 @@ class SessionService:
         if explicit:
             record = await self.call(self.store.get(tenant, explicit))
             return SessionView(tenant, explicit, record, fingerprints, set(), explicit=True)
-        matches, last_seen = await self.call(self.store.lookup(tenant, fingerprints))
+        # The last message is the new turn: only the history before it can identify a conversation,
+        # so a request without history (a first message) always opens a new session.
+        history = fingerprints[:-1]
+        if not history:
+            return SessionView(tenant, uuid.uuid4().hex, None, fingerprints)
+        matches, last_seen = await self.call(self.store.lookup(tenant, history))
         session_id = vote(matches, last_seen)
         if session_id is None:
             return SessionView(tenant, uuid.uuid4().hex, None, fingerprints)
-        known = {fp for fp, match in zip(fingerprints, matches, strict=True) if match == session_id}
+        known = {fp for fp, match in zip(history, matches, strict=True) if match == session_id}
         record = await self.call(self.store.get(tenant, session_id))
         return SessionView(tenant, session_id, record, fingerprints, known)
 

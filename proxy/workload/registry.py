@@ -64,9 +64,7 @@ def session_rng(seed: int, scenario: str, index: int) -> random.Random:
     return random.Random(f"prefix-proxy-workload:{seed}:{scenario}:{index}")
 
 
-def build_sessions(
-    scenarios: Iterable[str] | str | None, sessions_per_scenario: int, seed: int
-) -> list[Session]:
+def build_sessions(scenarios: Iterable[str] | str | None, sessions_per_scenario: int, seed: int) -> list[Session]:
     """All sessions, interleaved round-robin across scenarios (s0 of each, then s1 of each...)."""
     if sessions_per_scenario < 1:
         raise ValueError("sessions_per_scenario must be at least 1")

@@ -16,21 +16,18 @@ def user_turn_count(rng: random.Random) -> int:
     return rng.randint(MIN_USER_TURNS, MAX_USER_TURNS)
 
 
-def mt_bench_turns(rng: random.Random, count: int) -> list[str]:
-    """``count`` user turns: the questions of one MT-bench category, both turns of each, in order.
+def mt_bench_turns(rng: random.Random, count: int, first: int) -> list[str]:
+    """``count`` user turns: MT-bench questions, both turns of each, in order.
 
     The second turn of an MT-bench question refers back to the first answer, so the two
-    stay together; a conversation moves on to another question of the same category.
+    stay together; then the conversation moves on to another question. The first question
+    is ``questions()[first % len]`` (give sessions of one app different ``first`` values: real
+    users do not replay each other's conversations), the others are drawn with ``rng``.
     """
-    by_category: dict[str, list[tuple[str, ...]]] = {}
-    for question in questions():
-        by_category.setdefault(question.category, []).append(question.turns)
-    category = rng.choice(sorted(by_category))
-    pool = list(by_category[category])
+    pool = list(questions())
+    opening = pool.pop(first % len(pool))
     rng.shuffle(pool)
-    turns = [turn for question_turns in pool for turn in question_turns]
-    while len(turns) < count:
-        turns += turns
+    turns = [turn for question in [opening, *pool] for turn in question.turns]
     return turns[:count]
 
 
@@ -76,9 +73,11 @@ TOOL_TASKS: dict[str, tuple[str, ...]] = {
 }
 
 
-def tool_tasks(rng: random.Random, suites: tuple[str, ...], count: int) -> list[str]:
+def tool_tasks(rng: random.Random, suites: tuple[str, ...], count: int, first: int) -> list[str]:
+    """``count`` different requests for an agent with these suites; the first is ``pool[first]``."""
     pool = [task for suite in suites for task in TOOL_TASKS[suite]]
-    return rng.sample(pool, min(count, len(pool)))
+    opening = pool.pop(first % len(pool))
+    return [opening, *rng.sample(pool, min(count, len(pool) + 1) - 1)]
 
 
 def tool_result(name: str, arguments: dict[str, Any], rng: random.Random) -> str:

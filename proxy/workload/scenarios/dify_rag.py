@@ -98,7 +98,7 @@ def retrieve(query: str, top_k: int = TOP_K) -> list[str]:
 
 class DifyRagSession(Session):
     def __init__(self, index: int, rng: random.Random) -> None:
-        super().__init__(NAME, index, rng, mt_bench_turns(rng, user_turn_count(rng)))
+        super().__init__(NAME, index, rng, mt_bench_turns(rng, user_turn_count(rng), index // len(APPS)))
         self.app = APPS[index % len(APPS)]
         self._context_prompt = dify_node(*CONTEXT_NODE).system
         self._instruction = self.app.instruction

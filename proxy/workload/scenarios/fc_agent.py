@@ -31,7 +31,7 @@ APPS: tuple[tuple[str, ...], ...] = (("message_api",), ("ticket_api",), ("messag
 class FcAgentSession(Session):
     def __init__(self, index: int, rng: random.Random) -> None:
         self.suites = APPS[index % len(APPS)]
-        super().__init__(NAME, index, rng, tool_tasks(rng, self.suites, user_turn_count(rng)))
+        super().__init__(NAME, index, rng, tool_tasks(rng, self.suites, user_turn_count(rng), index // len(APPS)))
         self._system = dify_node(*SYSTEM_NODE).system
         self._tools = [tool for suite in self.suites for tool in tool_suite(suite)]
 
@@ -60,7 +60,11 @@ class FcAgentSession(Session):
                     function = call["function"]
                     arguments = reserialize_arguments(function["arguments"], self.rng)
                     calls.append(
-                        {"id": fresh, "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+                        {
+                            "id": fresh,
+                            "type": "function",
+                            "function": {"name": function["name"], "arguments": arguments},
+                        }
                     )
                 out.append({"role": "assistant", "content": message.get("content") or "", "tool_calls": calls})
             elif message["role"] == "tool":

@@ -59,7 +59,7 @@ APPS = (
 
 class TimestampUserSession(Session):
     def __init__(self, index: int, rng: random.Random) -> None:
-        super().__init__(NAME, index, rng, mt_bench_turns(rng, user_turn_count(rng)))
+        super().__init__(NAME, index, rng, mt_bench_turns(rng, user_turn_count(rng), index // len(APPS)))
         self.app = APPS[index % len(APPS)]
         self.user_name = rng.choice(self.app.names)
         self.now = EPOCH + timedelta(seconds=rng.randrange(3 * 24 * 3600))

@@ -1,0 +1,201 @@
+"""Several proxy processes on one real Redis; Redis really stopped and started under traffic."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from tests.conftest import LiveServer, free_port
+from tests.redis_server import SHARED_URL, PrivateRedis, delete_prefix, require_shared_redis, unique_prefix
+
+MODEL = "fake-model"
+ADMIN = {"authorization": "Bearer admin-key"}
+SYSTEM = {"role": "system", "content": "You are a concise assistant for a hardware store."}
+
+
+class ProxyProcess:
+    def __init__(self, upstream: str, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(self.port)],
+            env={**os.environ, "PREFIX_PROXY_LOG_LEVEL": "warning", **env},
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("proxy process did not start")
+
+    def stop(self) -> None:
+        self._process.terminate()
+        self._process.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    require_shared_redis()
+    prefix = unique_prefix()
+    yield prefix
+    delete_prefix(SHARED_URL, prefix)
+
+
+@pytest.fixture
+def start_proxies(fake_backend: LiveServer) -> Iterator[Callable[..., list[ProxyProcess]]]:
+    started: list[ProxyProcess] = []
+
+    def start(count: int, env: dict[str, str]) -> list[ProxyProcess]:
+        with concurrent.futures.ThreadPoolExecutor(count) as pool:
+            procs = list(pool.map(lambda _: ProxyProcess(fake_backend.url + "/v1", env), range(count)))
+        started.extend(procs)
+        return procs
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+def redis_env(prefix: str, url: str = SHARED_URL, **extra: str) -> dict[str, str]:
+    return {
+        "PREFIX_PROXY_SESSIONS__STORE": "redis",
+        "PREFIX_PROXY_SESSIONS__REDIS_URL": url,
+        "PREFIX_PROXY_SESSIONS__KEY_PREFIX": prefix,
+        "PREFIX_PROXY_ADMIN_API_KEY": "admin-key",
+        **extra,
+    }
+
+
+def chat(url: str, messages: list[dict[str, Any]], headers: dict[str, str] | None = None) -> httpx.Response:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 20}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=30)
+
+
+def test_two_replicas_share_one_session_exactly(
+    start_proxies: Callable[..., list[ProxyProcess]], redis_prefix: str
+) -> None:
+    a, b = start_proxies(2, redis_env(redis_prefix, PREFIX_PROXY_BUDGET__SESSION_TOKENS_PER_WINDOW="3000"))
+    history: list[dict[str, Any]] = [SYSTEM]
+    sessions, prompt_total, completion_total, statuses = set(), 0, 0, []
+    for turn in range(40):
+        replica = (a, b)[turn % 2]
+        history.append({"role": "user", "content": f"Question {turn}: which screws fit a 6 mm plug?"})
+        response = chat(replica.url, history)
+        statuses.append(response.status_code)
+        if response.status_code == 429:
+            assert response.json()["error"]["code"] == "session_budget_exceeded"
+            assert int(response.headers["retry-after"]) > 0
+            history.pop()
+            break
+        assert response.status_code == 200, response.text
+        sessions.add(response.headers["x-prefix-proxy-session"])
+        usage = response.json()["usage"]
+        prompt_total += usage["prompt_tokens"]
+        completion_total += usage["completion_tokens"]
+        history.append(response.json()["choices"][0]["message"])
+    assert statuses[-1] == 429, "the budget was spent before 40 turns"
+    assert len(sessions) == 1
+    session_id = sessions.pop()
+    for replica in (a, b):
+        record = httpx.get(f"{replica.url}/admin/tenants/anonymous/sessions/{session_id}", headers=ADMIN).json()
+        assert record["requests"] == statuses.count(200)
+        assert record["prompt_tokens"] == prompt_total
+        assert record["completion_tokens"] == completion_total
+        assert prompt_total + completion_total <= 3000
+        assert record["budget_left"]["session"] == 3000 - prompt_total - completion_total
+
+
+def test_concurrent_requests_stay_within_the_budget(
+    start_proxies: Callable[..., list[ProxyProcess]], redis_prefix: str
+) -> None:
+    limit = 2500
+    replicas = start_proxies(2, redis_env(redis_prefix, PREFIX_PROXY_BUDGET__SESSION_TOKENS_PER_WINDOW=str(limit)))
+    headers = {"x-session-id": "burst"}
+
+    def one(i: int) -> httpx.Response:
+        messages = [SYSTEM, {"role": "user", "content": f"Request {i}: list three kinds of wood glue."}]
+        return chat(replicas[i % 2].url, messages, headers)
+
+    with concurrent.futures.ThreadPoolExecutor(50) as pool:
+        responses = list(pool.map(one, range(50)))
+    admitted = [r for r in responses if r.status_code == 200]
+    rejected = [r for r in responses if r.status_code == 429]
+    assert len(admitted) + len(rejected) == 50
+    assert admitted and rejected
+    spent = sum(r.json()["usage"]["total_tokens"] for r in admitted)
+    # Documented bound: spend <= limit + sum over in-flight requests of (actual - reserved); every request
+    # here reserves max_tokens and an over-estimate of its prompt, so that sum is zero.
+    assert spent <= limit
+    assert spent >= limit // 3, "admission must not be needlessly strict"
+    client = redis.Redis.from_url(SHARED_URL)
+    usage_keys = list(client.scan_iter(match=f"{redis_prefix}u:s:*"))
+    assert len(usage_keys) == 1
+    assert int(client.get(usage_keys[0]) or 0) == spent, "reservations were settled to the real usage"
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_redis_outage_degrades_to_pass_through_and_recovers(
+    start_proxies: Callable[..., list[ProxyProcess]], redis_prefix: str
+) -> None:
+    private = PrivateRedis(free_port()).start()
+    try:
+        (server,) = start_proxies(
+            1, redis_env(redis_prefix, private.url, PREFIX_PROXY_SESSIONS__RETRY_AFTER_FAILURE_S="0.5")
+        )
+        history: list[dict[str, Any]] = [SYSTEM]
+        failures: list[int] = []
+        sessions_seen: list[str | None] = []
+
+        def turn(i: int) -> None:
+            history.append({"role": "user", "content": f"Turn {i}: what sandpaper grit for pine?"})
+            response = chat(server.url, history)
+            if response.status_code != 200:
+                failures.append(response.status_code)
+                history.pop()
+                return
+            sessions_seen.append(response.headers.get("x-prefix-proxy-session"))
+            history.append(response.json()["choices"][0]["message"])
+
+        for i in range(5):
+            turn(i)
+        assert metric(server.url, "prefix_proxy_store_up") == 1
+        session_before = sessions_seen[-1]
+        assert session_before
+
+        private.stop()
+        for i in range(5, 15):
+            turn(i)
+        assert failures == [], "no request may fail because Redis is down"
+        assert metric(server.url, "prefix_proxy_store_up") == 0
+        assert metric(server.url, "prefix_proxy_store_errors_total") >= 1
+        assert sessions_seen[-1] is None, "degraded requests are served without session features"
+
+        private.start()
+        time.sleep(0.6)
+        for i in range(15, 20):
+            turn(i)
+        assert failures == []
+        assert metric(server.url, "prefix_proxy_store_up") == 1
+        assert sessions_seen[-1] is not None
+        record = httpx.get(f"{server.url}/admin/tenants/anonymous/sessions/{sessions_seen[-1]}", headers=ADMIN)
+        assert record.status_code == 200 and record.json()["requests"] >= 1
+    finally:
+        private.stop()

@@ -1,0 +1,145 @@
+"""Sessions, tenants and budgets through the real proxy and the fake backend (in-memory store)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import LiveServer
+
+MODEL = "fake-model"
+SYSTEM = {"role": "system", "content": "You are a travel agent. Answer in two sentences."}
+
+
+def chat(server: LiveServer, messages: list[dict[str, Any]], key: str | None = None, **extra: Any) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 30, **extra}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def converse(server: LiveServer, questions: list[str], window: int | None = None, key: str | None = None) -> list[str]:
+    """Play a conversation; with ``window``, the client re-sends only its last ``window`` messages."""
+    history: list[dict[str, Any]] = []
+    sessions = []
+    for question in questions:
+        history.append({"role": "user", "content": question})
+        sent = history if window is None else history[-window:]
+        response = chat(server, [SYSTEM, *sent], key)
+        assert response.status_code == 200, response.text
+        sessions.append(response.headers["x-prefix-proxy-session"])
+        history.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+    return sessions
+
+
+def test_sliding_window_client_keeps_its_session(proxy: LiveServer) -> None:
+    questions = [f"Plan day {i} of my trip to Lisbon, including museums and food." for i in range(1, 9)]
+    sessions = converse(proxy, questions, window=4)
+    assert len(set(sessions)) == 1
+
+
+def test_two_interleaved_conversations_of_one_user_stay_apart(proxy: LiveServer) -> None:
+    a: list[dict[str, Any]] = []
+    b: list[dict[str, Any]] = []
+    ids: dict[str, set[str]] = {"a": set(), "b": set()}
+    for turn in range(4):
+        for name, history, topic in (("a", a, "Kyoto"), ("b", b, "Oslo")):
+            opening = f"hi, I am planning a trip to {topic}"
+            history.append({"role": "user", "content": opening if turn == 0 else f"more about {topic}, part {turn}"})
+            response = chat(proxy, [SYSTEM, *history])
+            ids[name].add(response.headers["x-prefix-proxy-session"])
+            history.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+    assert len(ids["a"]) == 1 and len(ids["b"]) == 1
+    assert ids["a"] != ids["b"]
+
+
+def test_explicit_session_header_wins(proxy: LiveServer) -> None:
+    first = chat(proxy, [SYSTEM, {"role": "user", "content": "one"}], **{})
+    headers = {"x-session-id": "my-conversation-42"}
+    body = {"model": MODEL, "messages": [SYSTEM, {"role": "user", "content": "two"}], "max_tokens": 5}
+    a = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+    b = httpx.post(proxy.url + "/v1/chat/completions", json={**body, "messages": [SYSTEM]}, headers=headers)
+    assert a.headers["x-prefix-proxy-session"] == b.headers["x-prefix-proxy-session"]
+    assert a.headers["x-prefix-proxy-session"] != first.headers["x-prefix-proxy-session"]
+    cache_key = chat(proxy, [SYSTEM, {"role": "user", "content": "x"}], prompt_cache_key="my-conversation-42")
+    assert cache_key.headers["x-prefix-proxy-session"] == a.headers["x-prefix-proxy-session"]
+
+
+TENANTS = [
+    {"name": "acme", "api_key": "sk-acme-0123456789"},
+    {"name": "globex", "api_key": "sk-globex-9876543210"},
+]
+
+
+@pytest.fixture
+def keyed_proxy(make_proxy: Callable[..., LiveServer]) -> LiveServer:
+    return make_proxy(tenants=TENANTS, admin_api_key="admin-secret")
+
+
+def test_missing_or_wrong_key_is_401(keyed_proxy: LiveServer) -> None:
+    for key in (None, "sk-wrong"):
+        response = chat(keyed_proxy, [SYSTEM, {"role": "user", "content": "hi"}], key)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    models = httpx.get(keyed_proxy.url + "/v1/models")
+    assert models.status_code == 401
+
+
+def test_tenants_cannot_see_or_reset_each_others_sessions(keyed_proxy: LiveServer) -> None:
+    acme = converse(keyed_proxy, ["Book a flight to Rome", "Make it business class"], key="sk-acme-0123456789")
+    session_id = acme[0]
+    as_acme = {"authorization": "Bearer sk-acme-0123456789"}
+    as_globex = {"authorization": "Bearer sk-globex-9876543210"}
+
+    own = httpx.get(f"{keyed_proxy.url}/v1/sessions/{session_id}", headers=as_acme)
+    assert own.status_code == 200 and own.json()["requests"] == 2 and own.json()["tenant"] == "acme"
+    assert httpx.get(f"{keyed_proxy.url}/v1/sessions/{session_id}", headers=as_globex).status_code == 404
+    assert httpx.delete(f"{keyed_proxy.url}/v1/sessions/{session_id}", headers=as_globex).status_code == 404
+    assert httpx.get(f"{keyed_proxy.url}/v1/sessions", headers=as_globex).json()["data"] == []
+    assert httpx.get(f"{keyed_proxy.url}/v1/sessions/{session_id}", headers=as_acme).status_code == 200
+
+    # The same conversation sent by globex is a different session: fingerprints are tenant-scoped too.
+    globex = converse(keyed_proxy, ["Book a flight to Rome", "Make it business class"], key="sk-globex-9876543210")
+    assert session_id not in globex
+
+    admin = {"authorization": "Bearer admin-secret"}
+    listed = httpx.get(f"{keyed_proxy.url}/admin/tenants/acme/sessions", headers=admin).json()["data"]
+    assert [s["session_id"] for s in listed] == [session_id]
+    assert httpx.get(f"{keyed_proxy.url}/admin/tenants/acme/sessions", headers=as_acme).status_code == 401
+    reset = httpx.delete(f"{keyed_proxy.url}/admin/tenants/acme/sessions/{session_id}", headers=admin)
+    assert reset.status_code == 200
+    assert httpx.get(f"{keyed_proxy.url}/v1/sessions/{session_id}", headers=as_acme).status_code == 404
+
+
+def test_context_over_hard_limit_is_answered_by_the_proxy(make_proxy: Callable[..., LiveServer]) -> None:
+    server = make_proxy(budget={"context_limit_tokens": 300})
+    response = chat(server, [SYSTEM, {"role": "user", "content": "tell me everything " * 400}])
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert chat(server, [SYSTEM, {"role": "user", "content": "short"}]).status_code == 200
+
+
+def test_context_limit_defaults_to_max_model_len_minus_max_tokens(proxy: LiveServer) -> None:
+    models = httpx.get(proxy.url + "/v1/models").json()["data"]
+    max_model_len = models[0]["max_model_len"]
+    response = chat(proxy, [SYSTEM, {"role": "user", "content": "hello " * 50}], max_tokens=max_model_len - 20)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_session_budget_exhaustion_is_429_with_retry_after(make_proxy: Callable[..., LiveServer]) -> None:
+    server = make_proxy(budget={"session_tokens_per_window": 400, "window_s": 600})
+    statuses = []
+    history: list[dict[str, Any]] = [SYSTEM]
+    for i in range(8):
+        history.append({"role": "user", "content": f"question {i} about the budget"})
+        response = chat(server, history, max_tokens=20)
+        statuses.append(response.status_code)
+        if response.status_code != 200:
+            break
+        history.append(response.json()["choices"][0]["message"])
+    assert statuses[0] == 200 and statuses[-1] == 429
+    assert response.json()["error"]["type"] == "rate_limit_error"
+    assert 0 < int(response.headers["retry-after"]) <= 600
