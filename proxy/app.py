@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.canonicalizer import Canonicalizer, PrefixTracker
+from proxy.compaction import CompactionService
 from proxy.config import Settings
 from proxy.errors import ProxyError, error_body, json_response
 from proxy.kvcache import resolve_shape
@@ -76,6 +77,7 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
         models=ModelCatalog(upstream, ttl_s=settings.max_model_len_cache_s),
         token_counter=TokenCounter(),
     )
+    state.compaction = CompactionService(state)
     kv_bytes_per_token = (
         resolve_shape(settings.kv_model, settings.kv_config_json).bytes_per_token(settings.kv_dtype)
         if settings.kv_model or settings.kv_config_json
@@ -101,6 +103,7 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
             yield
         finally:
             gauges.cancel()
+            await state.compaction.drain()
             await sessions.drain()
             await store.aclose()
             await upstream.aclose()

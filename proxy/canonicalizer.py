@@ -68,11 +68,25 @@ class Canonicalizer:
 
 
 class PrefixTracker:
-    """Bounded memory of stable-prefix hashes: was this prefix seen before, and how often."""
+    """Bounded memory of stable-prefix hashes: was this prefix seen before, and how often.
+
+    It also remembers the prefixes requests had *before* canonicalization, which
+    tells whether a reused prefix exists only thanks to canonicalization.
+    """
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self._counts: OrderedDict[str, int] = OrderedDict()
+        self._raw: OrderedDict[str, None] = OrderedDict()
         self._max_entries = max_entries
+
+    def raw_seen(self, raw_prefix_hash: str) -> bool:
+        """Record a prefix as the client sent it; True when it was sent before."""
+        seen = raw_prefix_hash in self._raw
+        self._raw[raw_prefix_hash] = None
+        self._raw.move_to_end(raw_prefix_hash)
+        if len(self._raw) > self._max_entries:
+            self._raw.popitem(last=False)
+        return seen
 
     def hit(self, prefix_hash: str) -> bool:
         """Count one request; returns True when the prefix was seen before."""

@@ -95,6 +95,21 @@ class SessionSettings(BaseModel):
     tenants_in_redis: bool = False
 
 
+class SummarizerSettings(BaseModel):
+    enabled: bool = True
+    keep_last_turns: int = Field(4, ge=0)
+    max_summary_tokens: int = Field(512, gt=0)
+    # None: summarize with the conversation's own model (its cached prefix is on that model).
+    model: str | None = None
+    instruction: str | None = None
+    timeout_s: float = Field(60.0, gt=0)
+    lock_ttl_s: float = Field(120.0, gt=0)
+    retry_backoff_s: float = Field(30.0, ge=0)
+    # Restore messages a client's sliding window dropped, until they are folded into the summary.
+    sliding_window_repair: bool = False
+    repair_max_tokens: int = Field(4096, gt=0)
+
+
 class Settings(BaseSettings):
     """Everything the proxy reads at start-up."""
 
@@ -114,6 +129,7 @@ class Settings(BaseSettings):
     canon: CanonSettings = Field(default_factory=CanonSettings)
     sessions: SessionSettings = Field(default_factory=SessionSettings)
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
+    summarizer: SummarizerSettings = Field(default_factory=SummarizerSettings)
     model_budgets: dict[str, BudgetOverrides] = Field(default_factory=dict)
     tenants: list[TenantSettings] = Field(default_factory=list)
     admin_api_key: SecretStr | None = None

@@ -28,6 +28,7 @@ class RequestContext:
     first_chunk: float | None = None
     error_code: str | None = None
     upstream_api_key: str | None = None
+    saved_by_canonicalization: bool = False
 
     def mark_upstream_sent(self) -> None:
         self.upstream_sent = time.perf_counter()

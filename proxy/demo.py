@@ -19,7 +19,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-DEFAULT_SESSIONS = 12
+DEFAULT_SESSIONS = 16
 DEFAULT_SEED = 0
 DEFAULT_CONCURRENCY = 8
 
@@ -114,9 +114,7 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", name: str = "server") -> 
     """Serve an ASGI app with uvicorn on a free port in a daemon thread; yields its base URL."""
     import uvicorn
 
-    config = uvicorn.Config(
-        app, host=host, port=_free_port(host), log_level="warning", access_log=False, lifespan="on"
-    )
+    config = uvicorn.Config(app, host=host, port=_free_port(host), log_level="warning", access_log=False, lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=name, daemon=True)
     thread.start()

@@ -66,6 +66,8 @@ def finish(state: ProxyState, ctx: RequestContext, overhead: float | None = None
         metrics.upstream_latency.labels(ctx.route).observe(upstream)
     if ctx.usage is not None:
         metrics.record_usage(ctx.model or "", ctx.tenant, ctx.usage)
+        if ctx.saved_by_canonicalization and ctx.usage.cached_tokens:
+            metrics.record_saved(ctx.model or "", ctx.tenant, "canonicalization", ctx.usage.cached_tokens)
     log_request(ctx, overhead * 1000)
     return overhead
 

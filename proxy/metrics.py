@@ -171,6 +171,9 @@ class Metrics:
         self.prefill_tokens.labels(model, tenant).inc(usage.prefill_tokens)
         self.completion_tokens.labels(model, tenant).inc(usage.completion_tokens)
 
+    def record_saved(self, model: str, tenant: str, source: str, tokens: int) -> None:
+        self.tokens_saved.labels(self.model_label(model), self.tenant_label(tenant), source).inc(tokens)
+
     def record_request(self, route: str, status: int, model: str | None, tenant: str) -> None:
         self.requests.labels(route, str(status), self.model_label(model), self.tenant_label(tenant)).inc()
 

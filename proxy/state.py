@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
@@ -14,6 +15,9 @@ from proxy.sessions.service import SessionService
 from proxy.tenants import TenantDirectory
 from proxy.tokenization import TokenCounter
 from proxy.upstream import Upstream
+
+if TYPE_CHECKING:
+    from proxy.compaction import CompactionService
 
 
 @dataclass
@@ -27,6 +31,7 @@ class ProxyState:
     tenants: TenantDirectory
     models: ModelCatalog
     token_counter: TokenCounter
+    compaction: CompactionService = field(init=False)
 
 
 def get_state(request: Request) -> ProxyState:

@@ -1,13 +1,14 @@
-"""One chat request's session side: identity, context budget, usage budget, accounting."""
+"""One chat request's session side: identity, summary anchoring, budgets, accounting."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.budget import (
+    ContextCheck,
     check_context,
     context_limit,
     effective_budget,
@@ -16,6 +17,7 @@ from proxy.budget import (
     reservation_amount,
     usage_limits,
 )
+from proxy.canon import CanonResult
 from proxy.config import BudgetSettings
 from proxy.errors import ProxyError
 from proxy.sessions.model import Reservation
@@ -23,6 +25,7 @@ from proxy.sessions.service import SessionView, StoreUnavailable
 from proxy.state import ProxyState
 from proxy.tenants import Tenant
 from proxy.usage import Usage
+from summarizer import Anchored, SummaryState, anchor
 
 
 def context_length_exceeded(estimate: int, limit: int) -> ProxyError:
@@ -52,42 +55,73 @@ class ChatTurn:
     state: ProxyState
     tenant: Tenant
     budget: BudgetSettings
-    forwarded: dict[str, Any]
+    canonical: dict[str, Any]
+    stable_count: int
     session: SessionView | None
-    request_bytes: int
+    summary: SummaryState = field(default_factory=SummaryState)
+    anchored: Anchored | None = None
+    limit: int | None = None
+    request_bytes: int = 0
     reservation: Reservation | None = None
-    over_soft_limit: bool = False
+    actions: list[str] = field(default_factory=list)
+
+    @property
+    def forwarded(self) -> dict[str, Any]:
+        if self.anchored is None:
+            return self.canonical
+        return {**self.canonical, "messages": self.anchored.messages}
+
+    @property
+    def session_id(self) -> str | None:
+        return self.session.session_id if self.session else None
 
     @classmethod
     async def begin(
-        cls,
-        state: ProxyState,
-        tenant: Tenant,
-        headers: Mapping[str, str],
-        body: dict[str, Any],
-        forwarded: dict[str, Any],
+        cls, state: ProxyState, tenant: Tenant, headers: Mapping[str, str], body: dict[str, Any], canon: CanonResult
     ) -> ChatTurn:
-        model = str(forwarded.get("model"))
+        canonical = canon.body
+        model = str(canonical.get("model"))
         budget = effective_budget(state.settings.budget, state.settings.model_budgets.get(model), tenant.budget)
         try:
-            session = await state.sessions.resolve(tenant.name, headers, body, forwarded["messages"])
+            session = await state.sessions.resolve(tenant.name, headers, body, canonical["messages"])
         except StoreUnavailable:
             session = None
-        size = request_bytes(forwarded)
-        limit = context_limit(budget, await state.models.max_model_len(model), forwarded)
-        tokens_per_byte = session.tokens_per_byte if session else None
-        estimate = estimate_prompt_tokens(state.token_counter, forwarded, size, tokens_per_byte, limit)
-        turn = cls(state, tenant, budget, forwarded, session, size)
-        check = check_context(estimate, limit, budget.soft_ratio)
-        turn.over_soft_limit = check.over_soft
+        turn = cls(state, tenant, budget, canonical, canon.stable_count, session)
+        if session is not None and session.record is not None:
+            turn.summary = SummaryState.from_json(session.record.summary)
+        turn._anchor()
+        turn.limit = context_limit(budget, await state.models.max_model_len(model), canonical)
+        check = turn._check()
+        if check.over_hard and turn.anchored is not None and await state.compaction.compact_now(turn):
+            turn._anchor()
+            check = turn._check()
         if check.over_hard and check.limit is not None:
             state.metrics.budget_rejections.labels("context", state.metrics.tenant_label(tenant.name)).inc()
             raise context_length_exceeded(check.estimate, check.limit)
         await turn._reserve(check.estimate)
         return turn
 
+    def _anchor(self) -> None:
+        """Apply the session's summary (and window repair) to the canonical request."""
+        settings = self.state.settings.summarizer
+        if not settings.enabled or self.session is None:
+            return
+        self.anchored = anchor(
+            self.canonical["messages"], self.summary, self.stable_count, repair=settings.sliding_window_repair
+        )
+        self.actions = self.anchored.actions
+
+    def _check(self) -> ContextCheck:
+        forwarded = self.forwarded
+        self.request_bytes = request_bytes(forwarded)
+        tokens_per_byte = self.session.tokens_per_byte if self.session else None
+        estimate = estimate_prompt_tokens(
+            self.state.token_counter, forwarded, self.request_bytes, tokens_per_byte, self.limit
+        )
+        return check_context(estimate, self.limit, self.budget.soft_ratio)
+
     async def _reserve(self, prompt_estimate: int) -> None:
-        limits = usage_limits(self.budget, self.tenant.name, self.session.session_id if self.session else None)
+        limits = usage_limits(self.budget, self.tenant.name, self.session_id)
         if not limits:
             return
         amount = reservation_amount(prompt_estimate, self.forwarded, self.budget)
@@ -101,11 +135,7 @@ class ChatTurn:
             raise budget_exhausted(kind, reservation.retry_after_s)
         self.reservation = reservation
 
-    @property
-    def session_id(self) -> str | None:
-        return self.session.session_id if self.session else None
-
-    async def finish(self, usage: Usage | None, reply: Mapping[str, Any] | None) -> None:
+    async def finish(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
         if self.session is None:
             return
         await self.state.sessions.record(
@@ -117,8 +147,9 @@ class ChatTurn:
             self.reservation,
             self.budget.window_s,
         )
+        self._after(usage, reply)
 
-    def finish_later(self, usage: Usage | None, reply: Mapping[str, Any] | None) -> None:
+    def finish_later(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
         if self.session is None:
             return
         self.state.sessions.record_later(
@@ -130,11 +161,25 @@ class ChatTurn:
             self.reservation,
             self.budget.window_s,
         )
+        self._after(usage, reply)
+
+    def _after(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
+        if self.state.settings.summarizer.enabled:
+            self.state.compaction.after_turn(self, usage, reply)
+        if self.anchored is not None and self.anchored.removed and usage is not None:
+            tokens_per_byte = self.session.tokens_per_byte if self.session else None
+            saved = (
+                int(sum(len(str(m)) for m in self.canonical["messages"]) * (tokens_per_byte or 0.25))
+                - usage.prompt_tokens
+            )
+            if saved > 0:
+                self.state.metrics.record_saved(str(self.canonical.get("model")), self.tenant.name, "summary", saved)
 
     async def abandon(self) -> None:
         """The upstream failed: give the reserved tokens back."""
         if self.reservation is not None and self.reservation.keys:
+            store = self.state.sessions.store
             with contextlib.suppress(StoreUnavailable):
                 await self.state.sessions.call(
-                    self.state.sessions.store.settle(self.reservation, -self.reservation.amount, self.budget.window_s)
+                    store.settle(self.reservation, -self.reservation.amount, self.budget.window_s)
                 )

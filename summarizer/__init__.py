@@ -1,1 +1,27 @@
-"""Compaction of old conversation turns into a stable, cache-friendly summary."""
+"""Compaction of old conversation turns into a stable, cache-friendly summary.
+
+- :mod:`summarizer.policy`: when to compact and which turns to fold (pure);
+- :mod:`summarizer.anchor`: placing the summary and dropping what it covers (pure);
+- :mod:`summarizer.prompt`: the summarization request (pure);
+- :mod:`summarizer.compactor`: asking the backend for the summary (injected I/O);
+- :mod:`summarizer.state`: the stored summary state.
+"""
+
+from summarizer.anchor import Anchored, anchor, summary_message
+from summarizer.compactor import Compaction, CompactionFailed, Compactor, CompactorOptions
+from summarizer.policy import SummaryPolicy, is_due, plan_chunk
+from summarizer.state import SummaryState
+
+__all__ = [
+    "Anchored",
+    "Compaction",
+    "CompactionFailed",
+    "Compactor",
+    "CompactorOptions",
+    "SummaryPolicy",
+    "SummaryState",
+    "anchor",
+    "is_due",
+    "plan_chunk",
+    "summary_message",
+]

@@ -45,6 +45,8 @@ class CanonResult:
     body: dict[str, Any]
     actions: list[Action]
     prefix_hash: str
+    # Leading system messages that are stable (what a summary goes right after).
+    stable_count: int = 0
 
     @property
     def changed(self) -> bool:
@@ -61,7 +63,8 @@ def canonicalize(
 ) -> CanonResult:
     """Canonicalize a chat-completions body. ``namespace`` (the tenant) scopes the memories."""
     if options.mode == "off" or not isinstance(body.get("messages"), list):
-        return CanonResult(body, [], stable_prefix_hash(body))
+        count = leading_system_count(body.get("messages") or [])
+        return CanonResult(body, [], stable_prefix_hash(body, count), count)
     out = dict(body)
     messages = [_copy_message(m) for m in body["messages"]]
     out["messages"] = messages
@@ -82,7 +85,7 @@ def canonicalize(
         relocation, stable_count = _relocate_volatile(messages, options, learned, app_key)
         actions.extend(relocation)
 
-    return CanonResult(out, actions, stable_prefix_hash(out, stable_count))
+    return CanonResult(out, actions, stable_prefix_hash(out, stable_count), stable_count)
 
 
 def _copy_message(message: Any) -> Any:

@@ -11,6 +11,7 @@ from starlette.responses import Response
 from proxy.assistant import AssistantRecorder
 from proxy.body import parse_json_object, read_body, validate_chat_request
 from proxy.canon import CanonResult
+from proxy.canon.fingerprint import stable_prefix_hash
 from proxy.errors import ProxyError
 from proxy.forward import dumps, error_response, new_context, send_json, send_stream
 from proxy.relay import SSERelay
@@ -38,11 +39,11 @@ async def chat_completions(request: Request) -> Response:
         canon = state.canonicalizer.apply(body, tenant.name)
         ctx.actions = [str(action) for action in canon.actions]
         ctx.prefix_hash = canon.prefix_hash
-        _count_canonicalization(state, canon)
-        forwarded = canon.body
-
-        turn = await ChatTurn.begin(state, tenant, request.headers, body, forwarded)
+        ctx.saved_by_canonicalization = _count_canonicalization(state, body, canon)
+        turn = await ChatTurn.begin(state, tenant, request.headers, body, canon)
         ctx.session_id = turn.session_id
+        ctx.actions.extend(turn.actions)
+        forwarded = turn.forwarded
 
         if not ctx.stream:
             replies: list[dict[str, Any]] = []
@@ -90,11 +91,19 @@ def _client_wants_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
-def _count_canonicalization(state: ProxyState, canon: CanonResult) -> None:
+def _count_canonicalization(state: ProxyState, body: dict[str, Any], canon: CanonResult) -> bool:
+    """Count actions and prefix reuse; True when the prefix is reused only thanks to canonicalization.
+
+    Then the client's own prefix was new, so without the rewrite the backend could not have served
+    the cached tokens this request gets: they count as saved by canonicalization (an estimate).
+    """
     for action in canon.actions:
         state.metrics.canon_actions.labels(action.kind).inc()
     seen = state.prefixes.hit(canon.prefix_hash)
     state.metrics.prefix_requests.labels("repeat" if seen else "new").inc()
+    raw_prefix = stable_prefix_hash(body) if canon.changed else canon.prefix_hash
+    raw_seen = state.prefixes.raw_seen(raw_prefix)
+    return seen and not raw_seen
 
 
 def _reply_message(reply: dict[str, Any]) -> AssistantRecorder | None:

@@ -120,6 +120,4 @@ def knowledge_passages() -> tuple[str, ...]:
         for tool in tool_suite(suite):
             function = tool["function"]
             passages.append(f"{function['name']}: {function['description']}")
-    seen: set[str] = set()
-    unique = [p for p in passages if not (p in seen or seen.add(p))]
-    return tuple(unique)
+    return tuple(dict.fromkeys(passages))

@@ -81,11 +81,7 @@ def format_comparison(
     proxied_width = sum(widths[7:11]) + 3 * 2
     lead = sum(widths[:3]) + 2 * 2
     lines = [
-        " " * lead
-        + "  "
-        + labels[0].center(direct_width, "-")
-        + "  "
-        + labels[1].center(proxied_width, "-"),
+        " " * lead + "  " + labels[0].center(direct_width, "-") + "  " + labels[1].center(proxied_width, "-"),
     ]
 
     def fmt(row: list[str]) -> str:

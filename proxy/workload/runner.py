@@ -9,6 +9,7 @@ which is how vLLM reports a miss).
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,10 @@ class RequestStat:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    #: what the proxy reported doing (``x-prefix-proxy-actions``; empty when direct)
+    actions: tuple[str, ...] = ()
+    #: the proxy's own time (``x-prefix-proxy-overhead-ms``), None when direct
+    overhead_ms: float | None = None
 
 
 @dataclass
@@ -46,6 +51,10 @@ class ScenarioResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error_samples: list[str] = field(default_factory=list)
+    #: requests per proxy action kind (e.g. ``volatile_moved``, ``tools_canonicalized``)
+    actions: Counter[str] = field(default_factory=Counter)
+    overhead_ms_total: float = 0.0
+    overhead_samples: int = 0
     per_request: list[RequestStat] = field(default_factory=list, repr=False)
 
     @property
@@ -58,6 +67,10 @@ class ScenarioResult:
         """Prompt tokens the server had to compute."""
         return self.prompt_tokens - self.cached_tokens
 
+    @property
+    def mean_overhead_ms(self) -> float | None:
+        return self.overhead_ms_total / self.overhead_samples if self.overhead_samples else None
+
     def add(self, stat: RequestStat) -> None:
         self.requests += 1
         self.per_request.append(stat)
@@ -69,6 +82,10 @@ class ScenarioResult:
         self.prompt_tokens += stat.prompt_tokens
         self.cached_tokens += stat.cached_tokens
         self.completion_tokens += stat.completion_tokens
+        self.actions.update({action.split(":", 1)[0] for action in stat.actions})
+        if stat.overhead_ms is not None:
+            self.overhead_ms_total += stat.overhead_ms
+            self.overhead_samples += 1
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -82,6 +99,8 @@ class ScenarioResult:
             "hit_rate": round(self.hit_rate, 4),
             "prefill_tokens": self.prefill_tokens,
             "error_samples": list(self.error_samples),
+            "proxy_actions": dict(sorted(self.actions.items())),
+            "proxy_overhead_ms_mean": None if self.mean_overhead_ms is None else round(self.mean_overhead_ms, 3),
         }
 
 
@@ -95,6 +114,9 @@ def overall(results: Iterable[ScenarioResult], name: str = "overall") -> Scenari
         total.prompt_tokens += result.prompt_tokens
         total.cached_tokens += result.cached_tokens
         total.completion_tokens += result.completion_tokens
+        total.actions.update(result.actions)
+        total.overhead_ms_total += result.overhead_ms_total
+        total.overhead_samples += result.overhead_samples
         total.error_samples.extend(result.error_samples[: MAX_ERROR_SAMPLES - len(total.error_samples)])
     return total
 
@@ -252,9 +274,22 @@ async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any], sessi
             prompt_tokens=_int(usage.get("prompt_tokens")),
             cached_tokens=cached_tokens_of(usage),
             completion_tokens=_int(usage.get("completion_tokens")),
+            actions=_actions(response.headers.get("x-prefix-proxy-actions")),
+            overhead_ms=_float(response.headers.get("x-prefix-proxy-overhead-ms")),
         ),
         payload,
     )
+
+
+def _actions(header: str | None) -> tuple[str, ...]:
+    return tuple(a.strip() for a in header.split(",") if a.strip()) if header else ()
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def run_workload(

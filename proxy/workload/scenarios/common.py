@@ -6,7 +6,7 @@ import json
 import random
 from typing import Any
 
-from proxy.workload.corpus import questions
+from proxy.workload.corpus import Question, questions
 
 MIN_USER_TURNS = 3
 MAX_USER_TURNS = 6
@@ -20,12 +20,18 @@ def mt_bench_turns(rng: random.Random, count: int, first: int) -> list[str]:
     """``count`` user turns: MT-bench questions, both turns of each, in order.
 
     The second turn of an MT-bench question refers back to the first answer, so the two
-    stay together; then the conversation moves on to another question. The first question
-    is ``questions()[first % len]`` (give sessions of one app different ``first`` values: real
-    users do not replay each other's conversations), the others are drawn with ``rng``.
+    stay together; then the conversation moves on to another question. ``first`` picks the
+    opening question (category ``first % 8``, then the next question of it for every round),
+    so sessions of one app given different ``first`` values open differently: real users do
+    not replay each other's conversations. The other questions are drawn with ``rng``.
     """
-    pool = list(questions())
-    opening = pool.pop(first % len(pool))
+    by_category: dict[str, list[Question]] = {}
+    for question in questions():
+        by_category.setdefault(question.category, []).append(question)
+    categories = list(by_category)
+    in_category = by_category[categories[first % len(categories)]]
+    opening = in_category[(first // len(categories)) % len(in_category)]
+    pool = [q for q in questions() if q is not opening]
     rng.shuffle(pool)
     turns = [turn for question in [opening, *pool] for turn in question.turns]
     return turns[:count]

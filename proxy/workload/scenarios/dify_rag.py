@@ -65,7 +65,9 @@ APPS = (
         "1721714550947",
         {
             "1721707099211.output": "Practical tips, honest reviews and short punchy sentences.",
-            "1721690653676.output": "Dify: an open-source LLM app development platform\nRAG: retrieval-augmented generation",
+            "1721690653676.output": (
+                "Dify: an open-source LLM app development platform\nRAG: retrieval-augmented generation"
+            ),
             "1721651035904.nouns": "knowledge base, workflow, agent",
             "1721651035904.style": "friendly, energetic and witty",
         },

@@ -1,0 +1,82 @@
+"""Anchoring: the summary replaces the messages it stands for, right after the stable system prefix.
+
+Pure functions. The summarized messages are recognized by fingerprint whether
+the client re-sends all of them, only some (its window slid), or none. Between
+two compactions the forwarded prefix ``[system, summary, kept turns...]`` is
+byte-identical, so the backend keeps hitting its cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.sessions.identity import message_fingerprint
+from proxy.tokenization.counter import message_text
+from summarizer.state import SummaryState
+
+SUMMARY_HEADER = "Summary of the earlier part of this conversation:"
+
+
+def summary_message(state: SummaryState) -> dict[str, Any]:
+    return {"role": "system", "content": f"{SUMMARY_HEADER}\n{state.text}"}
+
+
+def is_summary_message(message: dict[str, Any]) -> bool:
+    content = message.get("content")
+    return message.get("role") == "system" and isinstance(content, str) and content.startswith(SUMMARY_HEADER)
+
+
+@dataclass
+class Anchored:
+    messages: list[dict[str, Any]]
+    removed: int = 0
+    removed_bytes: int = 0
+    restored: int = 0
+    actions: list[str] = field(default_factory=list)
+    # Index of the first message after the summary (or after the system prefix when there is none).
+    history_start: int = 0
+
+
+def anchor(messages: list[dict[str, Any]], state: SummaryState, insert_at: int, *, repair: bool = False) -> Anchored:
+    """Replace the leading covered messages after ``insert_at`` with the summary (and repair the window)."""
+    head, rest = messages[:insert_at], messages[insert_at:]
+    removed = 0
+    if state.covered:
+        while removed < len(rest) and message_fingerprint(rest[removed]) in state.covered:
+            removed += 1
+    removed_bytes = sum(len(message_text(m).encode("utf-8", "surrogatepass")) for m in rest[:removed])
+    rest = rest[removed:]
+    restored = _restore_dropped(rest, state.tail) if repair else []
+    out = list(head)
+    actions = []
+    if state.active:
+        out.append(summary_message(state))
+        actions.append(f"summary_anchored:v{state.version}")
+    if removed:
+        actions.append(f"summary_replaced_messages:{removed}")
+    if restored:
+        actions.append(f"window_repaired:{len(restored)}")
+    history_start = len(out)
+    out.extend(restored)
+    out.extend(rest)
+    return Anchored(out, removed, removed_bytes, len(restored), actions, history_start)
+
+
+def _restore_dropped(rest: list[dict[str, Any]], tail: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages of the remembered tail that the client dropped from the front of its window.
+
+    Only a clean slide is repaired: the client's messages must continue the tail
+    exactly where they overlap; anything else (an edited history) is left alone.
+    """
+    if not rest or not tail:
+        return []
+    tail_prints = [message_fingerprint(m) for m in tail]
+    first = message_fingerprint(rest[0])
+    if first not in tail_prints:
+        return []
+    start = tail_prints.index(first)
+    overlap = min(len(tail) - start, len(rest))
+    if any(tail_prints[start + i] != message_fingerprint(rest[i]) for i in range(overlap)):
+        return []
+    return tail[:start]
