@@ -91,7 +91,9 @@ def estimate_prompt_tokens(
     if limit is None or estimate <= limit * EXACT_COUNT_MARGIN:
         return estimate
     messages = body.get("messages") or []
-    return counter.count_messages(messages) + counter.count_tools(body.get("tools") or body.get("functions"))
+    exact = counter.count_messages(messages) + counter.count_tools(body.get("tools") or body.get("functions"))
+    # The local tokenizer is not the model's: a calibrated byte estimate that is higher wins.
+    return max(exact, estimate) if tokens_per_byte else exact
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,167 @@
+"""The summarizer through the real proxy and the fake backend (which answers summary requests)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.app import create_app
+from proxy.config import Settings
+from proxy.fakebackend import FakeBackendConfig
+from proxy.fakebackend import create_app as create_fake_app
+from summarizer.anchor import SUMMARY_HEADER
+from tests.conftest import LiveServer
+from tests.redis_server import SHARED_URL, delete_prefix, require_shared_redis, unique_prefix
+
+MODEL = "fake-model"
+SYSTEM = {"role": "system", "content": "You are a patient tutor of European history. Answer briefly."}
+GENERATION_PROMPT = "<|im_start|>assistant\n"
+
+
+@pytest.fixture
+def backend() -> Iterator[LiveServer]:
+    server = LiveServer(create_fake_app(FakeBackendConfig())).start()
+    yield server
+    server.stop()
+
+
+def proxy_for(backend: LiveServer, **settings: Any) -> LiveServer:
+    return LiveServer(create_app(Settings(upstream=backend.url + "/v1", **settings))).start()
+
+
+def question(turn: int) -> str:
+    return f"Turn {turn}: explain one cause of the Thirty Years' War and one consequence for the Holy Roman Empire."
+
+
+def backend_log(backend: LiveServer) -> list[dict[str, Any]]:
+    return sorted(
+        httpx.get(backend.url + "/fake/requests", params={"limit": 256}).json(), key=lambda r: r["received_at"]
+    )
+
+
+def metric(server: LiveServer, name: str, labels: str = "") -> float:
+    total = 0.0
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name) and labels in line and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def play(server: LiveServer, turns: int, max_tokens: int = 60) -> list[httpx.Response]:
+    history: list[dict[str, Any]] = [SYSTEM]
+    responses = []
+    for turn in range(turns):
+        history.append({"role": "user", "content": question(turn)})
+        response = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": history, "max_tokens": max_tokens},
+            timeout=60,
+        )
+        responses.append(response)
+        if response.status_code != 200:
+            break
+        history.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+        time.sleep(0.05)  # the client reads; background compaction runs meanwhile
+    return responses
+
+
+def test_long_conversation_stays_under_the_hard_limit_with_stable_prefixes(backend: LiveServer) -> None:
+    limit = 1500
+    server = proxy_for(backend, budget={"context_limit_tokens": limit}, summarizer={"max_summary_tokens": 120})
+    try:
+        responses = play(server, 40)
+        assert [r.status_code for r in responses] == [200] * 40
+        assert all(r.json()["usage"]["prompt_tokens"] <= limit for r in responses)
+        assert metric(server, "prefix_proxy_compactions_total", 'outcome="succeeded"') >= 2
+        assert metric(server, "prefix_proxy_compactions_total", 'outcome="failed"') == 0
+    finally:
+        server.stop()
+
+    chats = [r for r in backend_log(backend) if "Write a summary of the conversation" not in r["prompt_text"]]
+    versions = [_summary_version(r["prompt_text"]) for r in chats]
+    assert len(set(versions)) >= 3, "the summary changed at compaction points"
+    stable_pairs = 0
+    for previous, current in zip(chats, chats[1:], strict=False):
+        if _summary_version(previous["prompt_text"]) == _summary_version(current["prompt_text"]):
+            # Between compactions the forwarded prompt only grows: the old one is its exact prefix.
+            assert current["prompt_text"].startswith(previous["prompt_text"][: -len(GENERATION_PROMPT)])
+            stable_pairs += 1
+    assert stable_pairs >= 30
+
+
+def _summary_version(prompt: str) -> str | None:
+    start = prompt.find(SUMMARY_HEADER)
+    return None if start < 0 else prompt[start : prompt.find("<|im_end|>", start)]
+
+
+def test_failing_summarizer_leaves_the_conversation_intact(backend: LiveServer) -> None:
+    budget = {"context_limit_tokens": 1400, "soft_ratio": 0.5}
+    server = proxy_for(backend, budget=budget, summarizer={"model": "no-such-model", "retry_backoff_s": 0})
+    try:
+        responses = play(server, 12)
+        assert [r.status_code for r in responses] == [200] * 12
+        assert metric(server, "prefix_proxy_compactions_total", 'outcome="failed"') >= 1
+        assert metric(server, "prefix_proxy_compactions_total", 'outcome="succeeded"') == 0
+    finally:
+        server.stop()
+    last = [r for r in backend_log(backend) if r["body"].get("model") == MODEL][-1]
+    assert SUMMARY_HEADER not in last["prompt_text"]
+    assert all(question(turn) in last["prompt_text"] for turn in range(12)), "no message was dropped"
+
+
+def test_two_replicas_compact_a_session_exactly_once() -> None:
+    require_shared_redis()
+    prefix = unique_prefix()
+    slow = LiveServer(create_fake_app(FakeBackendConfig(seconds_per_output_token=0.02))).start()
+    settings = {
+        "budget": {"context_limit_tokens": 900, "soft_ratio": 0.3},
+        "summarizer": {"max_summary_tokens": 80},
+        "sessions": {"store": "redis", "redis_url": SHARED_URL, "key_prefix": prefix},
+        "admin_api_key": "admin",
+    }
+    replicas = [proxy_for(slow, **settings) for _ in range(2)]
+    try:
+        history: list[dict[str, Any]] = [SYSTEM]
+        for turn in range(5):
+            history.append({"role": "user", "content": question(turn)})
+            history.append({"role": "assistant", "content": f"Answer {turn}: " + "the Peace of Westphalia. " * 8})
+        history.append({"role": "user", "content": question(5)})
+        body = {"model": MODEL, "messages": history, "max_tokens": 5}
+        headers = {"x-session-id": "shared-session"}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(
+                pool.map(
+                    lambda r: httpx.post(r.url + "/v1/chat/completions", json=body, headers=headers, timeout=60),
+                    replicas,
+                )
+            )
+        assert [r.status_code for r in results] == [200, 200]
+        session_id = results[0].headers["x-prefix-proxy-session"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            record = httpx.get(
+                f"{replicas[0].url}/admin/tenants/anonymous/sessions/{session_id}",
+                headers={"authorization": "Bearer admin"},
+            ).json()
+            if record.get("summary"):
+                break
+            time.sleep(0.2)
+        time.sleep(3)  # let any second compaction finish, if one (wrongly) started
+        record = httpx.get(
+            f"{replicas[0].url}/admin/tenants/anonymous/sessions/{session_id}",
+            headers={"authorization": "Bearer admin"},
+        ).json()
+        assert record["summary"]["version"] == 1
+        assert sum(metric(r, "prefix_proxy_compactions_total", 'outcome="succeeded"') for r in replicas) == 1
+        summaries = [r for r in backend_log(slow) if "Write a summary of the conversation" in r["prompt_text"]]
+        assert len(summaries) == 1
+    finally:
+        for replica in replicas:
+            replica.stop()
+        slow.stop()
+        delete_prefix(SHARED_URL, prefix)

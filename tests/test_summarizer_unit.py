@@ -1,0 +1,109 @@
+"""Summarizer pure parts: what to fold, how the summary is anchored, the request it sends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from proxy.sessions.identity import message_fingerprint
+from summarizer import Compactor, CompactorOptions, SummaryPolicy, SummaryState, anchor, plan_chunk
+from summarizer.anchor import SUMMARY_HEADER
+from summarizer.compactor import CompactionFailed
+
+SYSTEM = {"role": "system", "content": "You are helpful."}
+
+
+def conversation(turns: int, with_tools: bool = False) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [SYSTEM]
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"question {i}"})
+        if with_tools and i % 2 == 0:
+            call = {"id": f"call_{i}", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            messages.append({"role": "tool", "tool_call_id": f"call_{i}", "content": f"result {i}"})
+        messages.append({"role": "assistant", "content": f"answer {i}"})
+    return messages
+
+
+def test_chunk_ends_at_a_user_turn_and_keeps_the_last_turns() -> None:
+    messages = conversation(8)
+    chunk = plan_chunk(messages, 1, SummaryPolicy(keep_last_turns=3))
+    assert chunk is not None
+    assert messages[chunk.end]["role"] == "user"
+    assert sum(1 for m in messages[chunk.end :] if m["role"] == "user") == 3
+
+
+def test_nothing_to_fold_when_only_kept_turns_remain() -> None:
+    assert plan_chunk(conversation(3), 1, SummaryPolicy(keep_last_turns=3)) is None
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2, 3, 5])
+def test_tool_calls_never_separated_from_their_results(keep: int) -> None:
+    messages = conversation(9, with_tools=True)
+    chunk = plan_chunk(messages, 1, SummaryPolicy(keep_last_turns=keep))
+    assert chunk is not None
+    folded_calls = {c["id"] for m in messages[chunk.start : chunk.end] for c in m.get("tool_calls") or []}
+    folded_results = {m["tool_call_id"] for m in messages[chunk.start : chunk.end] if m["role"] == "tool"}
+    assert folded_calls == folded_results
+
+
+def state_covering(messages: list[dict[str, Any]], text: str = "they talked") -> SummaryState:
+    return SummaryState(text=text, covered={message_fingerprint(m) for m in messages}, version=1)
+
+
+def test_anchor_replaces_covered_messages_whatever_the_client_resends() -> None:
+    messages = conversation(6)
+    state = state_covering(messages[1:7])
+    full = anchor(messages, state, insert_at=1)
+    assert full.messages[1]["content"].startswith(SUMMARY_HEADER)
+    assert full.messages[2:] == messages[7:]
+    assert full.removed == 6
+    # The client's window slid: it re-sends only part of the covered messages, or none.
+    partial = anchor([SYSTEM, *messages[4:]], state, insert_at=1)
+    none = anchor([SYSTEM, *messages[7:]], state, insert_at=1)
+    assert partial.messages == full.messages == none.messages
+
+
+def test_window_repair_restores_dropped_messages() -> None:
+    messages = conversation(5)
+    state = SummaryState(tail=messages[1:9])
+    client = [SYSTEM, *messages[5:]]  # the client dropped the first four messages
+    repaired = anchor(client, state, insert_at=1, repair=True)
+    assert repaired.messages == messages
+    assert repaired.restored == 4
+    edited = [SYSTEM, {"role": "user", "content": "something else"}, *messages[6:]]
+    assert anchor(edited, state, insert_at=1, repair=True).messages == edited
+
+
+async def test_compactor_builds_an_incremental_cache_reusing_request() -> None:
+    sent: list[dict[str, Any]] = []
+
+    async def complete(body: dict[str, Any]) -> tuple[str, int]:
+        sent.append(body)
+        return "new summary", 3
+
+    tools = [{"type": "function", "function": {"name": "search"}}]
+    messages = anchor(conversation(8), state_covering(conversation(2)[1:]), insert_at=1).messages
+    compactor = Compactor(complete, SummaryPolicy(keep_last_turns=2), CompactorOptions(max_summary_tokens=50))
+    result = await compactor.compact(state_covering(conversation(2)[1:]), {"model": "m", "tools": tools}, messages, 2)
+    assert result is not None
+    request = sent[0]
+    # The conversation as forwarded, then the instruction: the prefix is the one the backend cached.
+    assert request["messages"][:-1] == messages[: len(request["messages"]) - 1]
+    assert request["messages"][1]["content"].startswith(SUMMARY_HEADER), "the old summary is merged in"
+    assert request["tools"] == tools and request["tool_choice"] == "none"
+    assert request["max_tokens"] == 50
+    assert result.state.version == 2 and result.state.text == "new summary"
+    assert message_fingerprint(messages[2]) in result.state.covered
+
+
+async def test_failed_summary_changes_nothing() -> None:
+    async def complete(body: dict[str, Any]) -> tuple[str, int]:
+        return "   ", 0
+
+    compactor = Compactor(complete, SummaryPolicy(keep_last_turns=1), CompactorOptions())
+    state = SummaryState()
+    with pytest.raises(CompactionFailed):
+        await compactor.compact(state, {"model": "m"}, conversation(5), 1)
+    assert state == SummaryState()
