@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -86,7 +87,7 @@ def test_long_conversation_stays_under_the_hard_limit_with_stable_prefixes(backe
     versions = [_summary_version(r["prompt_text"]) for r in chats]
     assert len(set(versions)) >= 3, "the summary changed at compaction points"
     stable_pairs = 0
-    for previous, current in zip(chats, chats[1:], strict=False):
+    for previous, current in itertools.pairwise(chats):
         if _summary_version(previous["prompt_text"]) == _summary_version(current["prompt_text"]):
             # Between compactions the forwarded prompt only grows: the old one is its exact prefix.
             assert current["prompt_text"].startswith(previous["prompt_text"][: -len(GENERATION_PROMPT)])
