@@ -173,6 +173,21 @@ def _file_source(settings_cls: type[BaseSettings], path: Path) -> PydanticBaseSe
 
 def load_settings(config_file: str | None = None, **overrides: Any) -> Settings:
     """Build settings; ``overrides`` are CLI flags (highest precedence, None means unset)."""
-    if config_file:
-        os.environ[CONFIG_FILE_ENV] = config_file
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    if not config_file:
+        return Settings(**flags)
+    path = Path(config_file)
+
+    class FileSettings(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return init_settings, env_settings, _file_source(settings_cls, path)
+
+    return FileSettings(**flags)
