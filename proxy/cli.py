@@ -43,6 +43,12 @@ def _fake_backend(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from proxy.demo import run_from_args
+
+    return run_from_args(args)
+
+
 def _kv(args: argparse.Namespace) -> int:
     from proxy.kvcache import describe
 
@@ -72,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     fake.add_argument("--prefill-ms-per-1k-tokens", type=float, default=0.0)
     fake.add_argument("--ms-per-output-token", type=float, default=0.0)
     fake.set_defaults(handler=_fake_backend)
+
+    from proxy.demo import add_arguments as add_demo_arguments
+
+    demo = commands.add_parser(
+        "demo", help="no setup: run a Dify-style workload directly and through the proxy, print hit rates"
+    )
+    add_demo_arguments(demo)
+    demo.set_defaults(handler=_demo)
 
     kv = commands.add_parser("kv", help="KV-cache bytes a context costs on a model")
     kv.add_argument("--model", help="preset name, e.g. llama-3.1-8b, qwen2.5-72b")
