@@ -44,7 +44,7 @@ class CompactionService:
             timeout_s=settings.timeout_s,
             instruction=settings.instruction or DEFAULT_INSTRUCTION,
             model=settings.model,
-            repair=settings.sliding_window_repair,
+            repair=settings.sliding_window_repair,  # the tail is kept only for sessions that repair
         )
         self._policy = SummaryPolicy(keep_last_turns=settings.keep_last_turns)
 
@@ -78,29 +78,25 @@ class CompactionService:
 
     # -- triggers -------------------------------------------------------------------------------
 
-    def after_turn(self, turn: ChatTurn, usage: Usage | None, reply: dict[str, Any] | None) -> None:
-        """Called once a request has been answered: keep the repair tail, start a compaction if due."""
+    async def after_turn(self, turn: ChatTurn, usage: Usage | None, reply: dict[str, Any] | None) -> None:
+        """Called once a request has been answered: keep the repair tail, start a compaction if due.
+
+        The tail is saved before the answer is released, so the client's next request (which
+        may follow at once) finds it; the compaction itself runs in the background.
+        """
         if turn.session is None or turn.anchored is None or reply is None:
             return
         messages = [*turn.forwarded["messages"], reply]
-        due = self._due(turn, usage, messages) and not self._backing_off(turn)
-        if due or self.settings.sliding_window_repair:
-            self._spawn(self._after_turn(turn, messages, due))
-
-    async def _after_turn(self, turn: ChatTurn, messages: list[dict[str, Any]], due: bool) -> None:
-        # One task, in order: a compaction writes its own tail, so the tail is saved only without one.
-        assert turn.anchored is not None
-        version = turn.summary.version
-        if due:
-            await self._run_locked(turn, messages, wait=False)
-        if self.settings.sliding_window_repair and turn.summary.version == version:
+        if turn.repairs_window:
             await self._save_tail(turn, messages[turn.anchored.history_start :])
+        if self._due(turn, usage, messages) and not self._backing_off(turn):
+            self._spawn(self._run_locked(turn, messages, wait=False))
 
     def _due(self, turn: ChatTurn, usage: Usage | None, messages: list[dict[str, Any]]) -> bool:
         context = usage.prompt_tokens + usage.completion_tokens if usage else 0
         if turn.limit is not None and context > turn.limit * turn.budget.soft_ratio:
             return True
-        if self.settings.sliding_window_repair and turn.anchored is not None and turn.anchored.restored:
+        if turn.repairs_window and turn.anchored is not None and turn.anchored.restored:
             restored_bytes = sum(len(str(m.get("content") or "")) for m in messages[turn.anchored.history_start :])
             tokens_per_byte = (usage.prompt_tokens / turn.request_bytes) if usage and turn.request_bytes else 0.5
             return restored_bytes * tokens_per_byte > self.settings.repair_max_tokens

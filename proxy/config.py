@@ -90,7 +90,7 @@ class SessionSettings(BaseModel):
     use_user: bool = False
     # How long a Redis failure keeps the proxy in pass-through before it tries Redis again.
     retry_after_failure_s: float = 1.0
-    operation_timeout_s: float = 0.25
+    operation_timeout_s: float = 0.5
     # Look up API keys in Redis too (hash <prefix>tenant:<sha256(key)> with name, budget JSON).
     tenants_in_redis: bool = False
 

@@ -106,10 +106,17 @@ class ChatTurn:
         settings = self.state.settings.summarizer
         if not settings.enabled or self.session is None:
             return
-        self.anchored = anchor(
-            self.canonical["messages"], self.summary, self.stable_count, repair=settings.sliding_window_repair
-        )
+        self.anchored = anchor(self.canonical["messages"], self.summary, self.stable_count, repair=self.repairs_window)
         self.actions = self.anchored.actions
+
+    @property
+    def repairs_window(self) -> bool:
+        """Repair only sessions the client names: an inferred identity cannot tell a sliding window
+        from another conversation that happens to repeat this one's messages, and restoring would
+        then put someone else's messages into the request."""
+        return (
+            self.state.settings.summarizer.sliding_window_repair and self.session is not None and self.session.explicit
+        )
 
     def _check(self) -> ContextCheck:
         forwarded = self.forwarded
@@ -136,6 +143,7 @@ class ChatTurn:
         self.reservation = reservation
 
     async def finish(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
+        """Account the answered request: session counters, budget settlement, summary upkeep."""
         if self.session is None:
             return
         await self.state.sessions.record(
@@ -147,33 +155,23 @@ class ChatTurn:
             self.reservation,
             self.budget.window_s,
         )
-        self._after(usage, reply)
+        if self.state.settings.summarizer.enabled:
+            await self.state.compaction.after_turn(self, usage, reply)
+        self._count_summary_savings()
 
     def finish_later(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
-        if self.session is None:
-            return
-        self.state.sessions.record_later(
-            self.session,
-            usage,
-            reply,
-            self.forwarded["messages"],
-            self.request_bytes,
-            self.reservation,
-            self.budget.window_s,
-        )
-        self._after(usage, reply)
+        """:meth:`finish` from synchronous code (the end of a stream), as a background task."""
+        if self.session is not None:
+            self.state.sessions.spawn(self.finish(usage, reply))
 
-    def _after(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
-        if self.state.settings.summarizer.enabled:
-            self.state.compaction.after_turn(self, usage, reply)
-        if self.anchored is not None and self.anchored.removed and usage is not None:
-            tokens_per_byte = self.session.tokens_per_byte if self.session else None
-            saved = (
-                int(sum(len(str(m)) for m in self.canonical["messages"]) * (tokens_per_byte or 0.25))
-                - usage.prompt_tokens
-            )
-            if saved > 0:
-                self.state.metrics.record_saved(str(self.canonical.get("model")), self.tenant.name, "summary", saved)
+    def _count_summary_savings(self) -> None:
+        if self.anchored is None or not self.anchored.removed_bytes:
+            return
+        # Tokens of the history the summary stands in for, less the summary itself.
+        tokens_per_byte = (self.session.tokens_per_byte if self.session else None) or 0.25
+        saved = int(self.anchored.removed_bytes * tokens_per_byte) - self.summary.tokens
+        if saved > 0:
+            self.state.metrics.record_saved(str(self.canonical.get("model")), self.tenant.name, "summary", saved)
 
     async def abandon(self) -> None:
         """The upstream failed: give the reserved tokens back."""

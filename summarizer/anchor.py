@@ -66,8 +66,10 @@ def anchor(messages: list[dict[str, Any]], state: SummaryState, insert_at: int, 
 def _restore_dropped(rest: list[dict[str, Any]], tail: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages of the remembered tail that the client dropped from the front of its window.
 
-    Only a clean slide is repaired: the client's messages must continue the tail
-    exactly where they overlap; anything else (an edited history) is left alone.
+    Only a clean slide is repaired: the client must re-send every remembered message
+    from its window's first one to the last reply, byte for byte in canonical form, and
+    then its new ones. Anything else (an edited history, or a conversation that merely
+    shares a message with this one) is left alone.
     """
     if not rest or not tail:
         return []
@@ -76,7 +78,9 @@ def _restore_dropped(rest: list[dict[str, Any]], tail: list[dict[str, Any]]) -> 
     if first not in tail_prints:
         return []
     start = tail_prints.index(first)
-    overlap = min(len(tail) - start, len(rest))
-    if any(tail_prints[start + i] != message_fingerprint(rest[i]) for i in range(overlap)):
+    remaining = len(tail) - start
+    if start == 0 or len(rest) <= remaining:
+        return []
+    if any(tail_prints[start + i] != message_fingerprint(rest[i]) for i in range(remaining)):
         return []
     return tail[:start]

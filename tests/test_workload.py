@@ -137,10 +137,12 @@ def test_registry_lists_builtins_in_order_and_rejects_duplicates_and_unknown_nam
 
 
 def test_sessions_are_interleaved_round_robin_with_3_to_6_user_turns() -> None:
-    sessions = build_sessions(None, 4, seed=7)
+    sessions = build_sessions(BUILTIN, 4, seed=7)
     assert [s.scenario for s in sessions[:5]] == BUILTIN
     assert [s.index for s in sessions[::5]] == [0, 1, 2, 3]
     assert all(3 <= len(s.user_turns) <= 6 for s in sessions)
+    long_ones = build_sessions(["sliding_window", "long_session"], 20, seed=7)
+    assert sorted(len(s.user_turns) for s in long_ones) == [20] * 8 + [40] * 4, "long scenarios cap their sessions"
     # Sessions of one app do not replay each other's conversation.
     for scenario in BUILTIN:
         apps = len(getattr(importlib.import_module(f"proxy.workload.scenarios.{scenario}"), "APPS", (0,)))

@@ -12,6 +12,7 @@ a re-run with the same digest does nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -35,22 +36,58 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2.5 keeps these as added, non-special tokens: they survive skip_special_tokens, and vLLM's
 # hermes tool parser looks their ids up in the vocabulary.
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-MODEL_SHAPE = {
-    "hidden_size": 768,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "intermediate_size": 2048,
+_COMMON_SHAPE = {
     "max_position_embeddings": 32768,
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,
 }
+# "small": ~57M params. "tiny": ~13M params, about 4x cheaper per token (prefill and decode).
+PRESETS: dict[str, dict[str, object]] = {
+    "small": {
+        "hidden_size": 768,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "intermediate_size": 2048,
+        **_COMMON_SHAPE,
+    },
+    "tiny": {
+        "hidden_size": 384,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1024,
+        **_COMMON_SHAPE,
+    },
+    "micro": {
+        "hidden_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1536,
+        **_COMMON_SHAPE,
+    },
+}
+DEFAULT_PRESET = "tiny"
 # Qwen2's pre-tokenizer split (letters, single digits, punctuation runs, newlines, spaces).
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+
+_GENERATED_WORDS = (
+    "the a of to and in is you that it for on with as are this be at your can by from or "
+    "user assistant system tool function call arguments name description parameters type "
+    "object string number integer boolean array required properties query result answer "
+    "question context document time date current today please help summary conversation "
+    "message response request error value key file path search weather city price order"
+)
+
+
+def model_dir(preset: str = DEFAULT_PRESET) -> Path:
+    return HERE / ".work" / f"model-{preset}"
 
 
 def shared_data_dir() -> Path | None:
@@ -81,24 +118,14 @@ def corpus_texts(data_dir: Path | None) -> list[str]:
             raw = path.read_text(encoding="utf-8", errors="replace")
             texts.append(raw)
             if path.suffix == ".json":
-                try:
+                with contextlib.suppress(ValueError):
                     texts.extend(_strings(json.loads(raw)))
-                except ValueError:
-                    pass
             elif path.suffix == ".jsonl":
                 for line in raw.splitlines():
-                    try:
+                    with contextlib.suppress(ValueError):
                         texts.extend(_strings(json.loads(line)))
-                    except ValueError:
-                        pass
     rng = random.Random(SEED)
-    words = (
-        "the a of to and in is you that it for on with as are this be at your can by from or "
-        "user assistant system tool function call arguments name description parameters type "
-        "object string number integer boolean array required properties query result answer "
-        "question context document time date current today please help summary conversation "
-        "message response request error value key file path search weather city price order"
-    ).split()
+    words = _GENERATED_WORDS.split()
     for _ in range(4000):
         n = rng.randint(5, 25)
         sentence = " ".join(rng.choice(words) for _ in range(n)).capitalize() + rng.choice(".?!")
@@ -109,21 +136,18 @@ def corpus_texts(data_dir: Path | None) -> list[str]:
             f"{rng.getrandbits(128):032x} {rng.randint(0, 10**6)} {rng.random():.4f}"
         )
         args = {rng.choice(words): rng.choice(words), rng.choice(words): rng.randint(0, 999)}
-        texts.append(
-            '<|im_start|>assistant\n<tool_call>\n{"name": "%s_%s", "arguments": %s}\n</tool_call>'
-            "<|im_end|>\n" % (rng.choice(words), rng.choice(words), json.dumps(args))
-        )
-        texts.append(
-            "<|im_start|>user\n<tool_response>\n%s\n</tool_response><|im_end|>\n"
-            % json.dumps({"result": rng.choice(words), "count": rng.randint(0, 99)})
-        )
+        call = {"name": f"{rng.choice(words)}_{rng.choice(words)}", "arguments": args}
+        texts.append(f"<|im_start|>assistant\n<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>\n")
+        result = json.dumps({"result": rng.choice(words), "count": rng.randint(0, 99)})
+        texts.append(f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n")
     return texts
 
 
-def digest_inputs(texts: list[str], template: str) -> str:
+def digest_inputs(texts: list[str], template: str, shape: dict[str, object]) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps({"v": BUILD_VERSION, "seed": SEED, "vocab": VOCAB_TARGET,
-                         "shape": MODEL_SHAPE}, sort_keys=True).encode())
+    h.update(
+        json.dumps({"v": BUILD_VERSION, "seed": SEED, "vocab": VOCAB_TARGET, "shape": shape}, sort_keys=True).encode()
+    )
     h.update(Path(__file__).read_bytes())
     h.update(template.encode("utf-8"))
     for text in texts:
@@ -156,11 +180,12 @@ def build_tokenizer(texts: list[str]):  # -> tokenizers.Tokenizer
     return tok
 
 
-def build(out: Path, force: bool) -> dict:
+def build(out: Path, preset: str = DEFAULT_PRESET, force: bool = False) -> dict:
+    shape = PRESETS[preset]
     data_dir = shared_data_dir()
     texts = corpus_texts(data_dir)
     template, template_source = load_chat_template()
-    digest = digest_inputs(texts, template)
+    digest = digest_inputs(texts, template, shape)
     info_path = out / "build_info.json"
     if not force and info_path.is_file():
         info = json.loads(info_path.read_text())
@@ -172,7 +197,7 @@ def build(out: Path, force: bool) -> dict:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
@@ -185,7 +210,7 @@ def build(out: Path, force: bool) -> dict:
         pad_token="<|endoftext|>",
         unk_token=None,
         clean_up_tokenization_spaces=False,
-        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+        model_max_length=shape["max_position_embeddings"],
     )
     hf_tok.chat_template = template
     hf_tok.save_pretrained(tmp)
@@ -202,7 +227,7 @@ def build(out: Path, force: bool) -> dict:
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
         torch_dtype="bfloat16",
-        **MODEL_SHAPE,
+        **shape,
     )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -224,23 +249,27 @@ def build(out: Path, force: bool) -> dict:
         "model_vocab_size": vocab_size,
         "token_ids": ids,
         "params": sum(p.numel() for p in model.parameters()),
-        "shape": MODEL_SHAPE,
+        "preset": preset,
+        "shape": shape,
         "seconds": {"tokenizer": round(t_tok, 1), "model": round(t_model, 1)},
     }
     (tmp / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    print(f"built model in {out}: {info['params'] / 1e6:.1f}M params, vocab {vocab_size}, "
-          f"tokenizer {t_tok:.1f}s, model {t_model:.1f}s, template from {template_source}")
+    print(
+        f"built model in {out}: {info['params'] / 1e6:.1f}M params, vocab {vocab_size}, "
+        f"tokenizer {t_tok:.1f}s, model {t_model:.1f}s, template from {template_source}"
+    )
     return info
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=HERE / ".work" / "model")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET)
+    parser.add_argument("--out", type=Path, default=None, help="default: .work/model-PRESET")
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args()
-    build(args.out, args.force)
+    build(args.out or model_dir(args.preset), args.preset, args.force)
 
 
 if __name__ == "__main__":

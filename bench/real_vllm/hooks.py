@@ -1,67 +1,83 @@
-"""Where the real engine gets its chat template and its reply function.
+"""Where the real engine gets its chat template and its replies: the fake backend.
 
-Both come from the fake backend (`proxy/fakebackend/template.py`, `proxy/fakebackend/replies.py`) so
-that the fake and the real engine render and answer alike. This module runs inside the vLLM
-virtual environment (model build, server process), which does not have the proxy's dependencies:
-a module is imported normally when that works, else loaded straight from its file (it must then be
-self-contained), and the stand-ins in `_fallback.py` are used only while the file does not exist.
+`proxy.fakebackend.template.QWEN_STYLE_CHAT_TEMPLATE` becomes the tokenizer's chat template and
+`proxy.fakebackend.replies.reply_for_prompt` decides every reply, so the fake and the real engine render
+and answer alike. Used by `build_model.py` and the logits processor, which run in the vLLM venv (the
+repo root is put on sys.path here), and by tests in the project venv. Needs `tokenizers` only.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+EOS_TOKEN = "<|im_end|>"
+TEMPLATE_MODULE = "proxy.fakebackend.template"
+REPLIES_MODULE = "proxy.fakebackend.replies"
 
-ReplyFn = Callable[[str, "int | None"], str]
 
-
-def _load(module_name: str) -> ModuleType | None:
-    """Import `proxy.fakebackend.<x>`; None when its file does not exist."""
-    rel = Path(*module_name.split(".")).with_suffix(".py")
-    path = REPO_ROOT / rel
-    if not path.is_file():
-        return None
+def _import(module_name: str) -> Any:
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     try:
         return importlib.import_module(module_name)
-    except ImportError:
-        # The package's __init__ may pull in dependencies this venv lacks: load the file alone.
-        spec = importlib.util.spec_from_file_location(f"_real_vllm_{path.stem}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+    except ImportError as exc:
+        raise ImportError(
+            f"cannot import {module_name} from {REPO_ROOT} ({exc}); the real engine takes its chat "
+            "template and replies from the fake backend, and needs its dependencies (xxhash, tiktoken) "
+            "in the vLLM venv"
+        ) from exc
 
 
 def load_chat_template() -> tuple[str, str]:
     """(template, where it came from)."""
-    module = _load("proxy.fakebackend.template")
-    if module is not None:
-        return module.QWEN_STYLE_CHAT_TEMPLATE, "proxy.fakebackend.template.QWEN_STYLE_CHAT_TEMPLATE"
-    return _fallback().QWEN25_CHAT_TEMPLATE, "bench/real_vllm/_fallback.py (stand-in)"
+    template: str = _import(TEMPLATE_MODULE).QWEN_STYLE_CHAT_TEMPLATE
+    return template, f"{TEMPLATE_MODULE}.QWEN_STYLE_CHAT_TEMPLATE"
 
 
-def load_reply_fn() -> tuple[Any, str]:
+def load_reply_fn() -> tuple[Callable[..., str], str]:
     """(reply_for_prompt, where it came from)."""
-    module = _load("proxy.fakebackend.replies")
-    if module is not None:
-        return module.reply_for_prompt, "proxy.fakebackend.replies.reply_for_prompt"
-    fallback = _fallback()
-    return fallback.reply_for_prompt, "bench/real_vllm/_fallback.py (placeholder)"
+    return _import(REPLIES_MODULE).reply_for_prompt, f"{REPLIES_MODULE}.reply_for_prompt"
 
 
-def _fallback() -> ModuleType:
-    here = Path(__file__).resolve().parent / "_fallback.py"
-    spec = importlib.util.spec_from_file_location("_real_vllm_fallback", here)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+class EngineTokenizer:
+    """The served model's tokenizer in the shape of the fake backend's ``ChatTokenizer`` protocol
+    (``name``, ``eos_token_id``, ``encode``, ``decode`` keeping special tokens), so that
+    ``reply_for_prompt(..., tokenizer=...)`` truncates to ``max_tokens`` of the engine's own tokens."""
+
+    def __init__(self, model_dir: str | Path, tokenizer: Any = None) -> None:
+        if tokenizer is None:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self._tokenizer = tokenizer
+        self.name = str(Path(model_dir) / "tokenizer.json")
+        eos = tokenizer.token_to_id(EOS_TOKEN)
+        if eos is None:
+            raise ValueError(f"{self.name} has no {EOS_TOKEN!r} token")
+        self.eos_token_id: int = eos
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text: str = self._tokenizer.decode(list(ids), skip_special_tokens=False)
+        return text
+
+
+def reply_kwargs(reply_fn: Callable[..., str], tokenizer: EngineTokenizer) -> dict[str, Any]:
+    """Pass the engine's tokenizer when the reply function accepts one (for max_tokens truncation)."""
+    return {"tokenizer": tokenizer} if "tokenizer" in inspect.signature(reply_fn).parameters else {}
+
+
+def expected_reply(model_dir: str | Path, prompt_ids: Sequence[int], max_tokens: int | None) -> str:
+    """The text the engine is forced to answer for these prompt ids (what `forced_reply` computes)."""
+    tokenizer = EngineTokenizer(model_dir)
+    reply_fn, _ = load_reply_fn()
+    return str(reply_fn(tokenizer.decode(prompt_ids), max_tokens, **reply_kwargs(reply_fn, tokenizer)))

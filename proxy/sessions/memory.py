@@ -65,6 +65,8 @@ class MemorySessionStore:
         record.context_tokens = turn.prompt_tokens
         record.tokens_per_byte = turn.tokens_per_byte
         record.fingerprints += len(turn.new_fingerprints)
+        record.last_pair = turn.reply_pair
+        record.last_request_pair = turn.request_pair
         self._sessions[(tenant, session_id)] = record
         self._sessions.move_to_end((tenant, session_id))
         expires = now + self._ttl

@@ -21,6 +21,10 @@ class SessionRecord:
     # upstream prompt tokens / request bytes of the latest request: calibrates later estimates.
     tokens_per_byte: float = 0.0
     fingerprints: int = 0
+    # The pair the latest reply forms with its request: a continuation of this conversation re-sends it.
+    last_pair: int = 0
+    # The newest pair of the latest request (its previous message and the new user turn).
+    last_request_pair: int = 0
     summary: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -36,6 +40,8 @@ class TurnRecord:
     completion_tokens: int
     tokens_per_byte: float
     new_fingerprints: list[int] = field(default_factory=list)
+    reply_pair: int = 0
+    request_pair: int = 0
 
 
 @dataclass(frozen=True)

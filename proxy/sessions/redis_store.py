@@ -110,6 +110,7 @@ class RedisSessionStore:
             pipe.hincrby(key, "cached_tokens", turn.cached_tokens)
             pipe.hincrby(key, "completion_tokens", turn.completion_tokens)
             pipe.hincrby(key, "fingerprints", len(turn.new_fingerprints))
+            pipe.hset(key, mapping={"last_pair": turn.reply_pair, "last_request_pair": turn.request_pair})
             pipe.expire(key, self._ttl)
             pipe.zadd(f"{self._prefix}idx:{tenant}", {session_id: now})
             pipe.expire(f"{self._prefix}idx:{tenant}", self._ttl)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -107,8 +107,10 @@ class SessionService:
         session_id = vote(matches, last_seen)
         if session_id is None:
             return SessionView(tenant, uuid.uuid4().hex, None, fingerprints)
-        known = {fp for fp, match in zip(history, matches, strict=True) if match == session_id}
         record = await self.call(self.store.get(tenant, session_id))
+        if record is not None and _forked(record, history):
+            return SessionView(tenant, uuid.uuid4().hex, None, fingerprints)
+        known = {fp for fp, match in zip(history, matches, strict=True) if match == session_id}
         return SessionView(tenant, session_id, record, fingerprints, known)
 
     async def reserve(self, limits: list[UsageLimit], amount: int, window_s: int) -> Reservation:
@@ -128,10 +130,9 @@ class SessionService:
     ) -> None:
         """Account one finished request. Never raises: a lost update only costs accuracy."""
         new = [fp for fp in view.fingerprints if fp not in view.known]
-        if reply is not None:
-            reply_fp = reply_fingerprint(messages, reply)
-            if reply_fp is not None:
-                new.append(reply_fp)
+        reply_fp = reply_fingerprint(messages, reply) if reply is not None else None
+        if reply_fp is not None:
+            new.append(reply_fp)
         prompt = usage.prompt_tokens if usage else 0
         tokens_per_byte = prompt / request_bytes if usage and request_bytes > 0 else (view.tokens_per_byte or 0.0)
         turn = TurnRecord(
@@ -140,21 +141,35 @@ class SessionService:
             completion_tokens=usage.completion_tokens if usage else 0,
             tokens_per_byte=tokens_per_byte,
             new_fingerprints=new,
+            reply_pair=reply_fp or 0,
+            request_pair=view.fingerprints[-1] if view.fingerprints else 0,
         )
         try:
-            await self.call(self.store.record_turn(view.tenant, view.session_id, turn, time.time()))
+            # Settle first: budget accuracy matters more than the session's counters.
             if reservation is not None and reservation.keys:
                 spent = (usage.prompt_tokens + usage.completion_tokens) if usage else 0
                 await self.call(self.store.settle(reservation, spent - reservation.amount, window_s))
+            await self.call(self.store.record_turn(view.tenant, view.session_id, turn, time.time()))
         except StoreUnavailable:
             pass
 
-    def record_later(self, *args: Any) -> None:
-        """Schedule :meth:`record` from synchronous code (end of a stream)."""
-        task = asyncio.get_running_loop().create_task(self.record(*args))
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run session bookkeeping in the background (from synchronous code: the end of a stream)."""
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def drain(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _forked(record: SessionRecord, history: list[int]) -> bool:
+    """The request shares pairs with the session but continues neither its latest request nor reply.
+
+    That is another conversation that began the same way (or a regenerated answer): it gets a
+    session of its own. A client that alters the model's reply still re-sends the latest request.
+    """
+    if not record.last_pair and not record.last_request_pair:
+        return False
+    return record.last_pair not in history and record.last_request_pair not in history

@@ -23,6 +23,8 @@ class Scenario:
     make_session: SessionFactory
     #: part of the default set the demo and the benches run
     default: bool = True
+    #: long scenarios cap their number of sessions (each session is already a big workload)
+    max_sessions: int | None = None
 
 
 _SCENARIOS: dict[str, Scenario] = {}
@@ -72,6 +74,8 @@ def build_sessions(scenarios: Iterable[str] | str | None, sessions_per_scenario:
     sessions: list[Session] = []
     for index in range(sessions_per_scenario):
         for scenario in resolved:
+            if scenario.max_sessions is not None and index >= scenario.max_sessions:
+                continue
             sessions.append(scenario.make_session(index, session_rng(seed, scenario.name, index)))
     return sessions
 

@@ -4,7 +4,15 @@ To add a scenario, write a module here that defines ``SCENARIO`` and append it b
 """
 
 from proxy.workload.registry import Scenario, register_scenario
-from proxy.workload.scenarios import dify_rag, fc_agent, inline_query, stable_app, timestamp_user
+from proxy.workload.scenarios import (
+    dify_rag,
+    fc_agent,
+    inline_query,
+    long_session,
+    sliding_window,
+    stable_app,
+    timestamp_user,
+)
 
 BUILTIN: tuple[Scenario, ...] = (
     dify_rag.SCENARIO,
@@ -12,6 +20,8 @@ BUILTIN: tuple[Scenario, ...] = (
     fc_agent.SCENARIO,
     inline_query.SCENARIO,
     stable_app.SCENARIO,
+    sliding_window.SCENARIO,
+    long_session.SCENARIO,
 )
 
 for _scenario in BUILTIN:

@@ -32,7 +32,7 @@ from proxy.workload.scenarios.common import mt_bench_turns, user_turn_count
 from proxy.workload.session import Message, Session
 
 NAME = "dify_rag"
-TOP_K = 4  # Dify's default top_k for knowledge retrieval
+TOP_K = 4  # chunks per query (Dify's top_k setting; its UI allows 1-10)
 CONTEXT_NODE = ("document chat", "1720801890321")
 
 _WORD = re.compile(r"[a-z0-9]+|[\u4e00-\u9fff]")
