@@ -110,7 +110,8 @@ def report(rows: list[tuple[str, Samples]]) -> str:
             f"{(p99 - d99) * 1e3:>9.2f}ms{ratio:>11.3f}{hdr:>9}"
         )
     lines.append("added = proxied - direct (same percentile); thru ratio = proxied req/s / direct req/s;")
-    lines.append("hdr = the proxy's own x-prefix-proxy-overhead-ms (non-stream only). Stream rows time the first chunk.")
+    lines.append("hdr = the proxy's own x-prefix-proxy-overhead-ms (non-stream only).")
+    lines.append("Stream rows time the first chunk.")
     return "\n".join(lines)
 
 

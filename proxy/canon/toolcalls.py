@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
 from proxy.canon.actions import Action
 from proxy.canon.jsoncanon import canonical_arguments
 from proxy.tokenization.counter import message_text
+
+
+K = TypeVar("K", int, str)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,17 +33,16 @@ class GeneratedCall:
 
 
 class ToolCallMemory:
-    """Bounded LRU of tool calls the backend generated."""
+    """Bounded LRU of tool calls the backend generated, by position key and by their own id."""
 
     def __init__(self, max_entries: int = 200_000) -> None:
         self._entries: OrderedDict[int, GeneratedCall] = OrderedDict()
+        self._by_id: OrderedDict[str, GeneratedCall] = OrderedDict()
         self._max_entries = max_entries
 
     def remember(self, key: int, call: GeneratedCall) -> None:
-        self._entries[key] = call
-        self._entries.move_to_end(key)
-        if len(self._entries) > self._max_entries:
-            self._entries.popitem(last=False)
+        _put(self._entries, key, call, self._max_entries)
+        _put(self._by_id, call.id, call, self._max_entries)
 
     def recall(self, key: int) -> GeneratedCall | None:
         call = self._entries.get(key)
@@ -48,8 +50,19 @@ class ToolCallMemory:
             self._entries.move_to_end(key)
         return call
 
+    def by_id(self, call_id: Any) -> GeneratedCall | None:
+        """The call the backend generated with this id, when the client kept the original id."""
+        return self._by_id.get(call_id) if isinstance(call_id, str) else None
+
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _put(table: OrderedDict[K, GeneratedCall], key: K, call: GeneratedCall, limit: int) -> None:
+    table[key] = call
+    table.move_to_end(key)
+    if len(table) > limit:
+        table.popitem(last=False)
 
 
 def call_key(namespace: str, anchor: int, ordinal: int, index: int, name: str, arguments: Any) -> int:
@@ -106,8 +119,10 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
             function = call["function"]
             name = str(function.get("name", ""))
             key = call_key(namespace, anchor, ordinal, position, name, function.get("arguments", ""))
-            original = memory.recall(key) if memory is not None else None
             old_id = call.get("id")
+            # A client that kept the backend's own id identifies the call exactly; the position key
+            # can collide between conversations that happen to ask the same thing.
+            original = (memory.by_id(old_id) or memory.recall(key)) if memory is not None else None
             call = {**call}
             if original is not None:
                 new_id = original.id
