@@ -22,7 +22,6 @@ from proxy.canon.actions import Action
 from proxy.canon.jsoncanon import canonical_arguments
 from proxy.tokenization.counter import message_text
 
-
 K = TypeVar("K", int, str)
 
 
