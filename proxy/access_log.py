@@ -64,6 +64,8 @@ def log_request(ctx: RequestContext, overhead_ms: float, extra: dict[str, Any] |
         fields["upstream_ms"] = round(upstream * 1000, 3)
     if ctx.error_code:
         fields["error"] = ctx.error_code
+    if ctx.logged_messages is not None:
+        fields["messages"] = ctx.logged_messages
     if extra:
         fields.update(extra)
     logger.info("request", extra={"fields": fields})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from proxy.usage import Usage
 
@@ -29,6 +30,8 @@ class RequestContext:
     error_code: str | None = None
     upstream_api_key: str | None = None
     saved_by_canonicalization: bool = False
+    # Only with ``log_prompts: true``: the messages as forwarded, for debugging.
+    logged_messages: list[Any] | None = None
 
     def mark_upstream_sent(self) -> None:
         self.upstream_sent = time.perf_counter()

@@ -44,6 +44,8 @@ async def chat_completions(request: Request) -> Response:
         ctx.session_id = turn.session_id
         ctx.actions.extend(turn.actions)
         forwarded = turn.forwarded
+        if state.settings.log_prompts:
+            ctx.logged_messages = forwarded["messages"]
 
         if not ctx.stream:
             replies: list[dict[str, Any]] = []
