@@ -163,6 +163,17 @@ class Metrics:
             registry=r,
         )
         self.store_up.set(1)
+        # Known label values start at zero, so dashboards and alerts see a series before the first event.
+        for outcome in ("started", "succeeded", "failed"):
+            self.compactions.labels(outcome)
+        for tenant in ("anonymous", *(tenants or [])):
+            for kind in ("context", "session", "tenant"):
+                self.budget_rejections.labels(kind, tenant)
+        for route in ("chat", "completions", "embeddings", "models"):
+            for kind in ("unreachable", "timeout", "http_4xx", "http_5xx"):
+                self.upstream_errors.labels(route, kind)
+        for reuse in ("new", "repeat"):
+            self.prefix_requests.labels(reuse)
 
     def record_usage(self, model: str, tenant: str, usage: Usage) -> None:
         model, tenant = self.model_label(model), self.tenant_label(tenant)
