@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import (
@@ -140,6 +140,9 @@ class Settings(BaseSettings):
     kv_dtype: str = "fp16"
     sessions_active_window_s: float = 900.0
 
+    # Set on a subclass by load_settings(); otherwise the PREFIX_PROXY_CONFIG environment variable.
+    config_file: ClassVar[str | None] = None
+
     @field_validator("upstream")
     @classmethod
     def _strip_slash(cls, value: str) -> str:
@@ -155,7 +158,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        config_file = os.environ.get(CONFIG_FILE_ENV)
+        config_file = cls.config_file or os.environ.get(CONFIG_FILE_ENV)
         if config_file:
             sources.append(_file_source(settings_cls, Path(config_file)))
         return tuple(sources)
@@ -176,18 +179,5 @@ def load_settings(config_file: str | None = None, **overrides: Any) -> Settings:
     flags = {k: v for k, v in overrides.items() if v is not None}
     if not config_file:
         return Settings(**flags)
-    path = Path(config_file)
-
-    class FileSettings(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return init_settings, env_settings, _file_source(settings_cls, path)
-
-    return FileSettings(**flags)
+    file_settings = type("FileSettings", (Settings,), {"config_file": config_file})
+    return file_settings(**flags)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter
@@ -49,9 +50,29 @@ async def _describe(state: ProxyState, tenant: Tenant, record: SessionRecord) ->
     return view
 
 
-async def _guarded(state: ProxyState, work: Any) -> Response:
+TenantResolver = Callable[[ProxyState], Awaitable[Tenant]]
+Action = Callable[[ProxyState, Tenant], Awaitable[Response]]
+
+
+def _as_admin(request: Request, tenant: str) -> TenantResolver:
+    async def resolve(state: ProxyState) -> Tenant:
+        _require_admin(state, request)
+        return Tenant(tenant)
+
+    return resolve
+
+
+def _as_caller(request: Request) -> TenantResolver:
+    async def resolve(state: ProxyState) -> Tenant:
+        return await state.tenants.authenticate(request.headers.get("authorization"))
+
+    return resolve
+
+
+async def _run(request: Request, resolve: TenantResolver, action: Action) -> Response:
+    state = get_state(request)
     try:
-        return await work
+        return await action(state, await resolve(state))
     except StoreUnavailable:
         return ProxyError(
             503, "the session store is unavailable", type="server_error", code="store_unavailable"
@@ -79,68 +100,31 @@ async def _delete(state: ProxyState, tenant: Tenant, session_id: str) -> Respons
     return json_response({"id": session_id, "deleted": True})
 
 
-async def _own_tenant(state: ProxyState, request: Request) -> Tenant:
-    return await state.tenants.authenticate(request.headers.get("authorization"))
-
-
 @router.get("/admin/tenants/{tenant}/sessions")
 async def admin_list(request: Request, tenant: str, limit: int = 100) -> Response:
-    state = get_state(request)
-
-    async def work() -> Response:
-        _require_admin(state, request)
-        return await _list(state, Tenant(tenant), min(limit, 1000))
-
-    return await _guarded(state, work())
+    return await _run(request, _as_admin(request, tenant), lambda state, t: _list(state, t, min(limit, 1000)))
 
 
 @router.get("/admin/tenants/{tenant}/sessions/{session_id}")
 async def admin_get(request: Request, tenant: str, session_id: str) -> Response:
-    state = get_state(request)
-
-    async def work() -> Response:
-        _require_admin(state, request)
-        return await _get(state, Tenant(tenant), session_id)
-
-    return await _guarded(state, work())
+    return await _run(request, _as_admin(request, tenant), lambda state, t: _get(state, t, session_id))
 
 
 @router.delete("/admin/tenants/{tenant}/sessions/{session_id}")
 async def admin_delete(request: Request, tenant: str, session_id: str) -> Response:
-    state = get_state(request)
-
-    async def work() -> Response:
-        _require_admin(state, request)
-        return await _delete(state, Tenant(tenant), session_id)
-
-    return await _guarded(state, work())
+    return await _run(request, _as_admin(request, tenant), lambda state, t: _delete(state, t, session_id))
 
 
 @router.get("/v1/sessions")
 async def own_list(request: Request, limit: int = 100) -> Response:
-    state = get_state(request)
-
-    async def work() -> Response:
-        return await _list(state, await _own_tenant(state, request), min(limit, 1000))
-
-    return await _guarded(state, work())
+    return await _run(request, _as_caller(request), lambda state, t: _list(state, t, min(limit, 1000)))
 
 
 @router.get("/v1/sessions/{session_id}")
 async def own_get(request: Request, session_id: str) -> Response:
-    state = get_state(request)
-
-    async def work() -> Response:
-        return await _get(state, await _own_tenant(state, request), session_id)
-
-    return await _guarded(state, work())
+    return await _run(request, _as_caller(request), lambda state, t: _get(state, t, session_id))
 
 
 @router.delete("/v1/sessions/{session_id}")
 async def own_delete(request: Request, session_id: str) -> Response:
-    state = get_state(request)
-
-    async def work() -> Response:
-        return await _delete(state, await _own_tenant(state, request), session_id)
-
-    return await _guarded(state, work())
+    return await _run(request, _as_caller(request), lambda state, t: _delete(state, t, session_id))
