@@ -14,7 +14,7 @@ from proxy.canon import (
     canonicalize,
     remember_generated_calls,
 )
-from proxy.canon.volatile import BUILTIN_DETECTORS, Detector, marker_detector, regex_detector
+from proxy.canon.volatile import BUILTIN_DETECTORS, DetectionCache, Detector, marker_detector, regex_detector
 from proxy.config import CanonSettings
 
 
@@ -45,6 +45,7 @@ class Canonicalizer:
             else None
         )
         self.tool_memory = ToolCallMemory()
+        self.detection_cache = DetectionCache()
 
     @staticmethod
     def _options(settings: CanonSettings, mode: Any, detectors: tuple[Detector, ...]) -> CanonOptions:
@@ -58,7 +59,14 @@ class Canonicalizer:
 
     def apply(self, body: dict[str, Any], tenant: str) -> CanonResult:
         options = self._per_model.get(str(body.get("model")), self._default)
-        return canonicalize(body, options, namespace=tenant, learned=self.learned, tool_memory=self.tool_memory)
+        return canonicalize(
+            body,
+            options,
+            namespace=tenant,
+            learned=self.learned,
+            tool_memory=self.tool_memory,
+            detection_cache=self.detection_cache,
+        )
 
     def record_reply(self, forwarded: dict[str, Any], tenant: str, calls: list[ToolCall]) -> None:
         if calls:

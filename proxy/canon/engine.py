@@ -25,7 +25,7 @@ from proxy.canon.normalize import normalize_messages
 from proxy.canon.relocate import lines_touched, partition_lines, split_lines
 from proxy.canon.toolcalls import ToolCallMemory, restore_tool_calls
 from proxy.canon.tools import canonicalize_tool_fields
-from proxy.canon.volatile import BUILTIN_DETECTORS, Detector, Span, detect_spans
+from proxy.canon.volatile import BUILTIN_DETECTORS, DetectionCache, Detector, Span, detect_spans
 
 Mode = Literal["off", "safe", "relocate"]
 Target = Literal["before_last_user", "system_end"]
@@ -60,8 +60,13 @@ def canonicalize(
     namespace: str = "",
     learned: LearnedVolatility | None = None,
     tool_memory: ToolCallMemory | None = None,
+    detection_cache: DetectionCache | None = None,
 ) -> CanonResult:
-    """Canonicalize a chat-completions body. ``namespace`` (the tenant) scopes the memories."""
+    """Canonicalize a chat-completions body. ``namespace`` (the tenant) scopes the memories.
+
+    ``detection_cache`` only saves work (it must belong to ``options.detectors``); the result
+    does not depend on it.
+    """
     if options.mode == "off" or not isinstance(body.get("messages"), list):
         count = leading_system_count(body.get("messages") or [])
         return CanonResult(body, [], stable_prefix_hash(body, count), count)
@@ -82,7 +87,7 @@ def canonicalize(
     stable_count = leading_system_count(messages)
     if options.mode == "relocate":
         app_key = _app_key(namespace, out)
-        relocation, stable_count = _relocate_volatile(messages, options, learned, app_key)
+        relocation, stable_count = _relocate_volatile(messages, options, learned, app_key, detection_cache)
         actions.extend(relocation)
 
     return CanonResult(out, actions, stable_prefix_hash(out, stable_count), stable_count)
@@ -109,6 +114,7 @@ def _relocate_volatile(
     options: CanonOptions,
     learned: LearnedVolatility | None,
     app_key: str,
+    detection_cache: DetectionCache | None = None,
 ) -> tuple[list[Action], int]:
     """Returns the actions and how many leading system messages are now stable."""
     system_count = leading_system_count(messages)
@@ -123,7 +129,7 @@ def _relocate_volatile(
         content = messages[index].get("content")
         if not isinstance(content, str) or not content:
             continue
-        spans = detect_spans(content, options.detectors)
+        spans = detect_spans(content, options.detectors, detection_cache)
         lines = split_lines(content)
         volatile = lines_touched(content, spans)
         if learned is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
 import xxhash
 
 STABLE_ROLES = frozenset({"system", "developer"})
@@ -29,9 +30,16 @@ def stable_prefix_hash(body: dict[str, Any], stable_count: int | None = None) ->
     digest.update(b"\x00")
     tools = body.get("tools") or body.get("functions")
     if tools:
-        digest.update(json.dumps(tools, ensure_ascii=False, separators=(",", ":")).encode())
+        digest.update(_dumps(tools))
     digest.update(b"\x00")
     for message in messages[:stable_count]:
-        digest.update(json.dumps(message.get("content"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        digest.update(_dumps(message.get("content")))
         digest.update(b"\x00")
     return digest.hexdigest()
+
+
+def _dumps(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # lone surrogates: orjson refuses them, json escapes them
+        return json.dumps(value).encode()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import Any
 
 
@@ -22,8 +23,14 @@ def canonical_dumps(value: Any) -> str:
 def canonical_arguments(arguments: Any) -> str:
     """A tool call's arguments in canonical form; non-JSON strings stay as they are."""
     if isinstance(arguments, str):
-        try:
-            return canonical_dumps(json.loads(arguments))
-        except ValueError:
-            return arguments
+        return _canonical_argument_string(arguments)
     return canonical_dumps(arguments)
+
+
+@lru_cache(maxsize=65536)
+def _canonical_argument_string(arguments: str) -> str:
+    # History re-sends the same argument strings on every turn: parse each one once.
+    try:
+        return canonical_dumps(json.loads(arguments))
+    except ValueError:
+        return arguments

@@ -17,9 +17,10 @@ def split_lines(text: str) -> list[str]:
 def lines_touched(text: str, spans: Iterable[Span]) -> set[int]:
     """Indices of the lines any span overlaps (a span moves with its whole lines)."""
     starts = [0]
-    for index, char in enumerate(text):
-        if char == "\n":
-            starts.append(index + 1)
+    position = text.find("\n")
+    while position >= 0:
+        starts.append(position + 1)
+        position = text.find("\n", position + 1)
     touched: set[int] = set()
     for span in spans:
         first = _line_of(starts, span.start)

@@ -7,25 +7,55 @@ for the whole prompt. Sorting is lossless: the model is told the same tools.
 
 from __future__ import annotations
 
+from functools import lru_cache
+from itertools import groupby
 from typing import Any
+
+import orjson
 
 from proxy.canon.actions import Action
 from proxy.canon.jsoncanon import canonical_dumps, sort_keys_deep
 
 
-def _tool_sort_key(tool: Any) -> tuple[str, str]:
-    name = ""
+def _tool_name(tool: Any) -> str:
     if isinstance(tool, dict):
         function = tool.get("function")
         if isinstance(function, dict):
-            name = str(function.get("name", ""))
-        elif "name" in tool:
-            name = str(tool["name"])
-    return name, canonical_dumps(tool)
+            return str(function.get("name", ""))
+        if "name" in tool:
+            return str(tool["name"])
+    return ""
+
+
+def _dumps(value: Any) -> bytes | None:
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # lone surrogates or other values orjson refuses
+        return None
 
 
 def canonicalize_tool_list(tools: list[Any]) -> list[Any]:
-    return sorted((sort_keys_deep(tool) for tool in tools), key=_tool_sort_key)
+    raw = _dumps(tools)
+    if raw is None:
+        return _canonical_tools([sort_keys_deep(tool) for tool in tools])
+    # Clients re-send the same tools on every request: canonicalize each distinct list once.
+    return list(_canonical_tools_of(raw))
+
+
+@lru_cache(maxsize=1024)
+def _canonical_tools_of(raw: bytes) -> tuple[Any, ...]:
+    sorted_keys = orjson.loads(orjson.dumps(orjson.loads(raw), option=orjson.OPT_SORT_KEYS))
+    return tuple(_canonical_tools(sorted_keys))
+
+
+def _canonical_tools(tools: list[Any]) -> list[Any]:
+    """Order by function name; only tools sharing a name are ordered by their canonical JSON."""
+    by_name = sorted(tools, key=_tool_name)
+    ordered: list[Any] = []
+    for _, group in groupby(by_name, key=_tool_name):
+        same_name = list(group)
+        ordered.extend(same_name if len(same_name) == 1 else sorted(same_name, key=canonical_dumps))
+    return ordered
 
 
 def canonicalize_tool_fields(body: dict[str, Any]) -> list[Action]:
@@ -35,25 +65,22 @@ def canonicalize_tool_fields(body: dict[str, Any]) -> list[Action]:
         value = body.get(key)
         if isinstance(value, list) and value:
             canonical = canonicalize_tool_list(value)
-            if canonical != value or _key_orders_differ(canonical, value):
+            if _serialized_differently(canonical, value):
                 body[key] = canonical
                 actions.append(Action(f"{key}_canonicalized", str(len(value))))
     for key in ("tool_choice", "function_call", "response_format"):
         value = body.get(key)
         if isinstance(value, dict):
             canonical_value = sort_keys_deep(value)
-            if _key_orders_differ(canonical_value, value):
+            if _serialized_differently(canonical_value, value):
                 body[key] = canonical_value
                 actions.append(Action(f"{key}_canonicalized"))
     return actions
 
 
-def _key_orders_differ(a: Any, b: Any) -> bool:
+def _serialized_differently(a: Any, b: Any) -> bool:
     """Equal values may still serialize differently: dict equality ignores key order."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        if list(a) != list(b):
-            return True
-        return any(_key_orders_differ(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) != len(b) or any(_key_orders_differ(x, y) for x, y in zip(a, b, strict=True))
-    return a != b
+    raw_a, raw_b = _dumps(a), _dumps(b)
+    if raw_a is None or raw_b is None:
+        return canonical_dumps(a) != canonical_dumps(b) or repr(a) != repr(b)
+    return raw_a != raw_b

@@ -14,8 +14,11 @@ one request by nature.
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import xxhash
 
 METADATA_LINE_BYTES = 48
 
@@ -81,6 +84,8 @@ def _on_metadata_line(text: str, span_start: int, span_end: int, pattern: re.Pat
 
 
 def detect_context_blocks(text: str) -> Iterable[Span]:
+    if "<context>" not in text:
+        return
     for match in _CONTEXT_BLOCK.finditer(text):
         yield Span(match.start(), match.end(), "context_block")
 
@@ -148,8 +153,51 @@ def marker_detector(name: str, start_marker: str, end_marker: str) -> Detector:
     return detect
 
 
-def detect_spans(text: str, detectors: Iterable[Detector]) -> list[Span]:
-    spans: list[Span] = []
-    for detector in detectors:
-        spans.extend(detector(text))
+def line_local(detector: Detector) -> Detector:
+    """Mark a detector whose spans depend on their own line only, so results can be memoized per line."""
+    detector.line_local = True  # type: ignore[attr-defined]
+    return detector
+
+
+for _detector in (detect_datetimes, detect_weekdays, detect_uuids, detect_request_ids):
+    line_local(_detector)
+
+
+class DetectionCache:
+    """Line-local detections memoized by an xxh3 hash of the line (no text is kept).
+
+    An app's system prompt repeats most of its lines from one request to the next, so only
+    the lines that changed are scanned again. Valid for one fixed set of detectors.
+    """
+
+    def __init__(self, max_lines: int = 50_000) -> None:
+        self._lines: OrderedDict[int, tuple[tuple[int, int, str], ...]] = OrderedDict()
+        self._max_lines = max_lines
+
+    def get(self, line: str, detectors: list[Detector]) -> tuple[tuple[int, int, str], ...]:
+        key = xxhash.xxh3_64_intdigest(line.encode("utf-8", "surrogatepass"))
+        found = self._lines.get(key)
+        if found is None:
+            found = _scan_line(line, detectors)
+            self._lines[key] = found
+            if len(self._lines) > self._max_lines:
+                self._lines.popitem(last=False)
+        return found
+
+
+def _scan_line(line: str, detectors: list[Detector]) -> tuple[tuple[int, int, str], ...]:
+    return tuple((span.start, span.end, span.kind) for detector in detectors for span in detector(line))
+
+
+def detect_spans(text: str, detectors: Iterable[Detector], cache: DetectionCache | None = None) -> list[Span]:
+    detectors = list(detectors)
+    local = [d for d in detectors if getattr(d, "line_local", False)]
+    spans: list[Span] = [span for d in detectors if d not in local for span in d(text)]
+    if local:
+        offset = 0
+        for line in text.split("\n"):
+            if line.strip():
+                found = cache.get(line, local) if cache is not None else _scan_line(line, local)
+                spans.extend(Span(offset + start, offset + end, kind) for start, end, kind in found)
+            offset += len(line) + 1
     return sorted(spans)
