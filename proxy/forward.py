@@ -75,6 +75,9 @@ def finish(state: ProxyState, ctx: RequestContext, overhead: float | None = None
 def error_response(state: ProxyState, ctx: RequestContext, error: ProxyError) -> Response:
     ctx.status = error.status
     ctx.error_code = error.code or error.type
+    if ctx.upstream_sent is not None and ctx.upstream_done is None:
+        # Waiting for an upstream that failed (timeout, connection refused) is upstream time, not overhead.
+        ctx.upstream_done = time.perf_counter()
     if error.type == "upstream_error" and error.status in (502, 504):
         state.metrics.upstream_errors.labels(ctx.route, upstream_error_kind(error)).inc()
     overhead = finish(state, ctx)

@@ -450,3 +450,11 @@ def test_dockerfile_copies_only_what_dockerignore_lets_through() -> None:
                     assert (ROOT / source).exists(), f"COPY {source}: no such file"
     # pyproject.toml builds the package from these; README.md is its readme.
     assert {"pyproject.toml", "README.md", "proxy", "summarizer"} <= allowed
+
+
+def test_env_example_lists_only_variables_the_compose_file_reads() -> None:
+    text = COMPOSE.read_text()
+    variables = re.findall(r"^#? ?([A-Z][A-Z0-9_]+)=", (DEPLOY / ".env.example").read_text(), re.MULTILINE)
+    assert variables
+    unused = [name for name in variables if "${" + name not in text]
+    assert not unused, f"deploy/.env.example names variables docker-compose.yml never reads: {unused}"

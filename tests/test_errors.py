@@ -67,6 +67,18 @@ def test_upstream_timeout_is_504(make_proxy: Callable[..., LiveServer]) -> None:
     assert_openai_error(post(slow, {**CHAT, "fake_options": {"delay_s": 2}}), 504)
 
 
+def test_upstream_timeout_is_not_counted_as_proxy_overhead(make_proxy: Callable[..., LiveServer]) -> None:
+    slow = make_proxy(upstream_timeout_s=1)
+    response = post(slow, {**CHAT, "fake_options": {"delay_s": 2}})
+    assert response.status_code == 504
+    assert float(response.headers["x-prefix-proxy-overhead-ms"]) < 500
+
+
+def test_empty_admin_key_disables_the_admin_api(make_proxy: Callable[..., LiveServer]) -> None:
+    server = make_proxy(admin_api_key="")
+    assert_openai_error(httpx.get(server.url + "/admin/tenants/anonymous/sessions"), 403)
+
+
 @pytest.mark.parametrize("status", [400, 404, 429, 500, 503])
 def test_upstream_errors_pass_through(proxy: LiveServer, status: int) -> None:
     body = {**CHAT, "fake_options": {"status": status, "error_message": f"boom {status}"}}

@@ -27,7 +27,9 @@ router = APIRouter()
 
 def _require_admin(state: ProxyState, request: Request) -> None:
     configured = state.settings.admin_api_key
-    if configured is None:
+    if configured is None or not configured.get_secret_value():
+        # An empty key (PREFIX_PROXY_ADMIN_API_KEY= from a template) disables the API: it must not
+        # match a request that sends no key at all.
         raise ProxyError(403, "the admin API is disabled (set admin_api_key)", type="permission_error")
     token = bearer_token(request.headers.get("authorization")) or ""
     if not hmac.compare_digest(token.encode(), configured.get_secret_value().encode()):
