@@ -77,6 +77,10 @@ def fast_estimate(size_bytes: int, tokens_per_byte: float | None) -> int:
     return math.ceil(size_bytes * (tokens_per_byte or DEFAULT_TOKENS_PER_BYTE))
 
 
+def near_limit(estimate: int, limit: int | None) -> bool:
+    return limit is not None and estimate > limit * EXACT_COUNT_MARGIN
+
+
 def estimate_prompt_tokens(
     counter: TokenCounter, body: dict[str, Any], size_bytes: int, tokens_per_byte: float | None, limit: int | None
 ) -> int:
@@ -88,7 +92,7 @@ def estimate_prompt_tokens(
     then is the text tokenized (tiktoken, offline, memoized per message).
     """
     estimate = fast_estimate(size_bytes, tokens_per_byte)
-    if limit is None or estimate <= limit * EXACT_COUNT_MARGIN:
+    if not near_limit(estimate, limit):
         return estimate
     messages = body.get("messages") or []
     exact = counter.count_messages(messages) + counter.count_tools(body.get("tools") or body.get("functions"))

@@ -56,9 +56,7 @@ class CompactionService:
 
     async def _complete(self, turn: ChatTurn, body: dict[str, Any]) -> tuple[str, int]:
         upstream = self._state.upstream
-        headers = {"content-type": "application/json"}
-        key = turn.tenant.upstream_api_key
-        headers.update({"authorization": f"Bearer {key}"} if key else upstream.auth_headers(None))
+        headers = {"content-type": "application/json", **turn.upstream_auth_headers()}
         try:
             response = await upstream.open("POST", "/chat/completions", content=dumps(body), headers=headers)
             raw = await upstream.read(response)

@@ -58,6 +58,8 @@ class BudgetSettings(BaseModel):
     window_s: int = Field(3600, gt=0)
     # Completion tokens reserved for a request without max_tokens while it is in flight.
     completion_reserve_tokens: int = Field(512, ge=0)
+    # Near a limit, ask the backend's POST /tokenize (vLLM) for the exact count instead of estimating.
+    exact_counts_via_tokenize: bool = False
 
 
 class BudgetOverrides(BaseModel):
@@ -67,6 +69,7 @@ class BudgetOverrides(BaseModel):
     tenant_tokens_per_window: int | None = None
     window_s: int | None = None
     completion_reserve_tokens: int | None = None
+    exact_counts_via_tokenize: bool | None = None
 
     def apply_to(self, base: BudgetSettings) -> BudgetSettings:
         return base.model_copy(update=self.model_dump(exclude_none=True))

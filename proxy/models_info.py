@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any
+
+import orjson
 
 from proxy.errors import ProxyError
 from proxy.upstream import Upstream
@@ -24,6 +27,25 @@ class ModelCatalog:
         if time.monotonic() >= self._fresh_until:
             await self._refresh()
         return self._lengths.get(model)
+
+    async def count_prompt_tokens(self, body: dict[str, Any], headers: dict[str, str]) -> int | None:
+        """The exact prompt tokens from the backend's ``POST /tokenize`` (vLLM), or None if it cannot say."""
+        request: dict[str, Any] = {"model": body.get("model"), "messages": body.get("messages")}
+        if body.get("tools"):
+            request["tools"] = body["tools"]
+        try:
+            response = await self._upstream.open(
+                "POST",
+                "/tokenize",
+                content=orjson.dumps(request),
+                headers={**headers, "content-type": "application/json"},
+                root=True,
+            )
+            raw = await self._upstream.read(response)
+            count = json.loads(raw).get("count") if response.status_code == 200 else None
+        except (ProxyError, ValueError, AttributeError, TypeError):
+            return None
+        return count if isinstance(count, int) else None
 
     async def _refresh(self) -> None:
         try:

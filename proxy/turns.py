@@ -13,6 +13,8 @@ from proxy.budget import (
     context_limit,
     effective_budget,
     estimate_prompt_tokens,
+    fast_estimate,
+    near_limit,
     request_bytes,
     reservation_amount,
     usage_limits,
@@ -91,10 +93,10 @@ class ChatTurn:
             turn.summary = SummaryState.from_json(session.record.summary)
         turn._anchor()
         turn.limit = context_limit(budget, await state.models.max_model_len(model), canonical)
-        check = turn._check()
+        check = await turn._check()
         if check.over_hard and turn.anchored is not None and await state.compaction.compact_now(turn):
             turn._anchor()
-            check = turn._check()
+            check = await turn._check()
         if check.over_hard and check.limit is not None:
             state.metrics.budget_rejections.labels("context", state.metrics.tenant_label(tenant.name)).inc()
             raise context_length_exceeded(check.estimate, check.limit)
@@ -118,10 +120,26 @@ class ChatTurn:
             self.state.settings.summarizer.sliding_window_repair and self.session is not None and self.session.explicit
         )
 
-    def _check(self) -> ContextCheck:
+    def upstream_auth_headers(self) -> dict[str, str]:
+        """How the proxy's own requests for this tenant (summaries, token counts) authenticate upstream."""
+        key = self.tenant.upstream_api_key
+        return {"authorization": f"Bearer {key}"} if key else self.state.upstream.auth_headers(None)
+
+    async def _check(self) -> ContextCheck:
         forwarded = self.forwarded
         self.request_bytes = request_bytes(forwarded)
         tokens_per_byte = self.session.tokens_per_byte if self.session else None
+        if self.budget.exact_counts_via_tokenize and near_limit(
+            fast_estimate(self.request_bytes, tokens_per_byte), self.limit
+        ):
+            headers = (
+                {"authorization": f"Bearer {self.tenant.upstream_api_key}"} if self.tenant.upstream_api_key else {}
+            )
+            exact = await self.state.models.count_prompt_tokens(
+                forwarded, headers or self.state.upstream.auth_headers(None)
+            )
+            if exact is not None:
+                return check_context(exact, self.limit, self.budget.soft_ratio)
         estimate = estimate_prompt_tokens(
             self.state.token_counter, forwarded, self.request_bytes, tokens_per_byte, self.limit
         )

@@ -143,3 +143,15 @@ def test_session_budget_exhaustion_is_429_with_retry_after(make_proxy: Callable[
     assert statuses[0] == 200 and statuses[-1] == 429
     assert response.json()["error"]["type"] == "rate_limit_error"
     assert 0 < int(response.headers["retry-after"]) <= 600
+
+
+def test_exact_counts_from_the_backends_tokenize(make_proxy: Callable[..., LiveServer], fake_backend: LiveServer) -> None:
+    """Near the limit the proxy asks the backend's /tokenize instead of estimating."""
+    messages = [SYSTEM, {"role": "user", "content": "count me " * 60 + "now"}]
+    exact = httpx.post(fake_backend.url + "/tokenize", json={"model": MODEL, "messages": messages}).json()["count"]
+    just_fits = make_proxy(budget={"context_limit_tokens": exact, "exact_counts_via_tokenize": True})
+    assert chat(just_fits, messages).status_code == 200
+    too_small = make_proxy(budget={"context_limit_tokens": exact - 1, "exact_counts_via_tokenize": True})
+    response = chat(too_small, messages)
+    assert response.status_code == 400
+    assert f"about {exact} tokens" in response.json()["error"]["message"]
