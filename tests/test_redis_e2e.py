@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -199,3 +201,25 @@ def test_redis_outage_degrades_to_pass_through_and_recovers(
         assert record.status_code == 200 and record.json()["requests"] >= 1
     finally:
         private.stop()
+
+
+def test_tenants_provisioned_in_redis(start_proxies: Callable[..., list[ProxyProcess]], redis_prefix: str) -> None:
+    client = redis.Redis.from_url(SHARED_URL)
+    digest = hashlib.sha256(b"sk-from-redis-42").hexdigest()
+    client.set(
+        f"{redis_prefix}tenant:{digest}", json.dumps({"name": "initech", "budget": {"session_tokens_per_window": 150}})
+    )
+    (server,) = start_proxies(1, redis_env(redis_prefix, PREFIX_PROXY_SESSIONS__TENANTS_IN_REDIS="true"))
+    messages = [SYSTEM, {"role": "user", "content": "hello"}]
+    assert chat(server.url, messages).status_code == 401
+    assert chat(server.url, messages, {"authorization": "Bearer sk-wrong"}).status_code == 401
+    key = {"authorization": "Bearer sk-from-redis-42"}
+    statuses = []
+    for turn in range(6):
+        response = chat(server.url, messages, key)
+        statuses.append(response.status_code)
+        if response.status_code != 200:
+            break
+        messages = [*messages, response.json()["choices"][0]["message"], {"role": "user", "content": f"more {turn}"}]
+    # The tenant's own budget, read from Redis, applies: its 150 tokens per session run out.
+    assert statuses[0] == 200 and statuses[-1] == 429

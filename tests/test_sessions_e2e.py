@@ -145,7 +145,9 @@ def test_session_budget_exhaustion_is_429_with_retry_after(make_proxy: Callable[
     assert 0 < int(response.headers["retry-after"]) <= 600
 
 
-def test_exact_counts_from_the_backends_tokenize(make_proxy: Callable[..., LiveServer], fake_backend: LiveServer) -> None:
+def test_exact_counts_from_the_backends_tokenize(
+    make_proxy: Callable[..., LiveServer], fake_backend: LiveServer
+) -> None:
     """Near the limit the proxy asks the backend's /tokenize instead of estimating."""
     messages = [SYSTEM, {"role": "user", "content": "count me " * 60 + "now"}]
     exact = httpx.post(fake_backend.url + "/tokenize", json={"model": MODEL, "messages": messages}).json()["count"]

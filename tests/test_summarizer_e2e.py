@@ -166,3 +166,53 @@ def test_two_replicas_compact_a_session_exactly_once() -> None:
             replica.stop()
         slow.stop()
         delete_prefix(SHARED_URL, prefix)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup_battle",
+            "description": "Look up a battle of the Thirty Years' War by name.",
+            "parameters": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+        },
+    }
+]
+
+
+def test_compaction_never_splits_tool_calls_from_their_results(backend: LiveServer) -> None:
+    server = proxy_for(
+        backend,
+        budget={"context_limit_tokens": 2500, "soft_ratio": 0.5},
+        summarizer={"max_summary_tokens": 100, "keep_last_turns": 2},
+    )
+    history: list[dict[str, Any]] = [SYSTEM]
+    try:
+        for turn in range(14):
+            history.append({"role": "user", "content": question(turn)})
+            for _ in range(3):  # agent loop: tool calls until a text answer
+                body = {"model": MODEL, "messages": history, "tools": TOOLS, "max_tokens": 60}
+                response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+                assert response.status_code == 200, response.text
+                message = response.json()["choices"][0]["message"]
+                history.append({k: message[k] for k in ("role", "content", "tool_calls") if message.get(k)})
+                if not message.get("tool_calls"):
+                    break
+                for call in message["tool_calls"]:
+                    history.append({"role": "tool", "tool_call_id": call["id"], "content": "Battle of Lützen, 1632."})
+            time.sleep(0.05)
+        assert metric(server, "prefix_proxy_compactions_total", 'outcome="succeeded"') >= 1
+    finally:
+        server.stop()
+    forwarded = [r for r in backend_log(backend) if "Write a summary" not in r["prompt_text"]]
+    summarized = [r for r in forwarded if SUMMARY_HEADER in r["prompt_text"]]
+    assert summarized, "later requests carry the summary"
+    for request in summarized:
+        messages = request["body"]["messages"]
+        after_summary = messages[
+            [i for i, m in enumerate(messages) if SUMMARY_HEADER in str(m.get("content"))][0] + 1 :
+        ]
+        assert after_summary[0]["role"] == "user", "the kept history starts at a user turn"
+        call_ids = {c["id"] for m in after_summary for c in m.get("tool_calls") or []}
+        result_ids = {m["tool_call_id"] for m in after_summary if m["role"] == "tool"}
+        assert result_ids <= call_ids, "every tool result kept has its call"
