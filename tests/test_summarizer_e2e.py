@@ -210,7 +210,7 @@ def test_compaction_never_splits_tool_calls_from_their_results(backend: LiveServ
     for request in summarized:
         messages = request["body"]["messages"]
         after_summary = messages[
-            [i for i, m in enumerate(messages) if SUMMARY_HEADER in str(m.get("content"))][0] + 1 :
+            next(i for i, m in enumerate(messages) if SUMMARY_HEADER in str(m.get("content"))) + 1 :
         ]
         assert after_summary[0]["role"] == "user", "the kept history starts at a user turn"
         call_ids = {c["id"] for m in after_summary for c in m.get("tool_calls") or []}
