@@ -129,12 +129,14 @@ def test_streaming_client_matches_the_workload_runner_and_reports() -> None:
             runs = asyncio.run(play(specs, small))
         reference = run_workload(fake + "/v1", ["fc_agent"], sessions_per_scenario=2, max_tokens=32, model="m")
     streamed = runs["direct"]["fc_agent"].result
+    stats = runs["direct"]["fc_agent"].stats
     # The runner plays whole sessions (3-6 turns); the streamed ones stop after 2 user turns.
     by_step = {
         (s.session_id, s.step): (s.prompt_tokens, s.completion_tokens) for s in reference["fc_agent"].per_request
     }
     assert all(by_step[(s.session_id, s.step)] == (s.prompt_tokens, s.completion_tokens) for s in streamed.per_request)
-    assert all(s.ttft_s is not None and s.ttft_s <= s.latency_s for s in streamed.per_request)
+    assert len(stats) == streamed.requests
+    assert all(s.ttft_s is not None and s.latency_s is not None and s.ttft_s <= s.latency_s for s in stats)
 
     result = compare(runs["direct"], runs["proxied"], runs["direct"], runs["proxied"])
     assert result["targets"]["no_errors"]["met"]
