@@ -59,6 +59,7 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
         timeout_s=settings.upstream_timeout_s,
         max_connections=settings.max_connections,
         transport=transport,
+        use_aiohttp=settings.upstream_transport == "aiohttp",
     )
     metrics = Metrics(settings.metrics_max_label_values, tenants=[t.name for t in settings.tenants])
     store, redis_store = build_store(settings)

@@ -126,6 +126,8 @@ class Settings(BaseSettings):
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0
     max_connections: int = 1000
+    # aiohttp under the httpx client API (faster); "httpx" uses httpx's own transport.
+    upstream_transport: Literal["aiohttp", "httpx"] = "aiohttp"
     log_level: str = "info"
     log_prompts: bool = False
     metrics_max_label_values: int = 64

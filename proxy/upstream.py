@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import httpx
+from httpx_aiohttp import AiohttpTransport
 
 from proxy.errors import ProxyError, upstream_timeout, upstream_unreachable
 
@@ -23,15 +24,19 @@ class Upstream:
         timeout_s: float = 600.0,
         max_connections: int = 1000,
         transport: httpx.AsyncBaseTransport | None = None,
+        use_aiohttp: bool = True,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         # vLLM serves /tokenize, /health and /metrics at the server root, not under /v1.
         self.root_url = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
         self._api_key = api_key
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        if transport is None and use_aiohttp:
+            # Same httpx client API, aiohttp's connection handling underneath: measured 2 ms less
+            # per proxied request than httpx's own transport (bench/overhead.py).
+            transport = AiohttpTransport(limits=limits, trust_env=False)
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            transport=transport,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), limits=limits, transport=transport
         )
 
     def auth_headers(self, client_authorization: str | None) -> dict[str, str]:
