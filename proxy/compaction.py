@@ -21,7 +21,15 @@ from proxy.errors import ProxyError
 from proxy.forward import dumps
 from proxy.sessions.service import StoreUnavailable
 from proxy.usage import Usage
-from summarizer import Compaction, CompactionFailed, Compactor, CompactorOptions, SummaryPolicy, SummaryState
+from summarizer import (
+    Compaction,
+    CompactionFailed,
+    Compactor,
+    CompactorOptions,
+    SummaryPolicy,
+    SummaryState,
+    is_due,
+)
 from summarizer.prompt import DEFAULT_INSTRUCTION
 
 if TYPE_CHECKING:
@@ -92,7 +100,7 @@ class CompactionService:
 
     def _due(self, turn: ChatTurn, usage: Usage | None, messages: list[dict[str, Any]]) -> bool:
         context = usage.prompt_tokens + usage.completion_tokens if usage else 0
-        if turn.limit is not None and context > turn.limit * turn.budget.soft_ratio:
+        if is_due(context, turn.limit, turn.budget.soft_ratio):
             return True
         if turn.repairs_window and turn.anchored is not None and turn.anchored.restored:
             restored_bytes = sum(len(str(m.get("content") or "")) for m in messages[turn.anchored.history_start :])
