@@ -7,8 +7,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from proxy.canon import (
     CanonOptions,
     LearnedVolatility,
