@@ -23,22 +23,13 @@ from typing import Any
 from proxy.canonicalizer import Canonicalizer
 from proxy.config import CanonSettings
 from proxy.tokenization import load_encoding
+from proxy.workload.session import shuffle_keys
 
 TOOLS_DIR = Path(__file__).resolve().parents[1] / "proxy" / "workload" / "data" / "tools"
 PARAGRAPH = (
     "Refunds are issued to the original payment method within five business days after the returned "
     "item arrives at the warehouse and passes inspection. Orders shipped abroad may take longer. "
 )
-
-
-def shuffled(value: Any, rng: random.Random) -> Any:
-    if isinstance(value, dict):
-        keys = list(value)
-        rng.shuffle(keys)
-        return {k: shuffled(value[k], rng) for k in keys}
-    if isinstance(value, list):
-        return [shuffled(v, rng) for v in value]
-    return value
 
 
 def build_request(turns: int, rng: random.Random) -> dict[str, Any]:
@@ -69,7 +60,7 @@ def build_request(turns: int, rng: random.Random) -> dict[str, Any]:
         messages.append({"role": "tool", "tool_call_id": call_id, "content": PARAGRAPH})
         messages.append({"role": "assistant", "content": "Here is what I found. " + PARAGRAPH})
     messages.append({"role": "user", "content": "And what about my refund?"})
-    return {"model": "m", "messages": messages, "tools": [shuffled(t, rng) for t in tools]}
+    return {"model": "m", "messages": messages, "tools": [shuffle_keys(t, rng) for t in tools]}
 
 
 def request_tokens(body: dict[str, Any]) -> int:

@@ -26,7 +26,13 @@ from typing import Any
 import httpx
 
 from proxy.workload.registry import build_sessions
-from proxy.workload.runner import RequestStat, ScenarioResult, cached_tokens_of
+from proxy.workload.runner import (
+    RequestStat,
+    ScenarioResult,
+    cached_tokens_of,
+    parse_actions_header,
+    parse_float_header,
+)
 from proxy.workload.session import Session
 
 ProgressCallback = Callable[[int], None]
@@ -98,8 +104,8 @@ async def stream_chat(
     ttft: float | None = None
     try:
         async with client.stream("POST", url, json=body) as response:
-            actions = _actions(response.headers.get("x-prefix-proxy-actions"))
-            overhead = _float(response.headers.get("x-prefix-proxy-overhead-ms"))
+            actions = parse_actions_header(response.headers.get("x-prefix-proxy-actions"))
+            overhead = parse_float_header(response.headers.get("x-prefix-proxy-overhead-ms"))
             if not response.is_success:
                 text = (await response.aread()).decode(errors="replace")[:200].replace("\n", " ")
                 stat = TimedStat(session_id, 0, response.status_code, error=f"HTTP {response.status_code}: {text}")
@@ -215,14 +221,3 @@ def timed(result: ScenarioResult) -> list[TimedStat]:
 
 def _int(value: Any) -> int:
     return int(value) if isinstance(value, int) else 0
-
-
-def _actions(header: str | None) -> tuple[str, ...]:
-    return tuple(a.strip() for a in header.split(",") if a.strip()) if header else ()
-
-
-def _float(value: str | None) -> float | None:
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None

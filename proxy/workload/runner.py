@@ -274,18 +274,18 @@ async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any], sessi
             prompt_tokens=_int(usage.get("prompt_tokens")),
             cached_tokens=cached_tokens_of(usage),
             completion_tokens=_int(usage.get("completion_tokens")),
-            actions=_actions(response.headers.get("x-prefix-proxy-actions")),
-            overhead_ms=_float(response.headers.get("x-prefix-proxy-overhead-ms")),
+            actions=parse_actions_header(response.headers.get("x-prefix-proxy-actions")),
+            overhead_ms=parse_float_header(response.headers.get("x-prefix-proxy-overhead-ms")),
         ),
         payload,
     )
 
 
-def _actions(header: str | None) -> tuple[str, ...]:
+def parse_actions_header(header: str | None) -> tuple[str, ...]:
     return tuple(a.strip() for a in header.split(",") if a.strip()) if header else ()
 
 
-def _float(value: str | None) -> float | None:
+def parse_float_header(value: str | None) -> float | None:
     try:
         return float(value) if value is not None else None
     except ValueError:
