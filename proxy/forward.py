@@ -195,6 +195,13 @@ def _parse(raw: bytes) -> dict[str, Any] | None:
     return parsed if isinstance(parsed, dict) else None
 
 
+def with_upstream_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The body asking the upstream for the usage chunk, and whether the client asked for it itself."""
+    options = body.get("stream_options")
+    options = options if isinstance(options, dict) else {}
+    return {**body, "stream_options": {**options, "include_usage": True}}, bool(options.get("include_usage"))
+
+
 def dumps(body: dict[str, Any]) -> bytes:
     try:
         return orjson.dumps(body)

@@ -13,7 +13,7 @@ from proxy.body import parse_json_object, read_body, validate_chat_request
 from proxy.canon import CanonResult
 from proxy.canon.fingerprint import stable_prefix_hash
 from proxy.errors import ProxyError
-from proxy.forward import dumps, error_response, new_context, send_json, send_stream
+from proxy.forward import dumps, error_response, new_context, send_json, send_stream, with_upstream_usage
 from proxy.relay import SSERelay
 from proxy.state import ProxyState, get_state
 from proxy.turns import ChatTurn
@@ -60,9 +60,7 @@ async def chat_completions(request: Request) -> Response:
                 await turn.abandon()
             return response
 
-        client_wants_usage = _client_wants_usage(forwarded)
-        stream_options = {**(forwarded.get("stream_options") or {}), "include_usage": True}
-        upstream_body = {**forwarded, "stream_options": stream_options}
+        upstream_body, client_wants_usage = with_upstream_usage(forwarded)
         open_turn = turn
 
         def on_complete(relay: SSERelay) -> None:
@@ -86,11 +84,6 @@ async def chat_completions(request: Request) -> Response:
         if turn is not None and error.status >= 500:
             await turn.abandon()
         return error_response(state, ctx, error)
-
-
-def _client_wants_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 def _count_canonicalization(state: ProxyState, body: dict[str, Any], canon: CanonResult) -> bool:

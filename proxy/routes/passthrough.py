@@ -21,6 +21,7 @@ from proxy.forward import (
     send_stream,
     upstream_error,
     upstream_headers,
+    with_upstream_usage,
 )
 from proxy.state import ProxyState, get_state
 
@@ -46,12 +47,7 @@ async def completions(request: Request) -> Response:
         ctx.stream = bool(body.get("stream"))
         if not ctx.stream:
             return await send_json(state, request, ctx, "/completions", dumps(body))
-        options = body.get("stream_options")
-        wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        body = {
-            **body,
-            "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True},
-        }
+        body, wants_usage = with_upstream_usage(body)
         return await send_stream(state, request, ctx, "/completions", dumps(body), client_wants_usage=wants_usage)
     except ProxyError as error:
         return error_response(state, ctx, error)
