@@ -17,6 +17,7 @@ from proxy.errors import ProxyError, normalize_upstream_error
 from proxy.relay import SSERelay
 from proxy.state import ProxyState
 from proxy.streaming import RelayResponse
+from proxy.tenants import Tenant
 from proxy.upstream import upstream_error_kind
 from proxy.usage import Usage
 
@@ -29,6 +30,14 @@ def new_context(request: Request, route: str) -> RequestContext:
     if incoming and len(incoming) <= 128 and incoming.isprintable():
         ctx.request_id = incoming
     return ctx
+
+
+async def authenticate(state: ProxyState, request: Request, ctx: RequestContext) -> Tenant:
+    """The caller's tenant (401 when keys are configured and none matches), recorded on ``ctx``."""
+    tenant = await state.tenants.authenticate(request.headers.get("authorization"))
+    ctx.tenant = tenant.name
+    ctx.upstream_api_key = tenant.upstream_api_key
+    return tenant
 
 
 def upstream_headers(state: ProxyState, request: Request, ctx: RequestContext) -> dict[str, str]:
@@ -91,13 +100,14 @@ async def send_json(
     request: Request,
     ctx: RequestContext,
     path: str,
-    payload: bytes,
+    payload: bytes | None,
     *,
     on_reply: Callable[[dict[str, Any]], None] | None = None,
+    method: str = "POST",
 ) -> Response:
     """Forward a non-streaming request; the upstream's bytes reach the client unchanged."""
     ctx.mark_upstream_sent()
-    response = await state.upstream.open("POST", path, content=payload, headers=upstream_headers(state, request, ctx))
+    response = await state.upstream.open(method, path, content=payload, headers=upstream_headers(state, request, ctx))
     ctx.upstream_headers = time.perf_counter()
     raw = await state.upstream.read(response)
     ctx.upstream_done = time.perf_counter()

@@ -13,7 +13,7 @@ from proxy.body import parse_json_object, read_body, validate_chat_request
 from proxy.canon import CanonResult
 from proxy.canon.fingerprint import stable_prefix_hash
 from proxy.errors import ProxyError
-from proxy.forward import dumps, error_response, new_context, send_json, send_stream, with_upstream_usage
+from proxy.forward import authenticate, dumps, error_response, new_context, send_json, send_stream, with_upstream_usage
 from proxy.relay import SSERelay
 from proxy.state import ProxyState, get_state
 from proxy.turns import ChatTurn
@@ -28,9 +28,7 @@ async def chat_completions(request: Request) -> Response:
     ctx = new_context(request, ROUTE)
     turn: ChatTurn | None = None
     try:
-        tenant = await state.tenants.authenticate(request.headers.get("authorization"))
-        ctx.tenant = tenant.name
-        ctx.upstream_api_key = tenant.upstream_api_key
+        tenant = await authenticate(state, request, ctx)
         body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
         validate_chat_request(body)
         ctx.model = body["model"]

@@ -2,35 +2,22 @@
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.body import parse_json_object, read_body, require_model, validate_completion_request
-from proxy.context import RequestContext
 from proxy.errors import ProxyError
 from proxy.forward import (
+    authenticate,
     dumps,
     error_response,
-    finish,
     new_context,
-    proxy_headers,
     send_json,
     send_stream,
-    upstream_error,
-    upstream_headers,
     with_upstream_usage,
 )
-from proxy.state import ProxyState, get_state
-
-
-async def authenticate(state: ProxyState, request: Request, ctx: RequestContext) -> None:
-    tenant = await state.tenants.authenticate(request.headers.get("authorization"))
-    ctx.tenant = tenant.name
-    ctx.upstream_api_key = tenant.upstream_api_key
-
+from proxy.state import get_state
 
 router = APIRouter()
 
@@ -72,17 +59,6 @@ async def models(request: Request) -> Response:
     ctx = new_context(request, "models")
     try:
         await authenticate(state, request, ctx)
-        ctx.mark_upstream_sent()
-        response = await state.upstream.open("GET", "/models", headers=upstream_headers(state, request, ctx))
-        ctx.upstream_headers = time.perf_counter()
-        raw = await state.upstream.read(response)
-        ctx.upstream_done = time.perf_counter()
-        ctx.status = response.status_code
-        if response.status_code >= 400:
-            return upstream_error(state, ctx, response.status_code, raw)
-        finish(state, ctx)
-        return Response(
-            raw, status_code=response.status_code, headers=proxy_headers(ctx), media_type="application/json"
-        )
+        return await send_json(state, request, ctx, "/models", None, method="GET")
     except ProxyError as error:
         return error_response(state, ctx, error)
