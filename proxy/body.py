@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from starlette.requests import Request
 
 from proxy.errors import ProxyError, bad_request
+from proxy.jsonio import loads
 
 VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -35,7 +35,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise bad_request("request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
+        body = loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):

@@ -14,6 +14,7 @@ from proxy.canon import (
     canonicalize,
     remember_generated_calls,
 )
+from proxy.canon.normalize import NormalTextMemo
 from proxy.canon.volatile import BUILTIN_DETECTORS, DetectionCache, Detector, marker_detector, regex_detector
 from proxy.config import CanonSettings
 
@@ -46,6 +47,7 @@ class Canonicalizer:
         )
         self.tool_memory = ToolCallMemory()
         self.detection_cache = DetectionCache()
+        self.normal_texts = NormalTextMemo()
 
     @staticmethod
     def _options(settings: CanonSettings, mode: Any, detectors: tuple[Detector, ...]) -> CanonOptions:
@@ -66,6 +68,7 @@ class Canonicalizer:
             learned=self.learned,
             tool_memory=self.tool_memory,
             detection_cache=self.detection_cache,
+            normal_texts=self.normal_texts,
         )
 
     def record_reply(self, forwarded: dict[str, Any], tenant: str, calls: list[ToolCall]) -> None:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from proxy.errors import ProxyError
-from proxy.forward import dumps
+from proxy.jsonio import dumps
 from proxy.sessions.service import StoreUnavailable
 from proxy.usage import Usage
 from summarizer import (

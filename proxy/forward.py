@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.access_log import log_request
 from proxy.context import RequestContext
 from proxy.errors import ProxyError, normalize_upstream_error
+from proxy.jsonio import loads
 from proxy.relay import SSERelay
 from proxy.state import ProxyState
 from proxy.streaming import RelayResponse
@@ -199,7 +198,7 @@ def upstream_error(state: ProxyState, ctx: RequestContext, status: int, raw: byt
 
 def _parse(raw: bytes) -> dict[str, Any] | None:
     try:
-        parsed = json.loads(raw)
+        parsed = loads(raw)
     except ValueError:
         return None
     return parsed if isinstance(parsed, dict) else None
@@ -210,11 +209,3 @@ def with_upstream_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     options = body.get("stream_options")
     options = options if isinstance(options, dict) else {}
     return {**body, "stream_options": {**options, "include_usage": True}}, bool(options.get("include_usage"))
-
-
-def dumps(body: dict[str, Any]) -> bytes:
-    try:
-        return orjson.dumps(body)
-    except TypeError:
-        # orjson refuses lone surrogates (valid JSON escapes a client may send); json passes them on.
-        return json.dumps(body, separators=(",", ":")).encode()

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from proxy.assistant import AssistantRecorder
+from proxy.jsonio import loads
 from proxy.usage import Usage
 
 _EVENT_END = b"\n\n"
@@ -83,7 +84,7 @@ class SSERelay:
     def _inspect_event(self, event: bytes) -> bytes | None:
         """Returns the event to forward (possibly rewritten), or None to drop it."""
         try:
-            chunk: Any = json.loads(event[6:])
+            chunk: Any = loads(event[6:])
         except ValueError:
             return event
         if not isinstance(chunk, dict):

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from proxy.canon.actions import Action
 from proxy.canon.fingerprint import leading_system_count, stable_prefix_hash
 from proxy.canon.learned import LearnedVolatility
-from proxy.canon.normalize import normalize_messages
+from proxy.canon.normalize import NormalTextMemo, normalize_messages
 from proxy.canon.relocate import lines_touched, partition_lines, split_lines
 from proxy.canon.toolcalls import ToolCallMemory, restore_tool_calls
 from proxy.canon.tools import canonicalize_tool_fields
@@ -61,11 +61,12 @@ def canonicalize(
     learned: LearnedVolatility | None = None,
     tool_memory: ToolCallMemory | None = None,
     detection_cache: DetectionCache | None = None,
+    normal_texts: NormalTextMemo | None = None,
 ) -> CanonResult:
     """Canonicalize a chat-completions body. ``namespace`` (the tenant) scopes the memories.
 
-    ``detection_cache`` only saves work (it must belong to ``options.detectors``); the result
-    does not depend on it.
+    ``detection_cache`` and ``normal_texts`` only save work (each must belong to these
+    ``options``); the result does not depend on them.
     """
     if options.mode == "off" or not isinstance(body.get("messages"), list):
         count = leading_system_count(body.get("messages") or [])
@@ -77,7 +78,10 @@ def canonicalize(
 
     if options.normalize_whitespace or options.normalize_unicode:
         changed = normalize_messages(
-            messages, whitespace=options.normalize_whitespace, unicode=options.normalize_unicode
+            messages,
+            whitespace=options.normalize_whitespace,
+            unicode=options.normalize_unicode,
+            memo=normal_texts,
         )
         if changed:
             actions.append(Action("text_normalized", str(changed)))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import orjson
 import xxhash
+
+from proxy.jsonio import dumps
 
 STABLE_ROLES = frozenset({"system", "developer"})
 
@@ -30,16 +30,9 @@ def stable_prefix_hash(body: dict[str, Any], stable_count: int | None = None) ->
     digest.update(b"\x00")
     tools = body.get("tools") or body.get("functions")
     if tools:
-        digest.update(_dumps(tools))
+        digest.update(dumps(tools))
     digest.update(b"\x00")
     for message in messages[:stable_count]:
-        digest.update(_dumps(message.get("content")))
+        digest.update(dumps(message.get("content")))
         digest.update(b"\x00")
     return digest.hexdigest()
-
-
-def _dumps(value: Any) -> bytes:
-    try:
-        return orjson.dumps(value)
-    except TypeError:  # lone surrogates: orjson refuses them, json escapes them
-        return json.dumps(value).encode()

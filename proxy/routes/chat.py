@@ -13,7 +13,8 @@ from proxy.body import parse_json_object, read_body, validate_chat_request
 from proxy.canon import CanonResult
 from proxy.canon.fingerprint import stable_prefix_hash
 from proxy.errors import ProxyError
-from proxy.forward import authenticate, dumps, error_response, new_context, send_json, send_stream, with_upstream_usage
+from proxy.forward import authenticate, error_response, new_context, send_json, send_stream, with_upstream_usage
+from proxy.jsonio import dumps
 from proxy.relay import SSERelay
 from proxy.state import ProxyState, get_state
 from proxy.turns import ChatTurn

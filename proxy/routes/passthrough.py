@@ -10,13 +10,13 @@ from proxy.body import parse_json_object, read_body, require_model, validate_com
 from proxy.errors import ProxyError
 from proxy.forward import (
     authenticate,
-    dumps,
     error_response,
     new_context,
     send_json,
     send_stream,
     with_upstream_usage,
 )
+from proxy.jsonio import dumps
 from proxy.state import get_state
 
 router = APIRouter()

@@ -1,0 +1,74 @@
+"""Shortcuts on the per-request path must not change what is forwarded."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.canon.normalize import MEMO_MIN_CHARS, NormalTextMemo, normalize_text
+from proxy.jsonio import dumps, loads
+from proxy.upstream import Upstream
+
+LINE = st.text(alphabet=st.sampled_from("ab é\u0065\u0301\t\r\n"), max_size=60)
+
+
+@given(st.lists(LINE, min_size=1, max_size=80), st.booleans(), st.booleans())
+def test_memo_gives_what_normalize_text_gives(lines: list[str], whitespace: bool, unicode: bool) -> None:
+    text = "\n".join(lines) * (MEMO_MIN_CHARS // 20 + 1)
+    memo = NormalTextMemo()
+    expected = normalize_text(text, whitespace=whitespace, unicode=unicode)
+    for _ in range(2):  # the second pass answers from the memo
+        assert memo.normalize(text, whitespace=whitespace, unicode=unicode) == expected
+        assert memo.normalize(expected, whitespace=whitespace, unicode=unicode) == expected
+
+
+def test_memo_is_keyed_by_the_options() -> None:
+    text = "line with a trailing blank \n" * 200
+    memo = NormalTextMemo()
+    assert memo.normalize(text, whitespace=False, unicode=True) == text
+    assert memo.normalize(text, whitespace=True, unicode=True) == "line with a trailing blank\n" * 200
+
+
+def test_single_line_text_with_inner_blanks_is_unchanged() -> None:
+    text = "word  " * 5000 + "end"
+    assert normalize_text(text, whitespace=True, unicode=True) is text
+
+
+def test_loads_accepts_what_the_standard_library_accepts() -> None:
+    assert loads(b'{"a": NaN}')["a"] != loads(b'{"a": NaN}')["a"]  # NaN, as json gives it
+    assert loads(b'{"t": "\\ud800x"}') == {"t": "\ud800x"}
+    assert loads('{"k": [1, 2.5, "\u00e9"]}') == {"k": [1, 2.5, "é"]}
+    try:
+        loads(b"{not json")
+    except ValueError as exc:
+        assert "Expecting property name" in str(exc)
+    else:
+        raise AssertionError("invalid JSON was accepted")
+
+
+def test_dumps_keeps_lone_surrogates_as_valid_json() -> None:
+    raw = dumps({"t": "\ud800", "u": "é"})
+    assert json.loads(raw.decode("utf-8")) == {"t": "\ud800", "u": "é"}
+    assert dumps({"u": "é", "n": 1}) == '{"u":"é","n":1}'.encode()
+
+
+async def test_upstream_keeps_no_cookies_between_requests() -> None:
+    """One client serves every tenant: an upstream cookie must not reach the next request."""
+    seen: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("cookie"))
+        return httpx.Response(200, json={}, headers={"set-cookie": "session=tenant-a; Path=/"})
+
+    upstream = Upstream("http://upstream.test/v1", transport=httpx.MockTransport(handler))
+    try:
+        for _ in range(2):
+            response = await upstream.open("POST", "/chat/completions", content=b"{}")
+            await upstream.read(response)
+    finally:
+        await upstream.aclose()
+    assert seen == [None, None]
+    assert not upstream.client.cookies
