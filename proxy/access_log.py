@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from typing import Any
 
 from proxy.context import RequestContext
+from proxy.jsonio import dumps
 
 ACCESS_LOGGER = "prefix_proxy.access"
 
@@ -26,7 +26,7 @@ class JsonFormatter(logging.Formatter):
             payload["message"] = record.getMessage()
         if record.exc_info and record.levelno >= logging.ERROR:
             payload["exception"] = self.formatException(record.exc_info)
-        return json.dumps(payload, ensure_ascii=False, default=str)
+        return dumps(payload, default=str).decode()
 
 
 def configure_logging(level: str) -> None:

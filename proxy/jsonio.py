@@ -9,6 +9,7 @@ beyond 64 bits as a float; no OpenAI parameter carries one.)
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -22,9 +23,9 @@ def loads(raw: bytes | str) -> Any:
         return json.loads(raw)
 
 
-def dumps(value: Any) -> bytes:
+def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
     """Compact JSON bytes (UTF-8; where orjson refuses a value, ASCII with ``\\u`` escapes)."""
     try:
-        return orjson.dumps(value)
+        return orjson.dumps(value, default=default)
     except TypeError:
-        return json.dumps(value, separators=(",", ":")).encode()
+        return json.dumps(value, separators=(",", ":"), default=default).encode()

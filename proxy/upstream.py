@@ -38,6 +38,7 @@ class Upstream:
         # vLLM serves /tokenize, /health and /metrics at the server root, not under /v1.
         self.root_url = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
         self._api_key = api_key
+        self._urls: dict[tuple[str, bool], httpx.URL] = {}
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         if transport is None and use_aiohttp:
             # Same httpx client API, aiohttp's connection handling underneath: measured 2 ms less
@@ -50,6 +51,14 @@ class Upstream:
         # on another's request. httpx has no switch for its jar, so it gets one that keeps nothing
         # (which also saves parsing every response for cookies: ~80 us per request).
         self.client._cookies = _NoCookies()
+
+    def _url(self, path: str, root: bool) -> httpx.URL:
+        # A handful of paths, each parsed once: httpx's URL parser is pure Python.
+        key = (path, root)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = httpx.URL((self.root_url if root else self.base_url) + path)
+        return url
 
     def auth_headers(self, client_authorization: str | None) -> dict[str, str]:
         """The upstream's own key when configured; else the client's, for transparent set-ups."""
@@ -69,8 +78,7 @@ class Upstream:
         root: bool = False,
     ) -> httpx.Response:
         """Send a request and return the response with its body not yet read (streaming)."""
-        url = (self.root_url if root else self.base_url) + path
-        request = self.client.build_request(method, url, content=content, headers=headers)
+        request = self.client.build_request(method, self._url(path, root), content=content, headers=headers)
         try:
             return await self.client.send(request, stream=True)
         except httpx.TimeoutException as exc:

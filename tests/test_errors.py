@@ -96,6 +96,12 @@ def test_unknown_route_is_openai_404(proxy: LiveServer) -> None:
     assert_openai_error(httpx.get(proxy.url + "/v1/nothing-here"), 404)
 
 
+def test_wrong_method_is_openai_405(proxy: LiveServer) -> None:
+    response = httpx.get(proxy.url + "/v1/chat/completions")
+    assert_openai_error(response, 405)
+    assert response.headers["allow"] == "POST"
+
+
 def test_client_disconnect_closes_upstream_stream(proxy: LiveServer, fake_stats: Callable[[], dict]) -> None:
     before = fake_stats()
     body = {**CHAT, "stream": True, "max_tokens": 200, "fake_options": {"chunk_delay_s": 0.2}}

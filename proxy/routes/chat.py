@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 from proxy.assistant import AssistantRecorder
 from proxy.body import parse_json_object, read_body, validate_chat_request
@@ -19,11 +19,9 @@ from proxy.relay import SSERelay
 from proxy.state import ProxyState, get_state
 from proxy.turns import ChatTurn
 
-router = APIRouter()
 ROUTE = "chat"
 
 
-@router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = get_state(request)
     ctx = new_context(request, ROUTE)
@@ -83,6 +81,9 @@ async def chat_completions(request: Request) -> Response:
         if turn is not None and error.status >= 500:
             await turn.abandon()
         return error_response(state, ctx, error)
+
+
+routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"])]
 
 
 def _count_canonicalization(state: ProxyState, body: dict[str, Any], canon: CanonResult) -> bool:

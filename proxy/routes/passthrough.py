@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 from proxy.body import parse_json_object, read_body, require_model, validate_completion_request
 from proxy.errors import ProxyError
@@ -19,10 +19,7 @@ from proxy.forward import (
 from proxy.jsonio import dumps
 from proxy.state import get_state
 
-router = APIRouter()
 
-
-@router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = get_state(request)
     ctx = new_context(request, "completions")
@@ -40,7 +37,6 @@ async def completions(request: Request) -> Response:
         return error_response(state, ctx, error)
 
 
-@router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
     state = get_state(request)
     ctx = new_context(request, "embeddings")
@@ -53,7 +49,6 @@ async def embeddings(request: Request) -> Response:
         return error_response(state, ctx, error)
 
 
-@router.get("/v1/models")
 async def models(request: Request) -> Response:
     state = get_state(request)
     ctx = new_context(request, "models")
@@ -62,3 +57,10 @@ async def models(request: Request) -> Response:
         return await send_json(state, request, ctx, "/models", None, method="GET")
     except ProxyError as error:
         return error_response(state, ctx, error)
+
+
+routes = [
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+]
