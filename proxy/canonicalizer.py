@@ -56,6 +56,7 @@ class Canonicalizer:
             relocate_target=settings.relocate_target,
             normalize_whitespace=settings.normalize_whitespace,
             normalize_unicode=settings.normalize_unicode,
+            restore_query_blocks=settings.restore_query_blocks,
             detectors=detectors,
         )
 

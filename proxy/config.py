@@ -36,6 +36,9 @@ class CanonSettings(BaseModel):
     normalize_whitespace: bool = True
     normalize_unicode: bool = True
     learn_volatility: bool = True
+    # A moved block that is only a template around the user's message (Dify's {{#sys.query#}}) is
+    # re-created in front of earlier user messages, so each turn extends the previous one.
+    restore_query_blocks: bool = True
     learned_apps_max: int = 1024
     learned_history: int = 8
     rules: list[VolatileRule] = Field(default_factory=list)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from proxy.config import Settings
     from proxy.workload import ScenarioResult
 
-DEFAULT_SESSIONS = 16
+DEFAULT_SESSIONS = 32
 DEFAULT_SEED = 0
 DEFAULT_CONCURRENCY = 8
 

@@ -5,7 +5,9 @@ Stages, in order:
 2. whitespace / Unicode normalization of client-authored text;
 3. history tool calls: exact ids and argument bytes the backend generated;
 4. (``relocate`` mode) volatile lines of the leading system prompt moved behind
-   the stable part: detectors, user rules and learned volatility decide which.
+   the stable part: detectors, user rules and learned volatility decide which; a
+   moved block that only restates the user's question is re-created in front of
+   earlier questions too, as those turns were forwarded (``querytemplate``).
 
 The input is never mutated. Apart from the optional learned-volatility and
 tool-call memories passed in, the result depends only on the input, and
@@ -22,6 +24,7 @@ from proxy.canon.actions import Action
 from proxy.canon.fingerprint import leading_system_count, stable_prefix_hash
 from proxy.canon.learned import LearnedVolatility
 from proxy.canon.normalize import NormalTextMemo, normalize_messages
+from proxy.canon.querytemplate import restore_query_blocks
 from proxy.canon.relocate import lines_touched, partition_lines, split_lines
 from proxy.canon.toolcalls import ToolCallMemory, restore_tool_calls
 from proxy.canon.tools import canonicalize_tool_fields
@@ -37,6 +40,8 @@ class CanonOptions:
     relocate_target: Target = "before_last_user"
     normalize_whitespace: bool = True
     normalize_unicode: bool = True
+    # Re-create a moved block that only restates the user's question before earlier questions too.
+    restore_query_blocks: bool = True
     detectors: Sequence[Detector] = field(default_factory=lambda: tuple(BUILTIN_DETECTORS.values()))
 
 
@@ -129,6 +134,7 @@ def _relocate_volatile(
     actions: list[Action] = []
     moved_blocks: list[str] = []
     emptied: list[int] = []
+    detected = False
     for index in range(system_count):
         content = messages[index].get("content")
         if not isinstance(content, str) or not content:
@@ -160,18 +166,24 @@ def _relocate_volatile(
             stable_count = index
             continue
         actions.extend(_span_actions(spans))
+        detected = detected or bool(spans)
         moved_blocks.append(moved)
         if stable:
             messages[index] = {**messages[index], "content": stable}
         else:
             emptied.append(index)
     if moved_blocks:
-        last_user = _last_user_index(messages)
-        messages.insert(last_user, {"role": "system", "content": "\n\n".join(moved_blocks)})
+        block = "\n\n".join(moved_blocks)
+        messages.insert(_last_user_index(messages), {"role": "system", "content": block})
         for index in reversed(emptied):
             del messages[index]
         stable_count = system_count - len(emptied)
         actions.append(Action("volatile_moved", "before_last_user"))
+        if options.restore_query_blocks and not detected:
+            # Only learned lines: detected spans (dates, retrieved context) are not a restatement.
+            restored = restore_query_blocks(messages, block, stable_count, _last_user_index(messages))
+            if restored:
+                actions.append(Action("query_blocks_restored", str(restored)))
     return actions, stable_count
 
 
