@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -49,7 +50,7 @@ def conversation(options: CanonOptions, template: str = TEMPLATE) -> list[list[d
 
 def test_each_turn_extends_the_previous_turn_answer_included() -> None:
     turns = conversation(CanonOptions())
-    for turn, (previous, current) in enumerate(zip(turns, turns[1:], strict=False)):
+    for turn, (previous, current) in enumerate(itertools.pairwise(turns)):
         answer = {"role": "assistant", "content": f"Answer {turn}."}
         assert current[: len(previous) + 1] == [*previous, answer]
 
