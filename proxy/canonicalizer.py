@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 from proxy.assistant import ToolCall
@@ -33,6 +34,9 @@ def build_detectors(settings: CanonSettings) -> tuple[Detector, ...]:
     return tuple(detectors)
 
 
+MAX_STRUCTURE_BOUND_MODELS = 1024
+
+
 class Canonicalizer:
     def __init__(self, settings: CanonSettings) -> None:
         detectors = build_detectors(settings)
@@ -48,6 +52,9 @@ class Canonicalizer:
         self.tool_memory = ToolCallMemory()
         self.detection_cache = DetectionCache()
         self.normal_texts = NormalTextMemo()
+        # Models whose backend refused a request with an inserted system message: relocation
+        # appends to the system prompt for them instead (bounded; most recent kept).
+        self._structure_bound: OrderedDict[str, None] = OrderedDict()
 
     @staticmethod
     def _options(settings: CanonSettings, mode: Any, detectors: tuple[Detector, ...]) -> CanonOptions:
@@ -60,8 +67,24 @@ class Canonicalizer:
             detectors=detectors,
         )
 
+    def keep_structure(self, model: str | None) -> None:
+        """From now on, never insert a message into requests for ``model``."""
+        self._structure_bound[str(model)] = None
+        self._structure_bound.move_to_end(str(model))
+        if len(self._structure_bound) > MAX_STRUCTURE_BOUND_MODELS:
+            self._structure_bound.popitem(last=False)
+
+    def forget_structure(self, model: str | None) -> None:
+        self._structure_bound.pop(str(model), None)
+
+    def keeps_structure(self, model: str | None) -> bool:
+        return str(model) in self._structure_bound
+
     def apply(self, body: dict[str, Any], tenant: str) -> CanonResult:
-        options = self._per_model.get(str(body.get("model")), self._default)
+        model = str(body.get("model"))
+        options = self._per_model.get(model, self._default)
+        if model in self._structure_bound and options.relocate_target != "system_end":
+            options = replace(options, relocate_target="system_end")
         return canonicalize(
             body,
             options,

@@ -42,6 +42,8 @@ class RequestContext:
     error_code: str | None = None
     upstream_api_key: str | None = None
     saved_by_canonicalization: bool = False
+    # The forwarded messages' roles differ from the client's (a message was inserted or removed).
+    restructured: bool = False
     # Only with ``log_prompts: true``: the messages as forwarded, for debugging.
     logged_messages: list[Any] | None = None
 

@@ -23,7 +23,14 @@ from proxy.fakebackend.config import FakeBackendConfig
 from proxy.fakebackend.embeddings import embed, to_base64, truncate_and_normalize
 from proxy.fakebackend.engine import FakeEngine
 from proxy.fakebackend.hooks import add_test_hooks
-from proxy.fakebackend.intake import completion_prompt, embedding_inputs, read_model, render, tokenize_text
+from proxy.fakebackend.intake import (
+    completion_prompt,
+    embedding_inputs,
+    read_model,
+    render,
+    require_leading_system,
+    tokenize_text,
+)
 from proxy.fakebackend.metrics import CONTENT_TYPE
 from proxy.fakebackend.protocol import (
     ChatCompletionRequest,
@@ -124,6 +131,8 @@ def create_app(config: FakeBackendConfig | None = None, *, tokenizer: ChatTokeni
             check_generation_params(req.n, req.stream, req.stream_options is not None)
             mode = chat.tool_mode(req)
             prompt_text = render(req.messages, req.tools, req.add_generation_prompt, req.continue_final_message)
+            if not config.system_anywhere:
+                require_leading_system(req.messages)
             prompt_ids = engine.tokenizer.encode(prompt_text)
             max_tokens = check_length(len(prompt_ids), req.requested_max_tokens)
         except Rejected as exc:

@@ -35,6 +35,9 @@ class FakeBackendConfig:
     zero_cached_tokens_details: Literal["omit", "null", "zero"] = "omit"
     request_log_size: int = 256
     embedding_dim: int = 256
+    # False: refuse a system message anywhere but first, as Mistral's and Gemma's chat templates
+    # do (vLLM answers 400 with the template's own message).
+    system_anywhere: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.cache_capacity_blocks < 1 or self.max_model_len < 1:

@@ -36,6 +36,15 @@ def render(messages: list[Any], tools: list[Any] | None, add_generation_prompt: 
         raise Rejected(400, str(exc)) from exc
 
 
+STRICT_TEMPLATE_ERROR = "Conversation roles must alternate user/assistant/user/assistant/..."
+
+
+def require_leading_system(messages: list[Any]) -> None:
+    """What a strict chat template raises: a system message after the first message."""
+    if any(isinstance(m, dict) and m.get("role") == "system" for m in messages[1:]):
+        raise Rejected(400, STRICT_TEMPLATE_ERROR)
+
+
 def tokenize_text(req: TokenizeRequest) -> tuple[str, bool]:
     """``/tokenize`` input: (text, add_special_tokens) with vLLM's per-kind defaults."""
     if req.messages is not None:

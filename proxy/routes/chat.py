@@ -12,11 +12,13 @@ from proxy.assistant import AssistantRecorder
 from proxy.body import parse_json_object, read_body, validate_chat_request
 from proxy.canon import CanonResult
 from proxy.canon.fingerprint import stable_prefix_hash
+from proxy.context import RequestContext
 from proxy.errors import ProxyError
 from proxy.forward import authenticate, error_response, new_context, send_json, send_stream, with_upstream_usage
 from proxy.jsonio import dumps
 from proxy.relay import SSERelay
 from proxy.state import ProxyState, get_state
+from proxy.tenants import Tenant
 from proxy.turns import ChatTurn
 
 ROUTE = "chat"
@@ -25,22 +27,43 @@ ROUTE = "chat"
 async def chat_completions(request: Request) -> Response:
     state = get_state(request)
     ctx = new_context(request, ROUTE)
-    turn: ChatTurn | None = None
     try:
         tenant = await authenticate(state, request, ctx)
         body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
         validate_chat_request(body)
+    except ProxyError as error:
+        return error_response(state, ctx, error)
+    response = await _forward(state, request, ctx, tenant, body)
+    if response.status_code == 400 and ctx.restructured and not state.canonicalizer.keeps_structure(ctx.model):
+        # Strict chat templates (Mistral's, Gemma's) refuse a system message after the first one.
+        # Once such a refusal is cured by keeping the client's message order, it is kept for the model.
+        state.canonicalizer.keep_structure(ctx.model)
+        retry = new_context(request, ROUTE)
+        retry.request_id, retry.tenant, retry.upstream_api_key = ctx.request_id, ctx.tenant, ctx.upstream_api_key
+        retry.actions.append("retried_keeping_message_order")
+        response = await _forward(state, request, retry, tenant, body)
+        if response.status_code == 400:
+            state.canonicalizer.forget_structure(ctx.model)  # the request itself was the problem
+    return response
+
+
+async def _forward(
+    state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant, body: dict[str, Any]
+) -> Response:
+    turn: ChatTurn | None = None
+    try:
         ctx.model = body["model"]
         ctx.stream = bool(body.get("stream"))
 
         canon = state.canonicalizer.apply(body, tenant.name)
-        ctx.actions = [str(action) for action in canon.actions]
+        ctx.actions.extend(str(action) for action in canon.actions)
         ctx.prefix_hash = canon.prefix_hash
         ctx.saved_by_canonicalization = _count_canonicalization(state, body, canon)
         turn = await ChatTurn.begin(state, tenant, request.headers, body, canon)
         ctx.session_id = turn.session_id
         ctx.actions.extend(turn.actions)
         forwarded = turn.forwarded
+        ctx.restructured = _roles(forwarded) != _roles(body)
         if state.settings.log_prompts:
             ctx.logged_messages = forwarded["messages"]
 
@@ -81,6 +104,10 @@ async def chat_completions(request: Request) -> Response:
         if turn is not None and error.status >= 500:
             await turn.abandon()
         return error_response(state, ctx, error)
+
+
+def _roles(body: dict[str, Any]) -> list[Any]:
+    return [m.get("role") if isinstance(m, dict) else None for m in body["messages"]]
 
 
 routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"])]

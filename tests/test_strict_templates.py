@@ -1,0 +1,92 @@
+"""A backend whose chat template refuses a system message after the first (Mistral, Gemma).
+
+Relocation inserts one before the last user turn; such a backend answers 400. The proxy
+then resends the request with the client's message order (volatile lines appended to the
+system prompt instead) and keeps doing so for that model. Nothing reaches the client but
+the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from proxy.fakebackend import FakeBackendConfig
+from proxy.fakebackend import create_app as create_fake_app
+from tests.conftest import LiveServer
+
+SYSTEM = "Current time: 2026-11-29 14:03:11\nYou are a support assistant. Answer briefly and politely."
+
+
+@pytest.fixture(scope="module")
+def strict_backend() -> Iterator[LiveServer]:
+    server = LiveServer(create_fake_app(FakeBackendConfig(system_anywhere=False))).start()
+    yield server
+    server.stop()
+
+
+def chat(proxy: LiveServer, system: str, question: str, stream: bool = False) -> tuple[int, dict[str, str], str]:
+    body: dict[str, Any] = {
+        "model": "fake-model",
+        "max_tokens": 8,
+        "stream": stream,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+    }
+    response = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30)
+    return response.status_code, dict(response.headers), response.text
+
+
+def test_the_strict_backend_refuses_an_inserted_system_message(strict_backend: LiveServer) -> None:
+    messages = [
+        {"role": "system", "content": "stable"},
+        {"role": "system", "content": "moved"},
+        {"role": "user", "content": "hi"},
+    ]
+    body = {"model": "fake-model", "messages": messages}
+    response = httpx.post(strict_backend.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert "roles must alternate" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_rewrite_is_resent_in_the_client_order(
+    make_proxy: Callable[..., LiveServer], strict_backend: LiveServer, stream: bool
+) -> None:
+    proxy = make_proxy(upstream=strict_backend.url + "/v1")
+    status, headers, _ = chat(proxy, SYSTEM, "Where is my order?", stream)
+    assert status == 200
+    actions = headers["x-prefix-proxy-actions"]
+    assert "retried_keeping_message_order" in actions
+    assert "volatile_moved:system_end" in actions
+
+    # From now on the model gets the client's order at once; the timestamp still moves.
+    status, headers, _ = chat(proxy, SYSTEM.replace("14:03:11", "14:04:52"), "And my invoice?", stream)
+    assert status == 200
+    assert "retried" not in headers["x-prefix-proxy-actions"]
+    assert "volatile_moved:system_end" in headers["x-prefix-proxy-actions"]
+
+
+def test_a_request_the_backend_refuses_anyway_reaches_the_client(
+    make_proxy: Callable[..., LiveServer], strict_backend: LiveServer
+) -> None:
+    proxy = make_proxy(upstream=strict_backend.url + "/v1")
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="fake-model",
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "hi"},
+                {"role": "system", "content": "the client's own late system message"},
+                {"role": "user", "content": "again"},
+            ],
+        )
+    assert "roles must alternate" in str(raised.value)
+    # The client's own order was refused too, so the model is not marked: a later request still relocates.
+    status, headers, _ = chat(proxy, SYSTEM, "Where is my order?")
+    assert status == 200
+    assert "retried_keeping_message_order" in headers["x-prefix-proxy-actions"]
