@@ -18,6 +18,7 @@ from proxy.canon import (
 from proxy.canon.normalize import NormalTextMemo
 from proxy.canon.volatile import BUILTIN_DETECTORS, DetectionCache, Detector, marker_detector, regex_detector
 from proxy.config import CanonSettings
+from proxy.recent import RecentSet
 
 
 def build_detectors(settings: CanonSettings) -> tuple[Detector, ...]:
@@ -53,8 +54,8 @@ class Canonicalizer:
         self.detection_cache = DetectionCache()
         self.normal_texts = NormalTextMemo()
         # Models whose backend refused a request with an inserted system message: relocation
-        # appends to the system prompt for them instead (bounded; most recent kept).
-        self._structure_bound: OrderedDict[str, None] = OrderedDict()
+        # appends to the system prompt for them instead.
+        self._structure_bound: RecentSet[str] = RecentSet(MAX_STRUCTURE_BOUND_MODELS)
 
     @staticmethod
     def _options(settings: CanonSettings, mode: Any, detectors: tuple[Detector, ...]) -> CanonOptions:
@@ -69,13 +70,10 @@ class Canonicalizer:
 
     def keep_structure(self, model: str | None) -> None:
         """From now on, never insert a message into requests for ``model``."""
-        self._structure_bound[str(model)] = None
-        self._structure_bound.move_to_end(str(model))
-        if len(self._structure_bound) > MAX_STRUCTURE_BOUND_MODELS:
-            self._structure_bound.popitem(last=False)
+        self._structure_bound.add(str(model))
 
     def forget_structure(self, model: str | None) -> None:
-        self._structure_bound.pop(str(model), None)
+        self._structure_bound.discard(str(model))
 
     def keeps_structure(self, model: str | None) -> bool:
         return str(model) in self._structure_bound
@@ -111,17 +109,12 @@ class PrefixTracker:
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self._counts: OrderedDict[str, int] = OrderedDict()
-        self._raw: OrderedDict[str, None] = OrderedDict()
+        self._raw: RecentSet[str] = RecentSet(max_entries)
         self._max_entries = max_entries
 
     def raw_seen(self, raw_prefix_hash: str) -> bool:
         """Record a prefix as the client sent it; True when it was sent before."""
-        seen = raw_prefix_hash in self._raw
-        self._raw[raw_prefix_hash] = None
-        self._raw.move_to_end(raw_prefix_hash)
-        if len(self._raw) > self._max_entries:
-            self._raw.popitem(last=False)
-        return seen
+        return self._raw.add(raw_prefix_hash)
 
     def hit(self, prefix_hash: str) -> bool:
         """Count one request; returns True when the prefix was seen before."""

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from proxy.canon.normalize import MEMO_MIN_CHARS, NormalTextMemo, normalize_text
 from proxy.jsonio import dumps, loads
+from proxy.recent import RecentSet
 from proxy.upstream import Upstream
 
 LINE = st.text(alphabet=st.sampled_from("ab é\u0065\u0301\t\r\n"), max_size=60)
@@ -72,3 +73,16 @@ async def test_upstream_keeps_no_cookies_between_requests() -> None:
         await upstream.aclose()
     assert seen == [None, None]
     assert not upstream.client.cookies
+
+
+def test_recent_set_drops_the_least_recently_used() -> None:
+    recent: RecentSet[str] = RecentSet(2)
+    assert recent.add("a") is False
+    recent.add("b")
+    assert recent.touch("a") is True  # "b" is now the oldest
+    assert recent.add("c") is False
+    assert "b" not in recent
+    assert "a" in recent and "c" in recent
+    assert recent.add("a") is True
+    recent.discard("a")
+    assert "a" not in recent and len(recent) == 1

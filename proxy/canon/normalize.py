@@ -7,10 +7,11 @@ messages); assistant messages are the model's own bytes and stay untouched.
 from __future__ import annotations
 
 import unicodedata
-from collections import OrderedDict
 from typing import Any
 
 import xxhash
+
+from proxy.recent import RecentSet
 
 NORMALIZED_ROLES = frozenset({"system", "developer", "user", "tool"})
 
@@ -27,21 +28,17 @@ class NormalTextMemo:
     """
 
     def __init__(self, max_entries: int = 20_000) -> None:
-        self._digests: OrderedDict[bytes, None] = OrderedDict()
-        self._max_entries = max_entries
+        self._normal: RecentSet[bytes] = RecentSet(max_entries)
 
     def normalize(self, text: str, *, whitespace: bool, unicode: bool) -> str:
         if len(text) < MEMO_MIN_CHARS:
             return normalize_text(text, whitespace=whitespace, unicode=unicode)
         digest = xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass")) + _FLAGS[whitespace, unicode]
-        if digest in self._digests:
-            self._digests.move_to_end(digest)
+        if self._normal.touch(digest):
             return text
         normalized = normalize_text(text, whitespace=whitespace, unicode=unicode)
-        if normalized is text or normalized == text:
-            self._digests[digest] = None
-            if len(self._digests) > self._max_entries:
-                self._digests.popitem(last=False)
+        if normalized == text:
+            self._normal.add(digest)
         return normalized
 
 
