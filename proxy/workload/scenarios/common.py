@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from typing import Any
 
-from proxy.workload.corpus import Question, questions
+from proxy.workload.corpus import Question, dify_node, questions, tool_suite
+from proxy.workload.session import Message, Session
 
 MIN_USER_TURNS = 3
 MAX_USER_TURNS = 6
@@ -113,3 +115,36 @@ def tool_result(name: str, arguments: dict[str, Any], rng: random.Random) -> str
     else:
         result = {"status": "success"}
     return json.dumps(result, ensure_ascii=False)
+
+
+class ToolAppSession(Session):
+    """A function-calling app: a fixed Dify system prompt, BFCL tool suites, tool-task turns.
+
+    Sent exactly as held; a scenario that breaks the cache overrides what it re-sends.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        rng: random.Random,
+        suites: tuple[str, ...],
+        system_node: tuple[str, str],
+        first_task: int,
+    ) -> None:
+        super().__init__(name, index, rng, tool_tasks(rng, suites, user_turn_count(rng), first_task))
+        self._system = dify_node(*system_node).system
+        self._tools = [tool for suite in suites for tool in tool_suite(suite)]
+
+    @property
+    def uses_tools(self) -> bool:
+        return True
+
+    def system_messages(self, query: str) -> list[Message]:
+        return [{"role": "system", "content": self._system}]
+
+    def tools_for_request(self) -> list[dict[str, Any]]:
+        return copy.deepcopy(self._tools)
+
+    def tool_result(self, name: str, arguments: dict[str, Any]) -> str:
+        return tool_result(name, arguments, self.rng)

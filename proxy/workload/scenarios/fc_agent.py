@@ -14,36 +14,25 @@ tools), ticket API (9) and both (19). User requests are written for this workloa
 
 from __future__ import annotations
 
-import copy
 import random
 from typing import Any
 
-from proxy.workload.corpus import dify_node, tool_suite
 from proxy.workload.registry import Scenario
-from proxy.workload.scenarios.common import tool_result, tool_tasks, user_turn_count
-from proxy.workload.session import Message, Session, reserialize_arguments, seeded_uuid4, shuffle_keys
+from proxy.workload.scenarios.common import ToolAppSession
+from proxy.workload.session import Message, reserialize_arguments, seeded_uuid4, shuffle_keys
 
 NAME = "fc_agent"
 SYSTEM_NODE = ("搜索大师3", "1719932888279")
 APPS: tuple[tuple[str, ...], ...] = (("message_api",), ("ticket_api",), ("message_api", "ticket_api"))
 
 
-class FcAgentSession(Session):
+class FcAgentSession(ToolAppSession):
     def __init__(self, index: int, rng: random.Random) -> None:
         self.suites = APPS[index % len(APPS)]
-        super().__init__(NAME, index, rng, tool_tasks(rng, self.suites, user_turn_count(rng), index // len(APPS)))
-        self._system = dify_node(*SYSTEM_NODE).system
-        self._tools = [tool for suite in self.suites for tool in tool_suite(suite)]
-
-    @property
-    def uses_tools(self) -> bool:
-        return True
-
-    def system_messages(self, query: str) -> list[Message]:
-        return [{"role": "system", "content": self._system}]
+        super().__init__(NAME, index, rng, self.suites, SYSTEM_NODE, index // len(APPS))
 
     def tools_for_request(self) -> list[dict[str, Any]]:
-        tools = copy.deepcopy(self._tools)
+        tools = super().tools_for_request()
         self.rng.shuffle(tools)
         shuffled: list[dict[str, Any]] = shuffle_keys(tools, self.rng)
         return shuffled
@@ -72,9 +61,6 @@ class FcAgentSession(Session):
             else:
                 out.append(dict(message))
         return out
-
-    def tool_result(self, name: str, arguments: dict[str, Any]) -> str:
-        return tool_result(name, arguments, self.rng)
 
 
 SCENARIO = Scenario(
