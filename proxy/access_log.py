@@ -53,6 +53,7 @@ def log_request(ctx: RequestContext, overhead_ms: float, extra: dict[str, Any] |
         "stream": ctx.stream,
         "session": ctx.session_id,
         "prefix": ctx.prefix_hash,
+        "backend": ctx.backend,
         "prompt_tokens": usage.prompt_tokens if usage else None,
         "cached_tokens": usage.cached_tokens if usage else None,
         "completion_tokens": usage.completion_tokens if usage else None,

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from proxy.backends import Backend, BackendPool, backend_name, make_policy
 from proxy.canonicalizer import Canonicalizer, PrefixTracker
 from proxy.compaction import CompactionService
 from proxy.config import Settings
@@ -47,21 +48,36 @@ def build_store(settings: Settings) -> tuple[SessionStore, RedisSessionStore | N
     return MemorySessionStore(sessions.ttl_s), None
 
 
+def build_backends(
+    settings: Settings, metrics: Metrics, transport: httpx.AsyncBaseTransport | None = None
+) -> BackendPool:
+    api_key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
+    backends = [
+        Backend(
+            backend_name(url),
+            Upstream(
+                url,
+                api_key=api_key,
+                connect_timeout_s=settings.connect_timeout_s,
+                timeout_s=settings.upstream_timeout_s,
+                max_connections=settings.max_connections,
+                transport=transport,
+                use_aiohttp=settings.upstream_transport == "aiohttp",
+            ),
+        )
+        for url in settings.upstream_urls
+    ]
+    routing = settings.routing
+    return BackendPool(backends, make_policy(routing.policy, routing.balance_factor), metrics)
+
+
 logger = logging.getLogger("prefix_proxy.app")
 
 
 def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     settings = settings or Settings()
-    upstream = Upstream(
-        settings.upstream,
-        api_key=settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None,
-        connect_timeout_s=settings.connect_timeout_s,
-        timeout_s=settings.upstream_timeout_s,
-        max_connections=settings.max_connections,
-        transport=transport,
-        use_aiohttp=settings.upstream_transport == "aiohttp",
-    )
     metrics = Metrics(settings.metrics_max_label_values, tenants=[t.name for t in settings.tenants])
+    upstream = build_backends(settings, metrics, transport)
     store, redis_store = build_store(settings)
     sessions = SessionService(store, settings.sessions, metrics)
     tenant_lookup = None
@@ -99,11 +115,15 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        gauges = asyncio.create_task(refresh_gauges())
+        background = [asyncio.create_task(refresh_gauges())]
+        interval = settings.routing.health_check_interval_s
+        if not upstream.single and interval > 0:
+            background.append(asyncio.create_task(upstream.run_health_checks(interval)))
         try:
             yield
         finally:
-            gauges.cancel()
+            for task in background:
+                task.cancel()
             await state.compaction.drain()
             await sessions.drain()
             await store.aclose()

@@ -14,7 +14,14 @@ def _serve(args: argparse.Namespace) -> int:
     from proxy.app import create_app
     from proxy.config import load_settings
 
-    settings = load_settings(args.config, upstream=args.upstream, host=args.host, port=args.port)
+    upstreams = args.upstream or []
+    settings = load_settings(
+        args.config,
+        upstream=upstreams[0] if len(upstreams) == 1 else None,
+        upstreams=upstreams if len(upstreams) > 1 else None,
+        host=args.host,
+        port=args.port,
+    )
     configure_logging(settings.log_level)
     uvicorn.run(
         create_app(settings),
@@ -61,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the proxy in front of an OpenAI-compatible upstream")
-    serve.add_argument("--upstream", help="upstream base URL, e.g. http://127.0.0.1:8000/v1")
+    serve.add_argument(
+        "--upstream",
+        action="append",
+        help="upstream base URL, e.g. http://127.0.0.1:8000/v1; repeat for several backends",
+    )
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--config", help="YAML or TOML config file (env PREFIX_PROXY_CONFIG)")

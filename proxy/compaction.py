@@ -66,7 +66,15 @@ class CompactionService:
         upstream = self._state.upstream
         headers = {"content-type": "application/json", **turn.upstream_auth_headers()}
         try:
-            response = await upstream.open("POST", "/chat/completions", content=dumps(body), headers=headers)
+            # Same backend as the conversation: the summary request starts with its cached prefix.
+            response = await upstream.open(
+                "POST",
+                "/chat/completions",
+                content=dumps(body),
+                headers=headers,
+                key=turn.routing_key,
+                model=str(body.get("model")),
+            )
             raw = await upstream.read(response)
         except ProxyError as exc:
             raise CompactionFailed(exc.message) from exc

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -116,13 +118,32 @@ class SummarizerSettings(BaseModel):
     repair_max_tokens: int = Field(4096, gt=0)
 
 
+RoutingPolicyName = Literal["affinity", "least_in_flight", "round_robin"]
+
+
+class RoutingSettings(BaseModel):
+    """How requests are spread over several upstreams (``upstreams``); see docs/routing.md."""
+
+    # affinity: a conversation (or, without a session, an app's stable prefix) sticks to one backend,
+    # whose prefix cache holds it; least_in_flight / round_robin: even load, no cache locality.
+    policy: RoutingPolicyName = "affinity"
+    # Affinity yields to the next backend once its own carries this many times the average load.
+    balance_factor: float = Field(2.0, ge=1.0)
+    # Active checks (GET /models on every backend) re-admit ejected backends and learn their models;
+    # 0 leaves only passive ejection on failures.
+    health_check_interval_s: float = Field(5.0, ge=0)
+
+
 class Settings(BaseSettings):
     """Everything the proxy reads at start-up."""
 
     model_config = SettingsConfigDict(env_prefix="PREFIX_PROXY_", env_nested_delimiter="__", extra="ignore")
 
     upstream: str = "http://127.0.0.1:8000/v1"
+    # Several backends (base URLs) instead of ``upstream``: a list, or a comma-separated string.
+    upstreams: Annotated[list[str], NoDecode] = Field(default_factory=list)
     upstream_api_key: SecretStr | None = None
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 32 * 1024 * 1024
@@ -155,6 +176,21 @@ class Settings(BaseSettings):
     @classmethod
     def _strip_slash(cls, value: str) -> str:
         return value.rstrip("/")
+
+    @field_validator("upstreams", mode="before")
+    @classmethod
+    def _split_upstreams(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else [u for u in text.split(",") if u.strip()]
+        if isinstance(value, list):
+            return [str(u).strip().rstrip("/") for u in value]
+        return value
+
+    @property
+    def upstream_urls(self) -> list[str]:
+        """The backends to forward to: ``upstreams`` when set, else the one ``upstream``."""
+        return self.upstreams or [self.upstream]
 
     @classmethod
     def settings_customise_sources(

@@ -42,6 +42,9 @@ class RequestContext:
     error_code: str | None = None
     upstream_api_key: str | None = None
     saved_by_canonicalization: bool = False
+    # Requests with the same routing key go to the same backend (its prefix cache holds them).
+    route_key: str | None = None
+    backend: str | None = None
     # The forwarded messages' roles differ from the client's (a message was inserted or removed).
     restructured: bool = False
     # Only with ``log_prompts: true``: the messages as forwarded, for debugging.

@@ -6,10 +6,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.access_log import log_request
+from proxy.backends.pool import BACKEND_EXTENSION
 from proxy.context import RequestContext
 from proxy.errors import ProxyError, normalize_upstream_error
 from proxy.jsonio import loads
@@ -105,8 +107,7 @@ async def send_json(
     method: str = "POST",
 ) -> Response:
     """Forward a non-streaming request; the upstream's bytes reach the client unchanged."""
-    ctx.mark_upstream_sent()
-    response = await state.upstream.open(method, path, content=payload, headers=upstream_headers(state, request, ctx))
+    response = await open_upstream(state, request, ctx, method, path, payload)
     ctx.upstream_headers = time.perf_counter()
     raw = await state.upstream.read(response)
     ctx.upstream_done = time.perf_counter()
@@ -139,8 +140,7 @@ async def send_stream(
     record_content: bool = False,
 ) -> Response:
     """Forward a streaming request; each SSE event reaches the client as soon as it is complete."""
-    ctx.mark_upstream_sent()
-    response = await state.upstream.open("POST", path, content=payload, headers=upstream_headers(state, request, ctx))
+    response = await open_upstream(state, request, ctx, "POST", path, payload)
     upstream_started = ctx.upstream_headers = time.perf_counter()
     ctx.status = response.status_code
     if response.status_code >= 400:
@@ -180,6 +180,22 @@ async def send_stream(
         f"{(ctx.pre_upstream_seconds() + headers_ready - upstream_started) * 1000:.3f}"
     )
     return RelayResponse(relay, headers=headers, on_finish=on_finish)
+
+
+async def open_upstream(
+    state: ProxyState, request: Request, ctx: RequestContext, method: str, path: str, payload: bytes | None
+) -> httpx.Response:
+    ctx.mark_upstream_sent()
+    response = await state.upstream.open(
+        method,
+        path,
+        content=payload,
+        headers=upstream_headers(state, request, ctx),
+        key=ctx.route_key,
+        model=ctx.model,
+    )
+    ctx.backend = response.extensions.get(BACKEND_EXTENSION)
+    return response
 
 
 def upstream_error(state: ProxyState, ctx: RequestContext, status: int, raw: bytes) -> Response:

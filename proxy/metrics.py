@@ -7,11 +7,17 @@ Label values that come from clients (model, tenant) pass through a
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
+from functools import partial
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from proxy.usage import Usage
+
+if TYPE_CHECKING:
+    from proxy.backends import Backend
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 UPSTREAM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -163,6 +169,27 @@ class Metrics:
             registry=r,
         )
         self.store_up.set(1)
+        self.backend_up = Gauge(
+            "prefix_proxy_backend_up",
+            "1 while a backend takes requests, 0 while it is ejected after failures.",
+            ["backend"],
+            registry=r,
+        )
+        self.backend_in_flight = Gauge(
+            "prefix_proxy_backend_in_flight", "Requests in flight to a backend.", ["backend"], registry=r
+        )
+        self.backend_requests = Counter(
+            "prefix_proxy_backend_requests",
+            "Attempts sent to a backend by outcome (ok, unreachable, timeout, http_5xx).",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.backend_failovers = Counter(
+            "prefix_proxy_backend_failovers",
+            "Requests moved off a backend to the next one after it failed.",
+            ["backend"],
+            registry=r,
+        )
         # Known label values start at zero, so dashboards and alerts see a series before the first event.
         for outcome in ("started", "succeeded", "failed"):
             self.compactions.labels(outcome)
@@ -174,6 +201,15 @@ class Metrics:
                 self.upstream_errors.labels(route, kind)
         for reuse in ("new", "repeat"):
             self.prefix_requests.labels(reuse)
+
+    def watch_backends(self, backends: Iterable[Backend]) -> None:
+        """Export each backend's health and load, read when Prometheus scrapes."""
+        for backend in backends:
+            self.backend_up.labels(backend.name).set_function(partial(_is_available, backend))
+            self.backend_in_flight.labels(backend.name).set_function(partial(_in_flight, backend))
+            self.backend_failovers.labels(backend.name)
+            for outcome in ("ok", "unreachable", "timeout", "http_5xx"):
+                self.backend_requests.labels(backend.name, outcome)
 
     def record_usage(self, model: str, tenant: str, usage: Usage) -> None:
         model, tenant = self.model_label(model), self.tenant_label(tenant)
@@ -190,3 +226,11 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _is_available(backend: Backend) -> float:
+    return float(backend.available())
+
+
+def _in_flight(backend: Backend) -> float:
+    return float(backend.in_flight)

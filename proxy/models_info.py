@@ -9,14 +9,14 @@ from typing import Any
 
 import orjson
 
+from proxy.backends import BackendPool
 from proxy.errors import ProxyError
-from proxy.upstream import Upstream
 
 logger = logging.getLogger("prefix_proxy.models")
 
 
 class ModelCatalog:
-    def __init__(self, upstream: Upstream, ttl_s: float = 300.0, retry_s: float = 10.0) -> None:
+    def __init__(self, upstream: BackendPool, ttl_s: float = 300.0, retry_s: float = 10.0) -> None:
         self._upstream = upstream
         self._ttl = ttl_s
         self._retry = retry_s
@@ -40,6 +40,7 @@ class ModelCatalog:
                 content=orjson.dumps(request),
                 headers={**headers, "content-type": "application/json"},
                 root=True,
+                model=request["model"],
             )
             raw = await self._upstream.read(response)
             count = json.loads(raw).get("count") if response.status_code == 200 else None
@@ -48,12 +49,9 @@ class ModelCatalog:
         return count if isinstance(count, int) else None
 
     async def _refresh(self) -> None:
-        try:
-            response = await self._upstream.open("GET", "/models", headers=self._upstream.auth_headers(None))
-            raw = await self._upstream.read(response)
-            data = json.loads(raw).get("data", []) if response.status_code == 200 else []
-        except (ProxyError, ValueError, AttributeError) as exc:
-            logger.warning("could not read the upstream's models: %s", exc)
+        data = await self._upstream.list_models()
+        if data is None:
+            logger.warning("could not read the upstream's models")
             self._fresh_until = time.monotonic() + self._retry
             return
         self._lengths = {

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
+from proxy.backends import BackendPool
 from proxy.canonicalizer import Canonicalizer, PrefixTracker
 from proxy.config import Settings
 from proxy.metrics import Metrics
@@ -14,7 +15,6 @@ from proxy.models_info import ModelCatalog
 from proxy.sessions.service import SessionService
 from proxy.tenants import TenantDirectory
 from proxy.tokenization import TokenCounter
-from proxy.upstream import Upstream
 
 if TYPE_CHECKING:
     from proxy.compaction import CompactionService
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class ProxyState:
     settings: Settings
     metrics: Metrics
-    upstream: Upstream
+    upstream: BackendPool
     canonicalizer: Canonicalizer
     prefixes: PrefixTracker
     sessions: SessionService

@@ -22,6 +22,7 @@ from proxy.budget import (
 from proxy.canon import CanonResult
 from proxy.config import BudgetSettings
 from proxy.errors import ProxyError
+from proxy.sessions.identity import conversation_root
 from proxy.sessions.model import Reservation
 from proxy.sessions.service import SessionView, StoreUnavailable
 from proxy.state import ProxyState
@@ -66,6 +67,24 @@ class ChatTurn:
     request_bytes: int = 0
     reservation: Reservation | None = None
     actions: list[str] = field(default_factory=list)
+    prefix_hash: str | None = None
+
+    @property
+    def routing_key(self) -> str:
+        """Which backend's cache this request belongs in (docs/routing.md).
+
+        A client-named session is its own key. Otherwise the key is the stable prefix and the
+        conversation's first message: stateless, so it holds when the session store is down, on
+        every replica, and when an inferred session forks (conversations that opened alike share
+        a backend, and the prefix cached there).
+        """
+        if self.session is not None and self.session.explicit:
+            return f"{self.tenant.name}\x1fs:{self.session.session_id}"
+        if self.session is not None and self.session.fingerprints:
+            root: int | None = self.session.fingerprints[0]
+        else:
+            root = conversation_root(self.canonical["messages"])
+        return f"{self.tenant.name}\x1fp:{self.prefix_hash}:{root or 0:x}"
 
     @property
     def forwarded(self) -> dict[str, Any]:
@@ -88,7 +107,7 @@ class ChatTurn:
             session = await state.sessions.resolve(tenant.name, headers, body, canonical["messages"])
         except StoreUnavailable:
             session = None
-        turn = cls(state, tenant, budget, canonical, canon.stable_count, session)
+        turn = cls(state, tenant, budget, canonical, canon.stable_count, session, prefix_hash=canon.prefix_hash)
         if session is not None and session.record is not None:
             turn.summary = SummaryState.from_json(session.record.summary)
         turn._anchor()

@@ -7,11 +7,13 @@ OpenAI-shaped 502/504 errors so no client ever sees a stack trace.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import httpx
 from httpx_aiohttp import AiohttpTransport
 
 from proxy.errors import ProxyError, upstream_timeout, upstream_unreachable
+from proxy.jsonio import loads
 
 
 class _NoCookies(httpx.Cookies):
@@ -20,6 +22,18 @@ class _NoCookies(httpx.Cookies):
 
     def set_cookie_header(self, request: httpx.Request) -> None:
         return None
+
+
+async def read_response(response: httpx.Response) -> bytes:
+    """Read a response body, mapping a mid-body timeout or drop to 504/502."""
+    try:
+        return await response.aread()
+    except httpx.TimeoutException as exc:
+        raise upstream_timeout() from exc
+    except httpx.TransportError as exc:
+        raise upstream_unreachable(type(exc).__name__) from exc
+    finally:
+        await response.aclose()
 
 
 class Upstream:
@@ -88,23 +102,27 @@ class Upstream:
         except httpx.TransportError as exc:
             raise upstream_unreachable(type(exc).__name__) from exc
 
-    async def read(self, response: httpx.Response) -> bytes:
-        """Read a response body, mapping a mid-body timeout or drop to 504/502."""
+    read = staticmethod(read_response)
+
+    async def probe_models(self, timeout_s: float = 3.0) -> list[dict[str, Any]] | None:
+        """``GET /models``: the models listed (``[]`` if the answer lists none), or None when the
+        upstream is unreachable or answers 5xx."""
         try:
-            return await response.aread()
-        except httpx.TimeoutException as exc:
-            raise upstream_timeout() from exc
-        except httpx.TransportError as exc:
-            raise upstream_unreachable(type(exc).__name__) from exc
-        finally:
-            await response.aclose()
+            response = await self.client.get(
+                self.base_url + "/models", headers=self.auth_headers(None), timeout=timeout_s
+            )
+        except httpx.HTTPError:
+            return None
+        if response.status_code >= 500:
+            return None
+        try:
+            data = loads(response.content).get("data") if response.status_code == 200 else None
+        except (ValueError, AttributeError):
+            return []
+        return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
 
     async def ready(self) -> bool:
-        try:
-            response = await self.client.get(self.base_url + "/models", headers=self.auth_headers(None), timeout=3.0)
-        except httpx.HTTPError:
-            return False
-        return response.status_code < 500
+        return await self.probe_models() is not None
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -354,6 +354,42 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 width=12,
             ),
             Panel(
+                "Backends up and in flight",
+                "Per backend (host:port): 1 while every replica routes to it, 0 while one has ejected it after "
+                "failures (min over replicas); and requests in flight to it (sum over replicas). With one "
+                "backend only the in-flight line moves.",
+                [
+                    Target("min by (backend) (prefix_proxy_backend_up)", "{{backend}} up"),
+                    Target("sum by (backend) (prefix_proxy_backend_in_flight)", "{{backend}} in flight"),
+                ],
+                unit="short",
+                width=12,
+                overrides=[
+                    {
+                        "matcher": {"id": "byRegexp", "options": "/in flight/"},
+                        "properties": [{"id": "custom.axisPlacement", "value": "right"}],
+                    }
+                ],
+            ),
+            Panel(
+                "Backend attempts and failovers",
+                "Attempts per second sent to each backend by outcome (ok, unreachable, timeout, http_5xx), "
+                "and requests per second moved off a backend to the next one. Under affinity routing a "
+                "backend's share follows its conversations; failovers move them, and their cache, elsewhere.",
+                [
+                    Target(
+                        f"sum by (backend, outcome) (rate(prefix_proxy_backend_requests_total[{RI}]))",
+                        "{{backend}} {{outcome}}",
+                    ),
+                    Target(
+                        f"sum by (backend) (rate(prefix_proxy_backend_failovers_total[{RI}]))",
+                        "{{backend}} failed over",
+                    ),
+                ],
+                unit="reqps",
+                width=12,
+            ),
+            Panel(
                 "Proxy replicas up",
                 "Proxy replicas and vLLM servers Prometheus can scrape (the up metric of their jobs).",
                 [

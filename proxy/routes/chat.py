@@ -61,6 +61,7 @@ async def _forward(
         ctx.saved_by_canonicalization = _count_canonicalization(state, body, canon)
         turn = await ChatTurn.begin(state, tenant, request.headers, body, canon)
         ctx.session_id = turn.session_id
+        ctx.route_key = turn.routing_key
         ctx.actions.extend(turn.actions)
         forwarded = turn.forwarded
         ctx.restructured = _roles(forwarded) != _roles(body)

@@ -19,9 +19,18 @@ async def healthz() -> Response:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
-    if await get_state(request).upstream.ready():
-        return json_response({"status": "ready"})
-    return json_response({"status": "upstream unreachable"}, status=503)
+    pool = get_state(request).upstream
+    if pool.single:
+        if await pool.ready():
+            return json_response({"status": "ready"})
+        return json_response({"status": "upstream unreachable"}, status=503)
+    # Ready while any backend answers; the body says which ones do (names, never URLs).
+    up = await pool.backends_answering()
+    status = {"status": "ready" if any(up.values()) else "upstream unreachable"}
+    return json_response(
+        {**status, "backends": {name: "up" if ok else "down" for name, ok in up.items()}},
+        status=200 if any(up.values()) else 503,
+    )
 
 
 @router.get("/metrics")

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import time
+
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.body import parse_json_object, read_body, require_model, validate_completion_request
-from proxy.errors import ProxyError
+from proxy.context import RequestContext
+from proxy.errors import ProxyError, upstream_unreachable
 from proxy.forward import (
     authenticate,
     error_response,
+    finish,
     new_context,
+    proxy_headers,
     send_json,
     send_stream,
     with_upstream_usage,
 )
 from proxy.jsonio import dumps
-from proxy.state import get_state
+from proxy.state import ProxyState, get_state
 
 
 async def completions(request: Request) -> Response:
@@ -54,9 +59,23 @@ async def models(request: Request) -> Response:
     ctx = new_context(request, "models")
     try:
         await authenticate(state, request, ctx)
-        return await send_json(state, request, ctx, "/models", None, method="GET")
+        if state.upstream.single:
+            return await send_json(state, request, ctx, "/models", None, method="GET")
+        return await merged_models(state, ctx)
     except ProxyError as error:
         return error_response(state, ctx, error)
+
+
+async def merged_models(state: ProxyState, ctx: RequestContext) -> Response:
+    """Several backends: one list of every model any live backend serves."""
+    ctx.mark_upstream_sent()
+    data = await state.upstream.list_models()
+    ctx.upstream_done = time.perf_counter()
+    if data is None:
+        raise upstream_unreachable("no backend answered")
+    overhead = finish(state, ctx)
+    headers = {**proxy_headers(ctx), "x-prefix-proxy-overhead-ms": f"{overhead * 1000:.3f}"}
+    return Response(dumps({"object": "list", "data": data}), headers=headers, media_type="application/json")
 
 
 routes = [

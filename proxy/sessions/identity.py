@@ -67,6 +67,16 @@ def conversation_fingerprints(messages: Sequence[Mapping[str, Any]]) -> list[int
     return pairs
 
 
+def conversation_root(messages: Sequence[Mapping[str, Any]]) -> int | None:
+    """The fingerprint of a conversation's first non-system message (its first pair's), or None.
+
+    Every turn of a conversation re-sends it, so it names the conversation without any state; two
+    conversations that open alike share it, and share that much of their prefix too.
+    """
+    first = next((m for m in messages if m.get("role") not in _SKIPPED_ROLES), None)
+    return None if first is None else pair_fingerprint(_START, message_fingerprint(first))
+
+
 def reply_fingerprint(messages: Sequence[Mapping[str, Any]], reply: Mapping[str, Any]) -> int | None:
     """The pair the model's reply will form with the last message, once the client re-sends it."""
     last = next((m for m in reversed(messages) if m.get("role") not in _SKIPPED_ROLES), None)

@@ -1,0 +1,202 @@
+"""The backends one proxy forwards to: pick by policy, fail over, keep track of health.
+
+With one backend the pool adds nothing to a request but a metrics increment. With several, a
+request goes to the first backend its policy ranks that is not ejected and serves its model; when
+that backend cannot be reached (or answers 502/503/504) the same bytes go to the next one, and the
+backend is ejected for a while (passive health). A background check (``run_health_checks``)
+re-admits backends that answer again and learns which models each one serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from proxy.backends.backend import Backend
+from proxy.backends.policies import RoutingPolicy
+from proxy.errors import ProxyError, upstream_unreachable
+from proxy.metrics import Metrics
+from proxy.upstream import read_response
+
+logger = logging.getLogger("prefix_proxy.backends")
+
+# Statuses that mean "this server cannot take the request now", not "the request is wrong".
+FAILOVER_STATUSES = frozenset({502, 503, 504})
+BACKEND_EXTENSION = "prefix_proxy_backend"
+
+
+class BackendPool:
+    def __init__(self, backends: Sequence[Backend], policy: RoutingPolicy, metrics: Metrics | None = None) -> None:
+        if not backends:
+            raise ValueError("a backend pool needs at least one backend")
+        names = [b.name for b in backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend names must be unique: {names}")
+        self.backends = list(backends)
+        self.policy = policy
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.watch_backends(self.backends)
+
+    read = staticmethod(read_response)
+
+    @property
+    def single(self) -> bool:
+        return len(self.backends) == 1
+
+    def auth_headers(self, client_authorization: str | None) -> dict[str, str]:
+        # Every backend is configured with the same upstream key.
+        return self.backends[0].upstream.auth_headers(client_authorization)
+
+    def rank(self, key: str | None = None, model: str | None = None) -> list[Backend]:
+        """Backends in the order to try them: the policy's order among live backends serving ``model``,
+        then ejected ones, soonest re-admitted first (better a retry than an outage)."""
+        if self.single:
+            return self.backends
+        now = time.monotonic()
+        candidates = [b for b in self.backends if b.serves(model)] or self.backends
+        live = [b for b in candidates if b.available(now)]
+        resting = sorted((b for b in candidates if not b.available(now)), key=lambda b: b.ejected_until)
+        return (self.policy.rank(live, key) if live else []) + resting
+
+    async def open(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        root: bool = False,
+        key: str | None = None,
+        model: str | None = None,
+    ) -> httpx.Response:
+        """Send to the best backend for ``key``/``model``; the response's body is not yet read.
+
+        The backend that answered is in ``response.extensions["prefix_proxy_backend"]``. A timeout
+        is not retried elsewhere: the backend may still be computing, and a second one would double
+        the work.
+        """
+        ranked = self.rank(key, model)
+        last_error: ProxyError | None = None
+        for attempt, backend in enumerate(ranked):
+            is_last = attempt == len(ranked) - 1
+            backend.in_flight += 1
+            try:
+                response = await backend.upstream.open(method, path, content=content, headers=headers, root=root)
+            except ProxyError as error:
+                backend.in_flight -= 1
+                unreachable = error.code == "upstream_unreachable"
+                self._count(backend, "unreachable" if unreachable else "timeout")
+                if not unreachable:
+                    raise
+                self._failed(backend, f"unreachable ({error.message})", moving_on=not is_last)
+                last_error = error
+                continue
+            if response.status_code in FAILOVER_STATUSES:
+                self._count(backend, "http_5xx")
+                if not is_last:
+                    await response.aclose()
+                    backend.in_flight -= 1
+                    self._failed(backend, f"answered {response.status_code}", moving_on=True)
+                    continue
+                if not self.single:
+                    backend.record_failure()
+            else:
+                self._count(backend, "ok")
+                backend.record_success()
+            response.extensions[BACKEND_EXTENSION] = backend.name
+            response.stream = _ReleaseOnClose(response.stream, backend)
+            return response
+        raise last_error or upstream_unreachable("no backend")
+
+    def _failed(self, backend: Backend, why: str, *, moving_on: bool) -> None:
+        backend.record_failure()
+        if moving_on:
+            logger.warning("backend %s %s; trying the next one", backend.name, why)
+            if self._metrics is not None:
+                self._metrics.backend_failovers.labels(backend.name).inc()
+
+    def _count(self, backend: Backend, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.backend_requests.labels(backend.name, outcome).inc()
+
+    # -- models and health ------------------------------------------------------------------------
+
+    async def list_models(self) -> list[dict[str, Any]] | None:
+        """Every model the live backends list, the first listing of each id kept; None if none answered."""
+        backends = [b for b in self.backends if b.available()] or self.backends
+        listings = await asyncio.gather(*(b.upstream.probe_models() for b in backends))
+        merged: dict[str, dict[str, Any]] = {}
+        answered = False
+        for backend, listing in zip(backends, listings, strict=True):
+            if listing is None:
+                continue
+            answered = True
+            self._learned(backend, listing)
+            for model in listing:
+                merged.setdefault(str(model.get("id")), model)
+        return list(merged.values()) if answered else None
+
+    async def backends_answering(self) -> dict[str, bool]:
+        results = await asyncio.gather(*(b.upstream.ready() for b in self.backends))
+        return {b.name: ok for b, ok in zip(self.backends, results, strict=True)}
+
+    async def ready(self) -> bool:
+        """At least one backend answers."""
+        return any((await self.backends_answering()).values())
+
+    async def check_health(self, timeout_s: float = 3.0) -> None:
+        """One round of active checks: ``GET /models`` on every backend."""
+        listings = await asyncio.gather(*(b.upstream.probe_models(timeout_s) for b in self.backends))
+        for backend, listing in zip(self.backends, listings, strict=True):
+            if listing is None:
+                if backend.available():
+                    logger.warning("backend %s failed its health check; ejected", backend.name)
+                backend.record_failure()
+            else:
+                if not backend.available():
+                    logger.info("backend %s answers again; re-admitted", backend.name)
+                backend.record_success()
+                self._learned(backend, listing)
+
+    async def run_health_checks(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.check_health(timeout_s=min(3.0, interval_s))
+            except Exception:  # the checker must outlive any one bad round
+                logger.exception("backend health check failed")
+
+    @staticmethod
+    def _learned(backend: Backend, listing: list[dict[str, Any]]) -> None:
+        ids = frozenset(str(m["id"]) for m in listing if m.get("id") is not None)
+        # An empty or id-less listing says nothing about which models are served.
+        backend.models = ids or None
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(b.upstream.aclose() for b in self.backends))
+
+
+class _ReleaseOnClose(httpx.AsyncByteStream):
+    """A response body that gives the backend's in-flight slot back when it is closed."""
+
+    def __init__(self, inner: httpx.AsyncByteStream | httpx.SyncByteStream, backend: Backend) -> None:
+        self._inner = inner
+        self._backend: Backend | None = backend
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        assert isinstance(self._inner, httpx.AsyncByteStream)
+        async for chunk in self._inner:
+            yield chunk
+
+    async def aclose(self) -> None:
+        if self._backend is not None:
+            self._backend.in_flight -= 1
+            self._backend = None
+        if isinstance(self._inner, httpx.AsyncByteStream):
+            await self._inner.aclose()
