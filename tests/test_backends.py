@@ -340,3 +340,28 @@ def test_metrics_list_each_backend_before_any_request() -> None:
     assert 'prefix_proxy_backend_requests_total{backend="b:1",outcome="unreachable"} 0.0' in text
     with pytest.raises(ValueError, match="unique"):
         BackendPool(_backends("a:1", "a:1"), Affinity())
+
+
+def test_a_request_cancelled_while_waiting_for_the_backend_gives_its_slot_back() -> None:
+    async def slow(request: Request) -> JSONResponse:
+        await asyncio.sleep(2)
+        return JSONResponse({})
+
+    server = LiveServer(Starlette(routes=[Route("/v1/chat/completions", slow, methods=["POST"])])).start()
+
+    async def scenario() -> int:
+        backends = [Backend("slow", Upstream(server.url + "/v1")), *_backends("idle:1")]
+        pool = BackendPool(backends, RoundRobin())
+        task = asyncio.create_task(pool.open("POST", "/chat/completions", content=b"{}"))
+        await asyncio.sleep(0.3)
+        assert backends[0].in_flight == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await pool.aclose()
+        return backends[0].in_flight
+
+    try:
+        assert asyncio.run(scenario()) == 0
+    finally:
+        server.stop()

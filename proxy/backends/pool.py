@@ -97,12 +97,15 @@ class BackendPool:
                 self._failed(backend, f"unreachable ({error.message})", moving_on=not is_last)
                 last_error = error
                 continue
+            except BaseException:  # cancelled (the client left): the slot must not leak
+                backend.in_flight -= 1
+                raise
             if response.status_code in FAILOVER_STATUSES:
                 self._count(backend, "http_5xx")
                 if not is_last:
-                    await response.aclose()
                     backend.in_flight -= 1
                     self._failed(backend, f"answered {response.status_code}", moving_on=True)
+                    await response.aclose()
                     continue
                 if not self.single:
                     backend.record_failure()
