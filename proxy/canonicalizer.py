@@ -78,6 +78,12 @@ class Canonicalizer:
     def keeps_structure(self, model: str | None) -> bool:
         return str(model) in self._structure_bound
 
+    def one_system_message(self, model: str | None) -> bool:
+        """Whether additions for ``model`` belong inside its system message: its backend refused a
+        second one, or volatile lines are configured to go there (relocate_target system_end)."""
+        key = str(model)
+        return key in self._structure_bound or self._per_model.get(key, self._default).relocate_target == "system_end"
+
     def apply(self, body: dict[str, Any], tenant: str) -> CanonResult:
         model = str(body.get("model"))
         options = self._per_model.get(model, self._default)

@@ -68,6 +68,7 @@ class ChatTurn:
     reservation: Reservation | None = None
     actions: list[str] = field(default_factory=list)
     prefix_hash: str | None = None
+    system_tail: str = ""
 
     @property
     def routing_key(self) -> str:
@@ -107,7 +108,16 @@ class ChatTurn:
             session = await state.sessions.resolve(tenant.name, headers, body, canonical["messages"])
         except StoreUnavailable:
             session = None
-        turn = cls(state, tenant, budget, canonical, canon.stable_count, session, prefix_hash=canon.prefix_hash)
+        turn = cls(
+            state,
+            tenant,
+            budget,
+            canonical,
+            canon.stable_count,
+            session,
+            prefix_hash=canon.prefix_hash,
+            system_tail=canon.system_tail,
+        )
         if session is not None and session.record is not None:
             turn.summary = SummaryState.from_json(session.record.summary)
         turn._anchor()
@@ -127,7 +137,17 @@ class ChatTurn:
         settings = self.state.settings.summarizer
         if not settings.enabled or self.session is None:
             return
-        self.anchored = anchor(self.canonical["messages"], self.summary, self.stable_count, repair=self.repairs_window)
+        model = self.canonical.get("model")
+        self.anchored = anchor(
+            self.canonical["messages"],
+            self.summary,
+            self.stable_count,
+            repair=self.repairs_window,
+            # A model whose template takes one system message only (found out by a refusal, or
+            # configured with relocate_target system_end) gets the summary inside it.
+            into_system=self.state.canonicalizer.one_system_message(model),
+            system_tail=self.system_tail,
+        )
         self.actions = self.anchored.actions
 
     @property

@@ -38,8 +38,21 @@ class Anchored:
     history_start: int = 0
 
 
-def anchor(messages: list[dict[str, Any]], state: SummaryState, insert_at: int, *, repair: bool = False) -> Anchored:
-    """Replace the leading covered messages after ``insert_at`` with the summary (and repair the window)."""
+def anchor(
+    messages: list[dict[str, Any]],
+    state: SummaryState,
+    insert_at: int,
+    *,
+    repair: bool = False,
+    into_system: bool = False,
+    system_tail: str = "",
+) -> Anchored:
+    """Replace the leading covered messages after ``insert_at`` with the summary (and repair the window).
+
+    ``into_system``: for chat templates that refuse a second system message (Mistral's, Gemma's),
+    the summary joins the system message before it instead, ahead of ``system_tail`` (volatile lines
+    moved to that message's end), so it stays in the stable prefix.
+    """
     head, rest = messages[:insert_at], messages[insert_at:]
     removed = 0
     if state.covered:
@@ -51,7 +64,12 @@ def anchor(messages: list[dict[str, Any]], state: SummaryState, insert_at: int, 
     out = list(head)
     actions = []
     if state.active:
-        out.append(summary_message(state))
+        merged = _merged_into(out[-1], state, system_tail) if into_system and out else None
+        if merged is not None:
+            out[-1] = merged
+            actions.append("summary_in_system_message")
+        else:
+            out.append(summary_message(state))
         actions.append(f"summary_anchored:v{state.version}")
     if removed:
         actions.append(f"summary_replaced_messages:{removed}")
@@ -61,6 +79,17 @@ def anchor(messages: list[dict[str, Any]], state: SummaryState, insert_at: int, 
     out.extend(restored)
     out.extend(rest)
     return Anchored(out, removed, removed_bytes, len(restored), actions, history_start)
+
+
+def _merged_into(system: dict[str, Any], state: SummaryState, tail: str) -> dict[str, Any] | None:
+    content = system.get("content")
+    if system.get("role") != "system" or not isinstance(content, str):
+        return None
+    summary = summary_message(state)["content"]
+    if tail and content.endswith(tail):
+        stable = content[: -len(tail)].rstrip("\n")
+        return {**system, "content": f"{stable}\n\n{summary}\n\n{tail}" if stable else f"{summary}\n\n{tail}"}
+    return {**system, "content": f"{content}\n\n{summary}"}
 
 
 def _restore_dropped(rest: list[dict[str, Any]], tail: list[dict[str, Any]]) -> list[dict[str, Any]]:

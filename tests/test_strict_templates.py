@@ -8,6 +8,7 @@ the answer.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 
 from proxy.fakebackend import FakeBackendConfig
 from proxy.fakebackend import create_app as create_fake_app
+from summarizer.anchor import SUMMARY_HEADER
 from tests.conftest import LiveServer
 
 SYSTEM = "Current time: 2026-11-29 14:03:11\nYou are a support assistant. Answer briefly and politely."
@@ -90,3 +92,33 @@ def test_a_request_the_backend_refuses_anyway_reaches_the_client(
     status, headers, _ = chat(proxy, SYSTEM, "Where is my order?")
     assert status == 200
     assert "retried_keeping_message_order" in headers["x-prefix-proxy-actions"]
+
+
+def test_a_long_conversation_is_summarized_into_the_one_system_message(
+    make_proxy: Callable[..., LiveServer], strict_backend: LiveServer
+) -> None:
+    """Compaction on a strict template: the summary joins the system message (a second one would be
+    refused), before the moved timestamp, so the prefix up to the summary stays byte-identical."""
+    proxy = make_proxy(
+        upstream=strict_backend.url + "/v1",
+        budget={"context_limit_tokens": 900},
+        summarizer={"max_summary_tokens": 60, "keep_last_turns": 2},
+    )
+    history: list[dict[str, Any]] = []
+    for turn in range(16):
+        system = SYSTEM.replace("14:03:11", f"14:{turn + 10:02d}:00")
+        history.append({"role": "user", "content": f"Turn {turn}: where is parcel {turn}, and when does it arrive?"})
+        body = {"model": "fake-model", "max_tokens": 40, "messages": [{"role": "system", "content": system}, *history]}
+        response = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] <= 900
+        history.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+        time.sleep(0.05)  # background compaction
+    actions = response.headers["x-prefix-proxy-actions"]
+    assert "summary_in_system_message" in actions, actions
+    prompts = [r["prompt_text"] for r in httpx.get(strict_backend.url + "/fake/requests", params={"limit": 64}).json()]
+    summarized = [p for p in prompts if SUMMARY_HEADER in p and "Write a summary" not in p]
+    assert summarized
+    last = summarized[-1]
+    # Summary, then the moved timestamp, inside the first (only) system block.
+    assert last.index(SUMMARY_HEADER) < last.index("Current time:") < last.index("<|im_end|>")

@@ -65,6 +65,28 @@ def test_anchor_replaces_covered_messages_whatever_the_client_resends() -> None:
     assert partial.messages == full.messages == none.messages
 
 
+def test_anchor_can_put_the_summary_inside_the_system_message_ahead_of_its_volatile_tail() -> None:
+    """For templates that take one system message (Mistral, Gemma)."""
+    messages = conversation(6)
+    state = state_covering(messages[1:7])
+    inside = anchor(messages, state, insert_at=1, into_system=True)
+    assert [m["role"] for m in inside.messages].count("system") == 1
+    assert inside.messages[0]["content"] == f"You are helpful.\n\n{SUMMARY_HEADER}\nthey talked"
+    assert inside.messages[1:] == messages[7:]
+    assert "summary_in_system_message" in inside.actions
+
+    tail = "Current time: 14:03"
+    volatile = [{"role": "system", "content": f"You are helpful.\n\n{tail}"}, *messages[1:]]
+    placed = anchor(volatile, state, insert_at=1, into_system=True, system_tail=tail)
+    # The summary stays in the stable prefix: before the moved lines, which change every request.
+    assert placed.messages[0]["content"] == f"You are helpful.\n\n{SUMMARY_HEADER}\nthey talked\n\n{tail}"
+
+    # Nothing to merge into: a system message of its own, first (which such templates accept).
+    assert anchor(messages[1:], state, insert_at=0, into_system=True).messages[0]["content"].startswith(SUMMARY_HEADER)
+    parts = [{"role": "system", "content": [{"type": "text", "text": "You are helpful."}]}, *messages[1:]]
+    assert anchor(parts, state, insert_at=1, into_system=True).messages[1]["content"].startswith(SUMMARY_HEADER)
+
+
 def test_window_repair_restores_dropped_messages() -> None:
     messages = conversation(5)
     state = SummaryState(tail=messages[1:9])

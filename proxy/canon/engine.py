@@ -52,6 +52,9 @@ class CanonResult:
     prefix_hash: str
     # Leading system messages that are stable (what a summary goes right after).
     stable_count: int = 0
+    # Volatile lines moved to the end of the last stable system message (relocate_target system_end),
+    # which a summary merged into that message must go before.
+    system_tail: str = ""
 
     @property
     def changed(self) -> bool:
@@ -94,12 +97,13 @@ def canonicalize(
     actions.extend(restore_tool_calls(messages, namespace, tool_memory))
 
     stable_count = leading_system_count(messages)
+    system_tail = ""
     if options.mode == "relocate":
         app_key = _app_key(namespace, out)
-        relocation, stable_count = _relocate_volatile(messages, options, learned, app_key, detection_cache)
+        relocation, stable_count, system_tail = _relocate_volatile(messages, options, learned, app_key, detection_cache)
         actions.extend(relocation)
 
-    return CanonResult(out, actions, stable_prefix_hash(out, stable_count), stable_count)
+    return CanonResult(out, actions, stable_prefix_hash(out, stable_count), stable_count, system_tail)
 
 
 def _copy_message(message: Any) -> Any:
@@ -124,11 +128,13 @@ def _relocate_volatile(
     learned: LearnedVolatility | None,
     app_key: str,
     detection_cache: DetectionCache | None = None,
-) -> tuple[list[Action], int]:
-    """Returns the actions and how many leading system messages are now stable."""
+) -> tuple[list[Action], int, str]:
+    """Returns the actions, how many leading system messages are now stable, and the volatile lines
+    moved to the end of the last of them (system_end)."""
     system_count = leading_system_count(messages)
     if system_count == 0:
-        return [], 0
+        return [], 0, ""
+    system_tail = ""
     stable_count = system_count
     to_end = options.relocate_target == "system_end" or not _has_user_after(messages, system_count)
     actions: list[Action] = []
@@ -160,6 +166,8 @@ def _relocate_volatile(
                 messages[index] = {**messages[index], "content": new_content}
                 actions.extend(_span_actions(spans))
                 actions.append(Action("volatile_moved", "system_end"))
+            if index == system_count - 1 and stable:
+                system_tail = moved
             continue
         if not stable and index == system_count - 1 and _last_user_index(messages) == system_count:
             # A wholly volatile last system message right before the only user turn is already in place.
@@ -184,7 +192,7 @@ def _relocate_volatile(
             restored = restore_query_blocks(messages, block, stable_count, _last_user_index(messages))
             if restored:
                 actions.append(Action("query_blocks_restored", str(restored)))
-    return actions, stable_count
+    return actions, stable_count, system_tail
 
 
 def _without(lines: list[str], excluded: set[int]) -> list[str]:
