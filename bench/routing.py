@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -24,26 +24,15 @@ from proxy.config import Settings
 from proxy.demo import DEMO_MAX_MODEL_LEN, serve_in_thread
 from proxy.fakebackend import FakeBackendConfig
 from proxy.fakebackend import create_app as create_fake_backend
-from proxy.workload import run_workload
+from proxy.workload import ScenarioResult, overall, run_workload
 
 
 @dataclass
 class RoutingRun:
     label: str
     backends: int
-    requests: int
-    errors: int
-    prompt_tokens: int
-    cached_tokens: int
+    totals: ScenarioResult
     per_backend: list[int]
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def prefill_tokens(self) -> int:
-        return self.prompt_tokens - self.cached_tokens
 
 
 def run_policy(
@@ -54,6 +43,7 @@ def run_policy(
     sessions: int,
     concurrency: int,
     seed: int,
+    scenarios: Sequence[str] | None = None,
     lose_one_halfway: bool = False,
 ) -> RoutingRun:
     config = FakeBackendConfig(max_model_len=DEMO_MAX_MODEL_LEN)
@@ -81,6 +71,7 @@ def run_policy(
 
         results = run_workload(
             proxy_url + "/v1",
+            scenarios,
             sessions_per_scenario=sessions,
             seed=seed,
             concurrency=concurrency,
@@ -89,15 +80,7 @@ def run_policy(
         per_backend = _requests_seen(urls)
         if lose_one_halfway:
             per_backend[-1] = counts_before_loss[-1]
-    return RoutingRun(
-        label,
-        backends,
-        requests=sum(r.requests for r in results.values()),
-        errors=sum(r.errors for r in results.values()),
-        prompt_tokens=sum(r.prompt_tokens for r in results.values()),
-        cached_tokens=sum(r.cached_tokens for r in results.values()),
-        per_backend=per_backend,
-    )
+    return RoutingRun(label, backends, overall(results.values()), per_backend)
 
 
 def _requests_seen(urls: list[str]) -> list[int]:
@@ -118,10 +101,11 @@ def table(runs: list[RoutingRun]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in runs:
-        ratio = run.prefill_tokens / ceiling.prefill_tokens if ceiling.prefill_tokens else 0.0
+        totals, best = run.totals, ceiling.totals
+        ratio = totals.prefill_tokens / best.prefill_tokens if best.prefill_tokens else 0.0
         lines.append(
-            f"| {run.label} | {run.backends} | {run.requests} ({run.errors}) | {run.hit_rate:.1%} | "
-            f"{run.prefill_tokens:,} | {ratio:.2f}x | {' / '.join(str(c) for c in run.per_backend)} |"
+            f"| {run.label} | {run.backends} | {totals.requests} ({totals.errors}) | {totals.hit_rate:.1%} | "
+            f"{totals.prefill_tokens:,} | {ratio:.2f}x | {' / '.join(str(c) for c in run.per_backend)} |"
         )
     return "\n".join(lines)
 
@@ -141,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         run_policy("affinity, one backend lost halfway", "affinity", args.backends, lose_one_halfway=True, **options)
     )
     print(table(runs))
-    return 1 if any(run.errors for run in runs) else 0
+    return 1 if any(run.totals.errors for run in runs) else 0
 
 
 if __name__ == "__main__":

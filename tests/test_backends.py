@@ -365,3 +365,19 @@ def test_a_request_cancelled_while_waiting_for_the_backend_gives_its_slot_back()
         assert asyncio.run(scenario()) == 0
     finally:
         server.stop()
+
+
+def test_routing_benchmark_runs_and_affinity_beats_round_robin() -> None:
+    """bench/routing.py end to end at a small size (its figures are in docs/routing.md)."""
+    from bench.routing import run_policy, table
+
+    options: dict[str, Any] = {"sessions": 2, "concurrency": 4, "seed": 0}
+    scenarios = ("dify_rag", "fc_agent")
+    runs = [
+        run_policy("affinity", "affinity", 3, scenarios=scenarios, **options),
+        run_policy("round_robin", "round_robin", 3, scenarios=scenarios, **options),
+        run_policy("lost", "affinity", 3, scenarios=scenarios, lose_one_halfway=True, **options),
+    ]
+    assert all(run.totals.requests > 0 and run.totals.errors == 0 for run in runs)
+    assert runs[0].totals.prefill_tokens < runs[1].totals.prefill_tokens
+    assert "| round_robin | 3 |" in table(runs)
