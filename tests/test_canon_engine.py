@@ -52,6 +52,39 @@ def test_system_end_target_keeps_one_system_message() -> None:
     assert len(result["messages"]) == 2
 
 
+def test_system_prompt_sent_as_text_parts_is_relocated_too() -> None:
+    """OpenAI's API takes a system prompt as a list of text parts; some clients send it that way."""
+
+    def body(stamp: str) -> dict[str, Any]:
+        parts = [
+            {"type": "text", "text": f"You are a support agent.\nCurrent time: 2026-11-29 {stamp}"},
+            {"type": "text", "text": "Answer in English."},
+        ]
+        return {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": parts},
+                {"role": "user", "content": "q1"},
+                {"role": "assistant", "content": "a1"},
+                {"role": "user", "content": "q2"},
+            ],
+        }
+
+    first, second = canonicalize(body("14:03:11"), RELOCATE), canonicalize(body("14:05:40"), RELOCATE)
+    assert first.prefix_hash == second.prefix_hash
+    assert first.body["messages"][0]["content"] == [
+        {"type": "text", "text": "You are a support agent."},
+        {"type": "text", "text": "Answer in English."},
+    ]
+    assert first.body["messages"][3] == {"role": "system", "content": "Current time: 2026-11-29 14:03:11"}
+    at_end = canonicalize(body("14:03:11"), CanonOptions(relocate_target="system_end")).body["messages"][0]
+    assert at_end["content"][-1] == {"type": "text", "text": "Current time: 2026-11-29 14:03:11"}
+    # Anything but text parts (an image, say) is left as sent.
+    with_image = body("14:03:11")
+    with_image["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "data:,"}})
+    assert canonicalize(with_image, RELOCATE).body == with_image
+
+
 def test_safe_mode_never_moves_text() -> None:
     body = {
         "model": "m",

@@ -55,7 +55,12 @@ def tool(draw: Any) -> dict[str, Any]:
 
 @st.composite
 def chat_request(draw: Any) -> dict[str, Any]:
-    system = "\n".join(draw(st.lists(LINE, min_size=1, max_size=8)))
+    lines = draw(st.lists(LINE, min_size=1, max_size=8))
+    system: str | list[dict[str, Any]] = "\n".join(lines)
+    if draw(st.booleans()):  # the same lines as text parts, as some clients send system prompts
+        cut = draw(st.integers(0, len(lines)))
+        chunks = [chunk for chunk in (lines[:cut], lines[cut:]) if chunk]
+        system = [{"type": "text", "text": "\n".join(chunk)} for chunk in chunks]
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
     for turn in range(draw(st.integers(1, 3))):
         messages.append({"role": "user", "content": draw(STABLE_LINE) + draw(st.sampled_from(["", "\r\n", "  "]))})
@@ -117,8 +122,9 @@ def test_content_preserved(body: dict[str, Any], options: CanonOptions) -> None:
     text = all_text(result)
     for message in body["messages"]:
         content = message.get("content")
-        if isinstance(content, str):
-            for line in content.replace("\r\n", "\n").split("\n"):
+        texts = [content] if isinstance(content, str) else [p["text"] for p in content or [] if "text" in p]
+        for each in texts:
+            for line in each.replace("\r\n", "\n").split("\n"):
                 assert dumps(line.rstrip())[1:-1] in text
     canonical_tools = [sort_keys_deep(t) for t in body.get("tools", [])]
     assert sorted(map(dumps, canonical_tools)) == sorted(map(dumps, result.get("tools", [])))

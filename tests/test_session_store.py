@@ -22,7 +22,9 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[SessionStore]:
         return
     require_shared_redis()
     prefix = unique_prefix()
-    redis_store = RedisSessionStore(SHARED_URL, prefix=prefix, ttl_s=3600)
+    # These tests are about atomicity, not latency: a loaded CI machine must not turn them into
+    # socket timeouts (the proxy's own timeout is a setting, tested in test_redis_e2e).
+    redis_store = RedisSessionStore(SHARED_URL, prefix=prefix, ttl_s=3600, timeout_s=5.0)
     yield redis_store
     await redis_store.aclose()
     delete_prefix(SHARED_URL, prefix)

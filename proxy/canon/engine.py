@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from proxy.canon.actions import Action
 from proxy.canon.fingerprint import leading_system_count, stable_prefix_hash
@@ -143,25 +143,20 @@ def _relocate_volatile(
     detected = False
     for index in range(system_count):
         content = messages[index].get("content")
-        if not isinstance(content, str) or not content:
+        key = f"{app_key}\x00{index}"
+        if isinstance(content, str):
+            split = _split_text(content, options, learned, key, detection_cache)
+        elif _is_text_parts(content):
+            split = _split_parts(content, options, learned, key, detection_cache)
+        else:
             continue
-        spans = detect_spans(content, options.detectors, detection_cache)
-        lines = split_lines(content)
-        volatile = lines_touched(content, spans)
-        if learned is not None:
-            learned_lines = _reindex(
-                lines, volatile, learned.observe(f"{app_key}\x00{index}", _without(lines, volatile))
-            )
-            if learned_lines:
-                actions.append(Action("learned_volatile_lines", str(len(learned_lines))))
-            volatile |= learned_lines
-        if not volatile:
-            continue
-        stable, moved = partition_lines(lines, volatile)
+        if split.learned:
+            actions.append(Action("learned_volatile_lines", str(split.learned)))
+        stable, moved, spans = split.stable, split.moved, split.spans
         if not moved:
             continue
         if to_end:
-            new_content = f"{stable}\n\n{moved}" if stable else moved
+            new_content = _append_text(stable, moved)
             if new_content != content:
                 messages[index] = {**messages[index], "content": new_content}
                 actions.extend(_span_actions(spans))
@@ -193,6 +188,81 @@ def _relocate_volatile(
             if restored:
                 actions.append(Action("query_blocks_restored", str(restored)))
     return actions, stable_count, system_tail
+
+
+@dataclass
+class _Split:
+    """A system message's content with its volatile lines taken out (``moved``: "" when none)."""
+
+    stable: str | list[Any]
+    moved: str = ""
+    spans: list[Span] = field(default_factory=list)
+    learned: int = 0
+
+
+def _split_text(
+    text: str,
+    options: CanonOptions,
+    learned: LearnedVolatility | None,
+    key: str,
+    detection_cache: DetectionCache | None,
+) -> _Split:
+    if not text:
+        return _Split(text)
+    spans = detect_spans(text, options.detectors, detection_cache)
+    lines = split_lines(text)
+    volatile = lines_touched(text, spans)
+    learned_lines: set[int] = set()
+    if learned is not None:
+        learned_lines = _reindex(lines, volatile, learned.observe(key, _without(lines, volatile)))
+        volatile |= learned_lines
+    if not volatile:
+        return _Split(text, learned=len(learned_lines))
+    stable, moved = partition_lines(lines, volatile)
+    if not moved:
+        return _Split(text, learned=len(learned_lines))
+    return _Split(stable, moved, spans, len(learned_lines))
+
+
+def _is_text_parts(content: Any) -> TypeGuard[list[dict[str, Any]]]:
+    return (
+        isinstance(content, list)
+        and bool(content)
+        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+    )
+
+
+def _split_parts(
+    parts: list[dict[str, Any]],
+    options: CanonOptions,
+    learned: LearnedVolatility | None,
+    key: str,
+    detection_cache: DetectionCache | None,
+) -> _Split:
+    """Content given as text parts (``[{"type": "text", "text": ...}]``): each part is split like a
+    string; parts keep their order, a part left empty is dropped, and the moved lines of all parts
+    form one block, joined as the lines of one text are (so a second pass changes nothing)."""
+    kept: list[Any] = []
+    out = _Split(kept)
+    moved: list[str] = []
+    for number, part in enumerate(parts):
+        split = _split_text(part["text"], options, learned, f"{key}\x00{number}", detection_cache)
+        out.learned += split.learned
+        if not split.moved:
+            kept.append(part)
+            continue
+        moved.append(split.moved)
+        out.spans.extend(split.spans)
+        if split.stable:
+            kept.append({**part, "text": split.stable})
+    out.moved = "\n".join(moved)  # as partition_lines joins the moved lines of one text
+    return out
+
+
+def _append_text(stable: str | list[Any], moved: str) -> str | list[Any]:
+    if isinstance(stable, list):
+        return [*stable, {"type": "text", "text": moved}]
+    return f"{stable}\n\n{moved}" if stable else moved
 
 
 def _without(lines: list[str], excluded: set[int]) -> list[str]:
