@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -381,3 +382,29 @@ def test_routing_benchmark_runs_and_affinity_beats_round_robin() -> None:
     assert all(run.totals.requests > 0 and run.totals.errors == 0 for run in runs)
     assert runs[0].totals.prefill_tokens < runs[1].totals.prefill_tokens
     assert "| round_robin | 3 |" in table(runs)
+
+
+def test_health_checks_hold_a_dead_backend_out_and_readmit_it_when_it_answers() -> None:
+    port = free_port()
+    live = LiveServer(create_fake_app(FakeBackendConfig(model="llama"))).start()
+
+    async def scenario() -> None:
+        dead = Backend("flaky", Upstream(f"http://127.0.0.1:{port}/v1"))
+        pool = BackendPool([dead, Backend("live", Upstream(live.url + "/v1"))], RoundRobin())
+        await pool.check_health(timeout_s=1.0, hold_s=30.0)
+        assert not dead.available() and dead.ejected_until - time.monotonic() > 25
+        assert pool.backends[1].models == frozenset({"llama"})
+        assert [b.name for b in pool.rank(model="llama")] == ["live", "flaky"]
+        revived = LiveServer(create_fake_app(FakeBackendConfig(model="qwen")), port=port).start()
+        try:
+            await pool.check_health(timeout_s=1.0, hold_s=30.0)
+            assert dead.available() and dead.models == frozenset({"qwen"})
+            assert [b.name for b in pool.rank(model="qwen")] == ["flaky"]
+        finally:
+            revived.stop()
+        await pool.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        live.stop()

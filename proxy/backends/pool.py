@@ -153,14 +153,16 @@ class BackendPool:
         """At least one backend answers."""
         return any((await self.backends_answering()).values())
 
-    async def check_health(self, timeout_s: float = 3.0) -> None:
-        """One round of active checks: ``GET /models`` on every backend."""
+    async def check_health(self, timeout_s: float = 3.0, hold_s: float = 0.0) -> None:
+        """One round of active checks: ``GET /models`` on every backend. A backend that fails stays
+        ejected for at least ``hold_s`` (until the next round can re-admit it)."""
         listings = await asyncio.gather(*(b.upstream.probe_models(timeout_s) for b in self.backends))
         for backend, listing in zip(self.backends, listings, strict=True):
             if listing is None:
                 if backend.available():
                     logger.warning("backend %s failed its health check; ejected", backend.name)
                 backend.record_failure()
+                backend.ejected_until = max(backend.ejected_until, time.monotonic() + hold_s)
             else:
                 if not backend.available():
                     logger.info("backend %s answers again; re-admitted", backend.name)
@@ -171,7 +173,8 @@ class BackendPool:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await self.check_health(timeout_s=min(3.0, interval_s))
+                timeout_s = min(3.0, interval_s)
+                await self.check_health(timeout_s, hold_s=interval_s + timeout_s)
             except Exception:  # the checker must outlive any one bad round
                 logger.exception("backend health check failed")
 
