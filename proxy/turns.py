@@ -69,18 +69,20 @@ class ChatTurn:
     actions: list[str] = field(default_factory=list)
     prefix_hash: str | None = None
     system_tail: str = ""
+    # The session id the client gave (hashed), known even when the store is down.
+    named_session: str | None = None
 
     @property
     def routing_key(self) -> str:
         """Which backend's cache this request belongs in (docs/routing.md).
 
         A client-named session is its own key. Otherwise the key is the stable prefix and the
-        conversation's first message: stateless, so it holds when the session store is down, on
-        every replica, and when an inferred session forks (conversations that opened alike share
-        a backend, and the prefix cached there).
+        conversation's first message. Neither needs the session store (both hold while it is down,
+        and on every replica), and an inferred session that forks keeps its key (conversations that
+        opened alike share a backend, and the prefix cached there).
         """
-        if self.session is not None and self.session.explicit:
-            return f"{self.tenant.name}\x1fs:{self.session.session_id}"
+        if self.named_session:
+            return f"{self.tenant.name}\x1fs:{self.named_session}"
         if self.session is not None and self.session.fingerprints:
             root: int | None = self.session.fingerprints[0]
         else:
@@ -117,6 +119,7 @@ class ChatTurn:
             session,
             prefix_hash=canon.prefix_hash,
             system_tail=canon.system_tail,
+            named_session=state.sessions.explicit_id(headers, body),
         )
         if session is not None and session.record is not None:
             turn.summary = SummaryState.from_json(session.record.summary)

@@ -84,17 +84,21 @@ class SessionService:
             self._metrics.store_up.set(0)
             logger.warning("session store unavailable (%s): serving without sessions", type(exc).__name__)
 
-    async def resolve(
-        self, tenant: str, headers: Mapping[str, str], body: Mapping[str, Any], messages: list[dict[str, Any]]
-    ) -> SessionView:
-        fingerprints = conversation_fingerprints(messages)
-        explicit = explicit_session_id(
+    def explicit_id(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+        """The session the client names (header, ``prompt_cache_key``, ``user``), hashed; no I/O."""
+        return explicit_session_id(
             headers,
             body,
             header=self._settings.header,
             use_prompt_cache_key=self._settings.use_prompt_cache_key,
             use_user=self._settings.use_user,
         )
+
+    async def resolve(
+        self, tenant: str, headers: Mapping[str, str], body: Mapping[str, Any], messages: list[dict[str, Any]]
+    ) -> SessionView:
+        fingerprints = conversation_fingerprints(messages)
+        explicit = self.explicit_id(headers, body)
         if explicit:
             record = await self.call(self.store.get(tenant, explicit))
             return SessionView(tenant, explicit, record, fingerprints, set(), explicit=True)
