@@ -179,7 +179,7 @@ async def send_stream(
     headers["x-prefix-proxy-overhead-ms"] = (
         f"{(ctx.pre_upstream_seconds() + headers_ready - upstream_started) * 1000:.3f}"
     )
-    return RelayResponse(relay, headers=headers, on_finish=on_finish)
+    return RelayResponse(relay, headers=headers, on_finish=on_finish, close=relay.aclose)
 
 
 async def open_upstream(

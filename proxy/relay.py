@@ -68,6 +68,11 @@ class SSERelay:
         finally:
             await self._response.aclose()
 
+    async def aclose(self) -> None:
+        """Close the upstream response (idempotent): also when the body was never iterated, as when
+        the client left before the response started."""
+        await self._response.aclose()
+
     def _inspect(self, block: bytes) -> bytes:
         out: list[bytes] = []
         for event in block.split(_EVENT_END):

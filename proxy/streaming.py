@@ -8,7 +8,7 @@ response always races the body against ``http.disconnect``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 
 import anyio
 from starlette.responses import StreamingResponse
@@ -22,10 +22,12 @@ class RelayResponse(StreamingResponse):
         *,
         headers: dict[str, str],
         on_finish: Callable[[bool], None],
+        close: Callable[[], Awaitable[None]] | None = None,
         status_code: int = 200,
     ) -> None:
         super().__init__(content, status_code=status_code, headers=headers, media_type="text/event-stream")
         self._on_finish = on_finish
+        self._close = close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = False
@@ -48,4 +50,9 @@ class RelayResponse(StreamingResponse):
                     disconnected = True
                 group.cancel_scope.cancel()
         finally:
+            if self._close is not None:
+                # The body may never have been iterated (the client left before the headers went
+                # out), and then nothing else would close the upstream response.
+                with anyio.CancelScope(shield=True):
+                    await self._close()
             self._on_finish(disconnected)

@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -27,6 +27,8 @@ from proxy.config import Settings
 from proxy.fakebackend import FakeBackendConfig
 from proxy.fakebackend import create_app as create_fake_app
 from proxy.metrics import Metrics
+from proxy.relay import SSERelay
+from proxy.streaming import RelayResponse
 from proxy.upstream import Upstream
 from tests.conftest import LiveServer, free_port
 
@@ -408,3 +410,53 @@ def test_health_checks_hold_a_dead_backend_out_and_readmit_it_when_it_answers() 
         asyncio.run(scenario())
     finally:
         live.stop()
+
+
+class _SSEBody(httpx.AsyncByteStream):
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b'data: {"choices": []}\n\n'
+        yield b"data: [DONE]\n\n"
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _mock_pool(handler: Any) -> tuple[BackendPool, list[Backend]]:
+    backends = [
+        Backend(name, Upstream(f"http://{name}/v1", transport=httpx.MockTransport(handler), use_aiohttp=False))
+        for name in ("a:1", "b:1")
+    ]
+    return BackendPool(backends, RoundRobin()), backends
+
+
+def test_in_flight_is_released_when_the_client_leaves_before_the_stream_starts() -> None:
+    async def scenario() -> tuple[list[int], bool]:
+        async def sse(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, stream=_SSEBody(), headers={"content-type": "text/event-stream"})
+
+        pool, backends = _mock_pool(sse)
+        response = await pool.open("POST", "/chat/completions", content=b"{}")
+        relay = SSERelay(response, client_wants_usage=False)
+        relayed = RelayResponse(relay, headers={}, on_finish=lambda disconnected: None, close=relay.aclose)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(10)
+            return {"type": "http.disconnect"}
+
+        async def send(message: Any) -> None:
+            raise OSError("the client is gone")  # before the body is ever iterated
+
+        await relayed({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        return [b.in_flight for b in backends], response.is_closed
+
+    assert asyncio.run(scenario()) == ([0, 0], True)
+
+
+def test_in_flight_is_released_for_a_body_the_transport_already_read() -> None:
+    async def scenario() -> list[int]:
+        pool, backends = _mock_pool(lambda request: httpx.Response(200, json={"ok": True}))
+        response = await pool.open("POST", "/chat/completions", content=b"{}")
+        assert await pool.read(response) == b'{"ok":true}'
+        return [b.in_flight for b in backends]
+
+    assert asyncio.run(scenario()) == [0, 0]

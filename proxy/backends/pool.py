@@ -113,7 +113,10 @@ class BackendPool:
                 self._count(backend, "ok")
                 backend.record_success()
             response.extensions[BACKEND_EXTENSION] = backend.name
-            response.stream = _ReleaseOnClose(response.stream, backend)
+            if response.is_closed:  # a transport that hands back a body already read (httpx.MockTransport)
+                backend.in_flight -= 1
+            else:
+                response.stream = _ReleaseOnClose(response.stream, backend)
             return response
         raise last_error or upstream_unreachable("no backend")
 
