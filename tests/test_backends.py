@@ -460,3 +460,15 @@ def test_in_flight_is_released_for_a_body_the_transport_already_read() -> None:
         return [b.in_flight for b in backends]
 
     assert asyncio.run(scenario()) == [0, 0]
+
+
+def test_bounded_load_still_bounds_with_two_backends_at_the_default_factor() -> None:
+    backends = _backends("a:1", "b:1")
+    policy = Affinity()  # 2.0: uncapped, one of two backends could take every request
+    home, other = policy.rank(backends, "hot-key")
+    placed = Counter()
+    for _ in range(100):
+        chosen = policy.rank(backends, "hot-key")[0]
+        chosen.in_flight += 1
+        placed[chosen.name] += 1
+    assert placed[home.name] <= 76 and placed[other.name] >= 24

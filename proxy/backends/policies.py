@@ -76,7 +76,9 @@ class Affinity(RoutingPolicy):
         raw = key.encode()
         by_score = sorted(backends, key=lambda b: xxhash.xxh3_64_intdigest(raw, seed=b.seed), reverse=True)
         total = sum(b.in_flight for b in backends) + 1  # counting the request being placed
-        cap = math.ceil(self.balance_factor * total / len(backends))
+        # A factor of n or more would let one of n backends carry everything: cap it below n.
+        factor = min(self.balance_factor, len(backends) - 0.5)
+        cap = math.ceil(factor * total / len(backends))
         within = [b for b in by_score if b.in_flight < cap]
         return within + [b for b in by_score if b.in_flight >= cap]
 
