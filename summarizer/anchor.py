@@ -83,9 +83,17 @@ def anchor(
 
 def _merged_into(system: dict[str, Any], state: SummaryState, tail: str) -> dict[str, Any] | None:
     content = system.get("content")
-    if system.get("role") != "system" or not isinstance(content, str):
+    if system.get("role") != "system":
         return None
     summary = summary_message(state)["content"]
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        # Text parts: the summary is a part of its own, before a last part of moved volatile lines.
+        part = {"type": "text", "text": summary}
+        if tail and content and content[-1].get("text") == tail:
+            return {**system, "content": [*content[:-1], part, content[-1]]}
+        return {**system, "content": [*content, part]}
+    if not isinstance(content, str):
+        return None
     if tail and content.endswith(tail):
         stable = content[: -len(tail)].rstrip("\n")
         return {**system, "content": f"{stable}\n\n{summary}\n\n{tail}" if stable else f"{summary}\n\n{tail}"}

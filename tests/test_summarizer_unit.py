@@ -83,8 +83,18 @@ def test_anchor_can_put_the_summary_inside_the_system_message_ahead_of_its_volat
 
     # Nothing to merge into: a system message of its own, first (which such templates accept).
     assert anchor(messages[1:], state, insert_at=0, into_system=True).messages[0]["content"].startswith(SUMMARY_HEADER)
-    parts = [{"role": "system", "content": [{"type": "text", "text": "You are helpful."}]}, *messages[1:]]
-    assert anchor(parts, state, insert_at=1, into_system=True).messages[1]["content"].startswith(SUMMARY_HEADER)
+    # A system prompt sent as text parts gets the summary as a part, before the moved lines' part.
+    stable_part, tail_part = {"type": "text", "text": "You are helpful."}, {"type": "text", "text": tail}
+    parts = [{"role": "system", "content": [stable_part, tail_part]}, *messages[1:]]
+    merged = anchor(parts, state, insert_at=1, into_system=True, system_tail=tail).messages
+    assert merged[0]["content"] == [stable_part, {"type": "text", "text": f"{SUMMARY_HEADER}\nthey talked"}, tail_part]
+    assert merged[1:] == messages[7:]
+    image = {"role": "system", "content": [stable_part, {"type": "image_url", "image_url": {"url": "data:,"}}]}
+    assert (
+        anchor([image, *messages[1:]], state, insert_at=1, into_system=True)
+        .messages[1]["content"]
+        .startswith(SUMMARY_HEADER)
+    )
 
 
 def test_window_repair_restores_dropped_messages() -> None:
