@@ -49,7 +49,7 @@ class ModelCatalog:
         return count if isinstance(count, int) else None
 
     async def _refresh(self) -> None:
-        data = await self._upstream.list_models()
+        data = (await self._upstream.list_models()).data
         if data is None:
             logger.warning("could not read the upstream's models")
             self._fresh_until = time.monotonic() + self._retry

@@ -36,6 +36,15 @@ async def read_response(response: httpx.Response) -> bytes:
         await response.aclose()
 
 
+def model_list(response: httpx.Response) -> list[dict[str, Any]]:
+    """The ``data`` of a ``/models`` answer; ``[]`` for anything else."""
+    try:
+        data = loads(response.content).get("data") if response.status_code == 200 else None
+    except (ValueError, AttributeError):
+        return []
+    return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+
+
 class Upstream:
     def __init__(
         self,
@@ -104,22 +113,27 @@ class Upstream:
 
     read = staticmethod(read_response)
 
-    async def probe_models(self, timeout_s: float = 3.0) -> list[dict[str, Any]] | None:
-        """``GET /models``: the models listed (``[]`` if the answer lists none), or None when the
-        upstream is unreachable or answers 5xx."""
+    async def get_models(
+        self, headers: Mapping[str, str] | None = None, timeout_s: float = 3.0
+    ) -> httpx.Response | None:
+        """``GET /models`` with the given credentials (default: the proxy's own), body read; None when
+        the upstream cannot be reached."""
         try:
-            response = await self.client.get(
-                self.base_url + "/models", headers=self.auth_headers(None), timeout=timeout_s
+            return await self.client.get(
+                self.base_url + "/models",
+                headers=headers if headers is not None else self.auth_headers(None),
+                timeout=timeout_s,
             )
         except httpx.HTTPError:
             return None
-        if response.status_code >= 500:
+
+    async def probe_models(self, timeout_s: float = 3.0) -> list[dict[str, Any]] | None:
+        """The models listed (``[]`` if the answer lists none), or None when the upstream is
+        unreachable or answers 5xx."""
+        response = await self.get_models(timeout_s=timeout_s)
+        if response is None or response.status_code >= 500:
             return None
-        try:
-            data = loads(response.content).get("data") if response.status_code == 200 else None
-        except (ValueError, AttributeError):
-            return []
-        return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+        return model_list(response)
 
     async def ready(self) -> bool:
         return await self.probe_models() is not None

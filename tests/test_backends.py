@@ -472,3 +472,35 @@ def test_bounded_load_still_bounds_with_two_backends_at_the_default_factor() -> 
         chosen.in_flight += 1
         placed[chosen.name] += 1
     assert placed[home.name] <= 76 and placed[other.name] >= 24
+
+
+def _keyed_models_app(model: str, key: str) -> Starlette:
+    async def models(request: Request) -> JSONResponse:
+        if request.headers.get("authorization") != f"Bearer {key}":
+            error = {"message": "invalid api key", "type": "authentication_error", "param": None, "code": None}
+            return JSONResponse({"error": error}, status_code=401)
+        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    return Starlette(routes=[Route("/v1/models", models)])
+
+
+def test_merged_models_are_listed_with_the_callers_upstream_credentials() -> None:
+    servers = [LiveServer(_keyed_models_app(m, "up-acme")).start() for m in ("llama", "qwen")]
+    tenants = [
+        {"name": "acme", "api_key": "sk-acme", "upstream_api_key": "up-acme"},
+        {"name": "other", "api_key": "sk-other", "upstream_api_key": "up-other"},
+    ]
+    proxy = _proxy([s.url + "/v1" for s in servers], tenants=tenants, upstream_api_key="up-global")
+    try:
+        acme = httpx.get(proxy.url + "/v1/models", headers={"authorization": "Bearer sk-acme"})
+        assert acme.status_code == 200
+        assert sorted(m["id"] for m in acme.json()["data"]) == ["llama", "qwen"]
+        # Another tenant's credentials are refused upstream: it gets the refusal, not an empty list.
+        other = httpx.get(proxy.url + "/v1/models", headers={"authorization": "Bearer sk-other"})
+        assert other.status_code == 401
+        assert other.json()["error"]["message"] == "invalid api key"
+        assert "up-" not in other.text
+    finally:
+        proxy.stop()
+        for server in servers:
+            server.stop()

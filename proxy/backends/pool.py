@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -21,13 +22,21 @@ from proxy.backends.backend import Backend
 from proxy.backends.policies import RoutingPolicy
 from proxy.errors import ProxyError, upstream_unreachable
 from proxy.metrics import Metrics
-from proxy.upstream import read_response
+from proxy.upstream import model_list, read_response
 
 logger = logging.getLogger("prefix_proxy.backends")
 
 # Statuses that mean "this server cannot take the request now", not "the request is wrong".
 FAILOVER_STATUSES = frozenset({502, 503, 504})
 BACKEND_EXTENSION = "prefix_proxy_backend"
+
+
+@dataclass
+class ModelListing:
+    # What the backends that answered 200 list together; None when none did.
+    data: list[dict[str, Any]] | None = None
+    # When none did: the first answer that refused the credentials (4xx), for the client.
+    refusal: httpx.Response | None = None
 
 
 class BackendPool:
@@ -133,20 +142,26 @@ class BackendPool:
 
     # -- models and health ------------------------------------------------------------------------
 
-    async def list_models(self) -> list[dict[str, Any]] | None:
-        """Every model the live backends list, the first listing of each id kept; None if none answered."""
+    async def list_models(self, headers: Mapping[str, str] | None = None) -> ModelListing:
+        """Every model the live backends list to these credentials (default: the proxy's own), the
+        first listing of each id kept."""
         backends = [b for b in self.backends if b.available()] or self.backends
-        listings = await asyncio.gather(*(b.upstream.probe_models() for b in backends))
+        answers = await asyncio.gather(*(b.upstream.get_models(headers) for b in backends))
         merged: dict[str, dict[str, Any]] = {}
-        answered = False
-        for backend, listing in zip(backends, listings, strict=True):
-            if listing is None:
+        listing = ModelListing()
+        for backend, answer in zip(backends, answers, strict=True):
+            if answer is None or answer.status_code >= 500:
                 continue
-            answered = True
-            self._learned(backend, listing)
-            for model in listing:
+            if answer.status_code != 200:
+                listing.refusal = listing.refusal or answer
+                continue
+            models = model_list(answer)
+            if headers is None:  # a tenant's credentials may see fewer models than the backend serves
+                self._learned(backend, models)
+            for model in models:
                 merged.setdefault(str(model.get("id")), model)
-        return list(merged.values()) if answered else None
+            listing.data = list(merged.values())
+        return listing
 
     async def backends_answering(self) -> dict[str, bool]:
         results = await asyncio.gather(*(b.upstream.ready() for b in self.backends))

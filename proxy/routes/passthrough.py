@@ -19,6 +19,8 @@ from proxy.forward import (
     proxy_headers,
     send_json,
     send_stream,
+    upstream_error,
+    upstream_headers,
     with_upstream_usage,
 )
 from proxy.jsonio import dumps
@@ -61,21 +63,24 @@ async def models(request: Request) -> Response:
         await authenticate(state, request, ctx)
         if state.upstream.single:
             return await send_json(state, request, ctx, "/models", None, method="GET")
-        return await merged_models(state, ctx)
+        return await merged_models(state, request, ctx)
     except ProxyError as error:
         return error_response(state, ctx, error)
 
 
-async def merged_models(state: ProxyState, ctx: RequestContext) -> Response:
-    """Several backends: one list of every model any live backend serves."""
+async def merged_models(state: ProxyState, request: Request, ctx: RequestContext) -> Response:
+    """Several backends: one list of every model any live backend serves to the caller's credentials."""
     ctx.mark_upstream_sent()
-    data = await state.upstream.list_models()
+    listing = await state.upstream.list_models(upstream_headers(state, request, ctx))
     ctx.upstream_done = time.perf_counter()
-    if data is None:
+    if listing.data is None and listing.refusal is not None:
+        return upstream_error(state, ctx, listing.refusal.status_code, listing.refusal.content)
+    if listing.data is None:
         raise upstream_unreachable("no backend answered")
     overhead = finish(state, ctx)
     headers = {**proxy_headers(ctx), "x-prefix-proxy-overhead-ms": f"{overhead * 1000:.3f}"}
-    return Response(dumps({"object": "list", "data": data}), headers=headers, media_type="application/json")
+    body = dumps({"object": "list", "data": listing.data})
+    return Response(body, headers=headers, media_type="application/json")
 
 
 routes = [
