@@ -394,7 +394,7 @@ def test_health_checks_hold_a_dead_backend_out_and_readmit_it_when_it_answers() 
         dead = Backend("flaky", Upstream(f"http://127.0.0.1:{port}/v1"))
         pool = BackendPool([dead, Backend("live", Upstream(live.url + "/v1"))], RoundRobin())
         await pool.check_health(timeout_s=1.0, hold_s=30.0)
-        assert not dead.available() and dead.ejected_until - time.monotonic() > 25
+        assert not dead.available() and dead.available_at - time.monotonic() > 25
         assert pool.backends[1].models == frozenset({"llama"})
         assert [b.name for b in pool.rank(model="llama")] == ["live", "flaky"]
         revived = LiveServer(create_fake_app(FakeBackendConfig(model="qwen")), port=port).start()
@@ -504,3 +504,24 @@ def test_merged_models_are_listed_with_the_callers_upstream_credentials() -> Non
         proxy.stop()
         for server in servers:
             server.stop()
+
+
+def test_a_passing_health_check_does_not_cut_short_the_backoff_of_failing_requests() -> None:
+    """A backend that lists its models but answers requests 503 keeps backing off (1, 2, 4 ... s)."""
+    live = LiveServer(create_fake_app(FakeBackendConfig())).start()
+
+    async def scenario() -> None:
+        busy = Backend("busy", Upstream(live.url + "/v1"))
+        pool = BackendPool([busy, *_backends("other:1")], RoundRobin())
+        for _ in range(3):
+            busy.record_failure()  # three 503s in a row: paused for 4 s
+        await pool.check_health(timeout_s=1.0, hold_s=30.0)
+        assert not busy.available() and busy.consecutive_failures == 3
+        busy.record_success()
+        assert busy.available()
+        await pool.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        live.stop()

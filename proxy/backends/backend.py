@@ -33,7 +33,10 @@ class Backend:
     upstream: Upstream
     in_flight: int = 0
     consecutive_failures: int = 0
+    # Skipped until then after failed requests (passive; backs off) ...
     ejected_until: float = 0.0
+    # ... or after a failed health check (active; lifted by the next check that passes).
+    check_failed_until: float = 0.0
     # Models the backend listed at its last health check; None until one succeeded.
     models: frozenset[str] | None = None
     # Seeds this backend's rendezvous scores (stable across replicas and restarts).
@@ -42,15 +45,27 @@ class Backend:
     def __post_init__(self) -> None:
         self.seed = xxhash.xxh32_intdigest(self.name.encode())
 
+    @property
+    def available_at(self) -> float:
+        return max(self.ejected_until, self.check_failed_until)
+
     def available(self, now: float | None = None) -> bool:
-        return (time.monotonic() if now is None else now) >= self.ejected_until
+        return (time.monotonic() if now is None else now) >= self.available_at
 
     def serves(self, model: str | None) -> bool:
         return model is None or self.models is None or model in self.models
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
-        self.ejected_until = 0.0
+        self.ejected_until = self.check_failed_until = 0.0
+
+    def check_failed(self, hold_s: float, now: float | None = None) -> None:
+        self.check_failed_until = (time.monotonic() if now is None else now) + hold_s
+
+    def check_passed(self) -> None:
+        """A passing health check lifts only its own ejection: a backend that answers ``/models``
+        but fails requests (502/503/504) keeps backing off until its pause ends."""
+        self.check_failed_until = 0.0
 
     def record_failure(self, now: float | None = None) -> None:
         self.consecutive_failures += 1

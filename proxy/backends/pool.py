@@ -70,7 +70,7 @@ class BackendPool:
         now = time.monotonic()
         candidates = [b for b in self.backends if b.serves(model)] or self.backends
         live = [b for b in candidates if b.available(now)]
-        resting = sorted((b for b in candidates if not b.available(now)), key=lambda b: b.ejected_until)
+        resting = sorted((b for b in candidates if not b.available(now)), key=lambda b: b.available_at)
         return (self.policy.rank(live, key) if live else []) + resting
 
     async def open(
@@ -179,12 +179,12 @@ class BackendPool:
             if listing is None:
                 if backend.available():
                     logger.warning("backend %s failed its health check; ejected", backend.name)
-                backend.record_failure()
-                backend.ejected_until = max(backend.ejected_until, time.monotonic() + hold_s)
+                backend.check_failed(hold_s)
             else:
-                if not backend.available():
+                was_out = backend.check_failed_until > 0
+                backend.check_passed()
+                if was_out and backend.available():
                     logger.info("backend %s answers again; re-admitted", backend.name)
-                backend.record_success()
                 self._learned(backend, listing)
 
     async def run_health_checks(self, interval_s: float) -> None:
