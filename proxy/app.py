@@ -43,6 +43,8 @@ def build_store(settings: Settings) -> tuple[SessionStore, RedisSessionStore | N
             prefix=sessions.key_prefix,
             ttl_s=sessions.ttl_s,
             timeout_s=sessions.operation_timeout_s,
+            sentinels=sessions.redis_sentinels,
+            sentinel_service=sessions.redis_sentinel_service,
         )
         return store, store
     return MemorySessionStore(sessions.ttl_s), None

@@ -51,6 +51,16 @@ class CanonSettings(BaseModel):
     model_modes: dict[str, CanonMode] = Field(default_factory=dict)
 
 
+def _string_list(value: Any) -> Any:
+    """A list from the environment: JSON (``["a", "b"]``) or comma-separated (``a,b``)."""
+    if isinstance(value, str):
+        text = value.strip()
+        value = json.loads(text) if text.startswith("[") else [u for u in text.split(",") if u.strip()]
+    if isinstance(value, list):
+        return [str(u).strip() for u in value]
+    return value
+
+
 class BudgetSettings(BaseModel):
     """Token budgets. Unset limits mean unlimited; see docs/sessions.md for the semantics."""
 
@@ -90,6 +100,10 @@ class TenantSettings(BaseModel):
 class SessionSettings(BaseModel):
     store: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Redis Sentinel ("host:port" each): the master named redis_sentinel_service is found through
+    # them, and followed across failovers; redis_url then gives only db, credentials and TLS.
+    redis_sentinels: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    redis_sentinel_service: str = "mymaster"
     key_prefix: str = "prefix-proxy:"
     ttl_s: int = Field(7 * 24 * 3600, gt=0)
     # Explicit session ids: this header, then the body's prompt_cache_key, then (if enabled) user.
@@ -101,6 +115,8 @@ class SessionSettings(BaseModel):
     operation_timeout_s: float = 0.5
     # Look up API keys in Redis too (hash <prefix>tenant:<sha256(key)> with name, budget JSON).
     tenants_in_redis: bool = False
+
+    _split_sentinels = field_validator("redis_sentinels", mode="before")(_string_list)
 
 
 class SummarizerSettings(BaseModel):
@@ -180,12 +196,8 @@ class Settings(BaseSettings):
     @field_validator("upstreams", mode="before")
     @classmethod
     def _split_upstreams(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            text = value.strip()
-            value = json.loads(text) if text.startswith("[") else [u for u in text.split(",") if u.strip()]
-        if isinstance(value, list):
-            return [str(u).strip().rstrip("/") for u in value]
-        return value
+        value = _string_list(value)
+        return [u.rstrip("/") for u in value] if isinstance(value, list) else value
 
     @property
     def upstream_urls(self) -> list[str]:

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import parse_url
+from redis.asyncio.sentinel import Sentinel
 
 from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLimit
 from proxy.sessions.store import window_of
@@ -51,15 +54,47 @@ _INT_FIELDS = (
 )
 
 
+def _client(url: str, timeout_s: float, sentinels: Sequence[str], service: str) -> aioredis.Redis:
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "health_check_interval": 15,
+        "decode_responses": True,
+    }
+    if not sentinels:
+        return aioredis.Redis.from_url(url, **options)
+    # Sentinel: the sentinels say where the master is, before every new connection and after a
+    # failover; the URL still gives the database, credentials and TLS (its host is not used).
+    parsed: dict[str, Any] = dict(parse_url(url))
+    parsed.pop("host", None)
+    parsed.pop("port", None)
+    sentinel = Sentinel(
+        [_host_port(address) for address in sentinels],
+        sentinel_kwargs={"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s},
+        **options,
+    )
+    return sentinel.master_for(service, **parsed)
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.strip().rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"a sentinel address is host:port, not {address!r}")
+    return host.strip("[]"), int(port)
+
+
 class RedisSessionStore:
-    def __init__(self, url: str, *, prefix: str, ttl_s: int, timeout_s: float = 0.25) -> None:
-        self._redis = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            health_check_interval=15,
-            decode_responses=True,
-        )
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str,
+        ttl_s: int,
+        timeout_s: float = 0.25,
+        sentinels: Sequence[str] = (),
+        sentinel_service: str = "mymaster",
+    ) -> None:
+        self._redis = _client(url, timeout_s, sentinels, sentinel_service)
         self._prefix = prefix
         self._ttl = ttl_s
         self._reserve = self._redis.register_script(_RESERVE)
