@@ -92,7 +92,7 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
         canonicalizer=Canonicalizer(settings.canon),
         prefixes=PrefixTracker(),
         sessions=sessions,
-        tenants=TenantDirectory(settings.tenants, tenant_lookup),
+        tenants=TenantDirectory(settings.tenants, tenant_lookup, isolate_caches=settings.tenant_cache_isolation),
         models=ModelCatalog(upstream, ttl_s=settings.max_model_len_cache_s),
         token_counter=TokenCounter(),
     )

@@ -64,6 +64,7 @@ class CompactionService:
 
     async def _complete(self, turn: ChatTurn, body: dict[str, Any]) -> tuple[str, int]:
         upstream = self._state.upstream
+        body = self._state.tenants.cache_salted(turn.tenant, body)  # the conversation's cache namespace
         headers = {"content-type": "application/json", **turn.upstream_auth_headers()}
         try:
             # Same backend as the conversation: the summary request starts with its cached prefix.

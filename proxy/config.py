@@ -177,6 +177,9 @@ class Settings(BaseSettings):
     summarizer: SummarizerSettings = Field(default_factory=SummarizerSettings)
     model_budgets: dict[str, BudgetOverrides] = Field(default_factory=dict)
     tenants: list[TenantSettings] = Field(default_factory=list)
+    # With tenants configured, each gets its own vLLM cache_salt: no tenant's requests hit blocks
+    # another cached (no timing channel between tenants; also no sharing of a common prompt).
+    tenant_cache_isolation: bool = True
     admin_api_key: SecretStr | None = None
     max_model_len_cache_s: float = 300.0
     # The served model's KV shape, for the session KV-bytes gauge: a preset name or a config.json path.

@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from proxy.config import BudgetOverrides, TenantSettings
 from proxy.errors import ProxyError
@@ -29,6 +30,18 @@ class Tenant:
 
 
 ANONYMOUS_TENANT = Tenant(ANONYMOUS)
+
+
+def tenant_cache_salt(tenant: str, client_salt: Any = None) -> str:
+    """vLLM's ``cache_salt`` for a tenant: prompts share cached blocks only within one salt, so one
+    tenant cannot learn from response times what another has sent (a prefix-cache timing channel).
+
+    A salt the client sent itself is folded in, never passed through alone: no client can choose
+    another tenant's salt. BLAKE2, not xxhash, because clients choose part of the input.
+    """
+    digest = hashlib.blake2b(f"{tenant}\x00{client_salt or ''}".encode("utf-8", "surrogatepass"), digest_size=16)
+    return "pp-" + digest.hexdigest()
+
 
 KeyLookup = Callable[[str], Awaitable[str | None]]
 
@@ -55,7 +68,14 @@ def unauthorized(message: str = "invalid or missing API key") -> ProxyError:
 
 
 class TenantDirectory:
-    def __init__(self, tenants: list[TenantSettings], redis_lookup: KeyLookup | None = None) -> None:
+    def __init__(
+        self,
+        tenants: list[TenantSettings],
+        redis_lookup: KeyLookup | None = None,
+        *,
+        isolate_caches: bool = True,
+    ) -> None:
+        self._isolate_caches = isolate_caches
         self._by_digest = {
             key_digest(t.api_key.get_secret_value()): Tenant(
                 t.name, t.upstream_api_key.get_secret_value() if t.upstream_api_key else None, t.budget
@@ -68,6 +88,13 @@ class TenantDirectory:
     @property
     def open(self) -> bool:
         return not self._by_digest and self._redis_lookup is None
+
+    def cache_salted(self, tenant: Tenant, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with the tenant's ``cache_salt`` (see :func:`tenant_cache_salt`); unchanged when the
+        proxy is open (one tenant) or isolation is switched off."""
+        if self.open or not self._isolate_caches:
+            return body
+        return {**body, "cache_salt": tenant_cache_salt(tenant.name, body.get("cache_salt"))}
 
     async def authenticate(self, authorization: str | None) -> Tenant:
         if self.open:

@@ -63,7 +63,7 @@ async def _forward(
         ctx.session_id = turn.session_id
         ctx.route_key = turn.routing_key
         ctx.actions.extend(turn.actions)
-        forwarded = turn.forwarded
+        forwarded = state.tenants.cache_salted(tenant, turn.forwarded)
         ctx.restructured = _roles(forwarded) != _roles(body)
         if state.settings.log_prompts:
             ctx.logged_messages = forwarded["messages"]

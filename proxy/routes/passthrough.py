@@ -31,9 +31,10 @@ async def completions(request: Request) -> Response:
     state = get_state(request)
     ctx = new_context(request, "completions")
     try:
-        await authenticate(state, request, ctx)
+        tenant = await authenticate(state, request, ctx)
         body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
         validate_completion_request(body)
+        body = state.tenants.cache_salted(tenant, body)
         ctx.model = body["model"]
         ctx.stream = bool(body.get("stream"))
         if not ctx.stream:

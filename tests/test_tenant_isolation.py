@@ -1,0 +1,55 @@
+"""Tenants do not share prefix-cache blocks: each gets its own vLLM ``cache_salt``.
+
+A shared prefix cache is a timing channel: a tenant whose request comes back fast has learned that
+someone sent the same prefix. With tenants configured the proxy salts every request per tenant
+(the fake backend keys blocks by salt as vLLM does), and a client's own salt cannot name another
+tenant's namespace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+
+from proxy.tenants import tenant_cache_salt
+from tests.conftest import LiveServer
+
+TENANTS = [{"name": "acme", "api_key": "sk-acme"}, {"name": "globex", "api_key": "sk-globex"}]
+SYSTEM = "You are the billing assistant of a large retailer. Answer briefly and cite the policy. " * 20
+
+
+def cached(proxy: LiveServer, key: str, question: str, **extra: Any) -> int:
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=key)
+    reply = client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        extra_body=extra or None,
+    )
+    assert reply.usage is not None
+    details = reply.usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details else 0
+
+
+def test_one_tenant_never_hits_blocks_another_cached(make_proxy: Callable[..., LiveServer]) -> None:
+    proxy = make_proxy(tenants=TENANTS)
+    cached(proxy, "sk-acme", "Isolation check 1: may I return an opened item?")
+    assert cached(proxy, "sk-acme", "Isolation check 1: and a gift card?") > 200  # its own prompt: a hit
+    assert cached(proxy, "sk-globex", "Isolation check 1: may I return an opened item?") == 0
+    # Sending acme's salt (or anything else) does not open acme's blocks to globex.
+    assert cached(proxy, "sk-globex", "Isolation check 1: x", cache_salt=tenant_cache_salt("acme")) == 0
+
+
+def test_isolation_can_be_switched_off_and_open_proxies_pass_salts_through(
+    make_proxy: Callable[..., LiveServer], fake_backend: LiveServer
+) -> None:
+    shared = make_proxy(tenants=TENANTS, tenant_cache_isolation=False)
+    cached(shared, "sk-acme", "Isolation check 2: may I return an opened item?")
+    assert cached(shared, "sk-globex", "Isolation check 2: and a gift card?") > 200
+
+    open_proxy = make_proxy()
+    cached(open_proxy, "anything", "Isolation check 3", cache_salt="run-42")
+    last = httpx.get(fake_backend.url + "/fake/requests", params={"limit": 1}).json()[-1]
+    assert last["body"]["cache_salt"] == "run-42"
