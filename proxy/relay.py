@@ -9,6 +9,7 @@ when the client did not ask for it.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -18,7 +19,13 @@ from proxy.assistant import AssistantRecorder
 from proxy.jsonio import loads
 from proxy.usage import Usage
 
+logger = logging.getLogger("prefix_proxy.relay")
+
 _EVENT_END = b"\n\n"
+_STREAM_INTERRUPTED = (
+    b'data: {"error": {"message": "the upstream stream was interrupted", "type": "upstream_error", '
+    b'"param": null, "code": "upstream_stream_interrupted"}}\n\n'
+)
 _USAGE_MARK = b'"usage":'
 _TOOL_MARK = b'"tool_calls"'
 
@@ -65,6 +72,12 @@ class SSERelay:
             if pending:
                 yield pending
             self.completed = True
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            # The upstream broke off mid-stream (crashed, restarted, timed out). The answer cannot be
+            # resumed elsewhere; the client gets an error event, which OpenAI SDKs raise as an APIError,
+            # rather than a connection that just stops.
+            logger.warning("upstream stream interrupted: %s", type(exc).__name__)
+            yield _STREAM_INTERRUPTED
         finally:
             await self._response.aclose()
 

@@ -153,3 +153,19 @@ def test_completions_stream_and_not(client: openai.OpenAI) -> None:
     assert client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5).choices[0].text
     chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, stream=True))
     assert chunks and all(c.usage is None for c in chunks)
+
+
+def test_a_stream_the_upstream_breaks_off_ends_with_an_error_event(client: openai.OpenAI, proxy: LiveServer) -> None:
+    stream = client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": f"tell me a long story {uuid.uuid4()}"}],
+        stream=True,
+        extra_body={"fake_options": {"abort_after_chunks": 3}},  # the fake backend drops the connection
+    )
+    received = []
+    with pytest.raises(openai.APIError, match="the upstream stream was interrupted"):
+        for chunk in stream:
+            received.extend(c.delta.content or "" for c in chunk.choices)
+    assert received  # what came before the break reached the client
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert "prefix_proxy_streams_cancelled_total 1.0" in metrics
