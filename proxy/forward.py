@@ -137,6 +137,7 @@ async def send_stream(
     *,
     client_wants_usage: bool,
     on_complete: Callable[[SSERelay], None] | None = None,
+    on_incomplete: Callable[[SSERelay], None] | None = None,
     record_content: bool = False,
 ) -> Response:
     """Forward a streaming request; each SSE event reaches the client as soon as it is complete."""
@@ -166,6 +167,8 @@ async def send_stream(
         if not relay.completed:
             state.metrics.streams_cancelled.inc()
             ctx.error_code = "client_disconnected" if disconnected else "stream_interrupted"
+            if on_incomplete is not None:
+                on_incomplete(relay)
         elif on_complete is not None:
             on_complete(relay)
         # Only the time until the stream started is proxy time; the relay itself runs at upstream pace.

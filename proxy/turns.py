@@ -69,6 +69,7 @@ class ChatTurn:
     actions: list[str] = field(default_factory=list)
     prefix_hash: str | None = None
     system_tail: str = ""
+    prompt_estimate: int = 0
     # The session id the client gave (hashed), known even when the store is down.
     named_session: str | None = None
 
@@ -192,6 +193,7 @@ class ChatTurn:
         if not limits:
             return
         amount = reservation_amount(prompt_estimate, self.forwarded, self.budget)
+        self.prompt_estimate = prompt_estimate
         try:
             reservation = await self.state.sessions.reserve(limits, amount, self.budget.window_s)
         except StoreUnavailable:
@@ -235,9 +237,18 @@ class ChatTurn:
 
     async def abandon(self) -> None:
         """The upstream failed: give the reserved tokens back."""
+        await self._settle_early(0)
+
+    async def settle_unfinished(self, usage: Usage | None) -> None:
+        """A stream ended early (the client left, the upstream broke off): charge what was spent (the
+        prompt at least, which the backend computed) and give the rest of the reservation back."""
+        spent = usage.prompt_tokens + usage.completion_tokens if usage is not None else self.prompt_estimate
+        await self._settle_early(spent)
+
+    async def _settle_early(self, spent: int) -> None:
         if self.reservation is not None and self.reservation.keys:
             store = self.state.sessions.store
             with contextlib.suppress(StoreUnavailable):
                 await self.state.sessions.call(
-                    store.settle(self.reservation, -self.reservation.amount, self.budget.window_s)
+                    store.settle(self.reservation, spent - self.reservation.amount, self.budget.window_s)
                 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -157,3 +159,28 @@ def test_exact_counts_from_the_backends_tokenize(
     response = chat(too_small, messages)
     assert response.status_code == 400
     assert f"about {exact} tokens" in response.json()["error"]["message"]
+
+
+def test_a_stream_cut_short_gives_back_the_unused_reservation(make_proxy: Callable[..., LiveServer]) -> None:
+    """A stream the client abandons is charged its prompt, not the max_tokens reserved for it."""
+    server = make_proxy(budget={"session_tokens_per_window": 100_000, "window_s": 600})
+    headers = {"x-session-id": f"cut-{uuid.uuid4()}"}
+    body = {
+        "model": MODEL,
+        "max_tokens": 8000,
+        "stream": True,
+        "messages": [SYSTEM, {"role": "user", "content": "hi"}],
+        "fake_options": {"chunk_delay_s": 0.05},  # slow enough for the client to leave mid-stream
+    }
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers) as response:
+        for _ in response.iter_lines():
+            break  # the client leaves after the first event
+    time.sleep(0.5)  # the proxy settles in the background
+    # A complete request creates the session record, whose budget_left shows what was charged.
+    again = {"model": MODEL, "max_tokens": 10, "messages": [SYSTEM, {"role": "user", "content": "hi again"}]}
+    finished = httpx.post(server.url + "/v1/chat/completions", json=again, headers=headers, timeout=30)
+    assert finished.status_code == 200
+    time.sleep(0.3)
+    session = finished.headers["x-prefix-proxy-session"]
+    state = httpx.get(f"{server.url}/v1/sessions/{session}", headers=headers).json()
+    assert state["budget_left"]["session"] > 100_000 - 1_000  # was 100,000 - 8,000 - prompt

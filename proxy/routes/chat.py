@@ -88,6 +88,9 @@ async def _forward(
             state.canonicalizer.record_reply(forwarded, tenant.name, relay.assistant.calls())
             open_turn.finish_later(relay.usage, relay.assistant.message())
 
+        def on_incomplete(relay: SSERelay) -> None:
+            state.sessions.spawn(open_turn.settle_unfinished(relay.usage))
+
         response = await send_stream(
             state,
             request,
@@ -96,6 +99,7 @@ async def _forward(
             dumps(upstream_body),
             client_wants_usage=client_wants_usage,
             on_complete=on_complete,
+            on_incomplete=on_incomplete,
             record_content=turn.session is not None,
         )
         if response.status_code >= 400:
