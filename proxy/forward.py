@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -16,7 +16,7 @@ from proxy.context import RequestContext
 from proxy.errors import ProxyError, normalize_upstream_error
 from proxy.jsonio import loads
 from proxy.relay import SSERelay
-from proxy.state import ProxyState
+from proxy.state import ProxyState, get_state
 from proxy.streaming import RelayResponse
 from proxy.tenants import Tenant
 from proxy.upstream import upstream_error_kind
@@ -39,6 +39,25 @@ async def authenticate(state: ProxyState, request: Request, ctx: RequestContext)
     ctx.tenant = tenant.name
     ctx.upstream_api_key = tenant.upstream_api_key
     return tenant
+
+
+Handler = Callable[[ProxyState, Request, RequestContext, Tenant], Awaitable[Response]]
+
+
+def api_endpoint(route: str, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """An endpoint of the forwarded API: ``handler`` gets a request context and the caller's tenant,
+    and any :class:`ProxyError` it raises is answered (and counted) in OpenAI's error shape."""
+
+    async def endpoint(request: Request) -> Response:
+        state = get_state(request)
+        ctx = new_context(request, route)
+        try:
+            tenant = await authenticate(state, request, ctx)
+            return await handler(state, request, ctx, tenant)
+        except ProxyError as error:
+            return error_response(state, ctx, error)
+
+    return endpoint
 
 
 def upstream_headers(state: ProxyState, request: Request, ctx: RequestContext) -> dict[str, str]:

@@ -14,25 +14,19 @@ from proxy.canon import CanonResult
 from proxy.canon.fingerprint import stable_prefix_hash
 from proxy.context import RequestContext
 from proxy.errors import ProxyError
-from proxy.forward import authenticate, error_response, new_context, send_json, send_stream, with_upstream_usage
+from proxy.forward import api_endpoint, error_response, new_context, send_json, send_stream, with_upstream_usage
 from proxy.jsonio import dumps
 from proxy.relay import SSERelay
-from proxy.state import ProxyState, get_state
+from proxy.state import ProxyState
 from proxy.tenants import Tenant
 from proxy.turns import ChatTurn
 
 ROUTE = "chat"
 
 
-async def chat_completions(request: Request) -> Response:
-    state = get_state(request)
-    ctx = new_context(request, ROUTE)
-    try:
-        tenant = await authenticate(state, request, ctx)
-        body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
-        validate_chat_request(body)
-    except ProxyError as error:
-        return error_response(state, ctx, error)
+async def chat_completions(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
+    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+    validate_chat_request(body)
     response = await _forward(state, request, ctx, tenant, body)
     if response.status_code == 400 and ctx.restructured and not state.canonicalizer.keeps_structure(ctx.model):
         # Strict chat templates (Mistral's, Gemma's) refuse a system message after the first one.
@@ -115,7 +109,7 @@ def _roles(body: dict[str, Any]) -> list[Any]:
     return [m.get("role") if isinstance(m, dict) else None for m in body["messages"]]
 
 
-routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+routes = [Route("/v1/chat/completions", api_endpoint(ROUTE, chat_completions), methods=["POST"])]
 
 
 def _count_canonicalization(state: ProxyState, body: dict[str, Any], canon: CanonResult) -> bool:

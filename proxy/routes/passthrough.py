@@ -10,12 +10,10 @@ from starlette.routing import Route
 
 from proxy.body import parse_json_object, read_body, require_model, validate_completion_request
 from proxy.context import RequestContext
-from proxy.errors import ProxyError, upstream_unreachable
+from proxy.errors import upstream_unreachable
 from proxy.forward import (
-    authenticate,
-    error_response,
+    api_endpoint,
     finish,
-    new_context,
     proxy_headers,
     send_json,
     send_stream,
@@ -24,49 +22,32 @@ from proxy.forward import (
     with_upstream_usage,
 )
 from proxy.jsonio import dumps
-from proxy.state import ProxyState, get_state
+from proxy.state import ProxyState
+from proxy.tenants import Tenant
 
 
-async def completions(request: Request) -> Response:
-    state = get_state(request)
-    ctx = new_context(request, "completions")
-    try:
-        tenant = await authenticate(state, request, ctx)
-        body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
-        validate_completion_request(body)
-        body = state.tenants.cache_salted(tenant, body)
-        ctx.model = body["model"]
-        ctx.stream = bool(body.get("stream"))
-        if not ctx.stream:
-            return await send_json(state, request, ctx, "/completions", dumps(body))
-        body, wants_usage = with_upstream_usage(body)
-        return await send_stream(state, request, ctx, "/completions", dumps(body), client_wants_usage=wants_usage)
-    except ProxyError as error:
-        return error_response(state, ctx, error)
+async def completions(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
+    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+    validate_completion_request(body)
+    body = state.tenants.cache_salted(tenant, body)
+    ctx.model = body["model"]
+    ctx.stream = bool(body.get("stream"))
+    if not ctx.stream:
+        return await send_json(state, request, ctx, "/completions", dumps(body))
+    body, wants_usage = with_upstream_usage(body)
+    return await send_stream(state, request, ctx, "/completions", dumps(body), client_wants_usage=wants_usage)
 
 
-async def embeddings(request: Request) -> Response:
-    state = get_state(request)
-    ctx = new_context(request, "embeddings")
-    try:
-        await authenticate(state, request, ctx)
-        raw = await read_body(request, state.settings.max_body_bytes)
-        ctx.model = require_model(parse_json_object(raw))
-        return await send_json(state, request, ctx, "/embeddings", raw)
-    except ProxyError as error:
-        return error_response(state, ctx, error)
+async def embeddings(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
+    raw = await read_body(request, state.settings.max_body_bytes)
+    ctx.model = require_model(parse_json_object(raw))
+    return await send_json(state, request, ctx, "/embeddings", raw)
 
 
-async def models(request: Request) -> Response:
-    state = get_state(request)
-    ctx = new_context(request, "models")
-    try:
-        await authenticate(state, request, ctx)
-        if state.upstream.single:
-            return await send_json(state, request, ctx, "/models", None, method="GET")
-        return await merged_models(state, request, ctx)
-    except ProxyError as error:
-        return error_response(state, ctx, error)
+async def models(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
+    if state.upstream.single:
+        return await send_json(state, request, ctx, "/models", None, method="GET")
+    return await merged_models(state, request, ctx)
 
 
 async def merged_models(state: ProxyState, request: Request, ctx: RequestContext) -> Response:
@@ -85,7 +66,7 @@ async def merged_models(state: ProxyState, request: Request, ctx: RequestContext
 
 
 routes = [
-    Route("/v1/completions", completions, methods=["POST"]),
-    Route("/v1/embeddings", embeddings, methods=["POST"]),
-    Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/completions", api_endpoint("completions", completions), methods=["POST"]),
+    Route("/v1/embeddings", api_endpoint("embeddings", embeddings), methods=["POST"]),
+    Route("/v1/models", api_endpoint("models", models), methods=["GET"]),
 ]
