@@ -45,6 +45,9 @@ def build_store(settings: Settings) -> tuple[SessionStore, RedisSessionStore | N
             timeout_s=sessions.operation_timeout_s,
             sentinels=sessions.redis_sentinels,
             sentinel_service=sessions.redis_sentinel_service,
+            sentinel_password=(
+                sessions.redis_sentinel_password.get_secret_value() if sessions.redis_sentinel_password else None
+            ),
         )
         return store, store
     return MemorySessionStore(sessions.ttl_s), None

@@ -104,6 +104,8 @@ class SessionSettings(BaseModel):
     # them, and followed across failovers; redis_url then gives only db, credentials and TLS.
     redis_sentinels: Annotated[list[str], NoDecode] = Field(default_factory=list)
     redis_sentinel_service: str = "mymaster"
+    # For sentinels that require a password of their own (requirepass on the sentinels).
+    redis_sentinel_password: SecretStr | None = None
     key_prefix: str = "prefix-proxy:"
     ttl_s: int = Field(7 * 24 * 3600, gt=0)
     # Explicit session ids: this header, then the body's prompt_cache_key, then (if enabled) user.

@@ -47,6 +47,9 @@ class SSERelay:
         self.usage: Usage | None = None
         self.assistant = AssistantRecorder()
         self.completed = False
+        # Events relayed so far: vLLM streams about one token per event, which is what a stream cut
+        # short before its usage chunk is charged for.
+        self.events = 0
         # Session inference needs the reply's text, which means parsing every event.
         self._record_content = record_content
 
@@ -68,6 +71,7 @@ class SSERelay:
                     if first and self._on_first_chunk is not None:
                         self._on_first_chunk()
                     first = False
+                    self.events += complete.count(_EVENT_END)
                     yield complete
             if pending:
                 yield pending

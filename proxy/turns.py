@@ -239,10 +239,16 @@ class ChatTurn:
         """The upstream failed: give the reserved tokens back."""
         await self._settle_early(0)
 
-    async def settle_unfinished(self, usage: Usage | None) -> None:
-        """A stream ended early (the client left, the upstream broke off): charge what was spent (the
-        prompt at least, which the backend computed) and give the rest of the reservation back."""
-        spent = usage.prompt_tokens + usage.completion_tokens if usage is not None else self.prompt_estimate
+    async def settle_unfinished(self, usage: Usage | None, events_relayed: int) -> None:
+        """A stream ended early (the client left, the upstream broke off): charge what was spent and
+        give the rest of the reservation back. Without the usage chunk, the prompt and one token per
+        event relayed (vLLM streams about one per event), never more than was reserved."""
+        if usage is not None:
+            spent = usage.prompt_tokens + usage.completion_tokens
+        else:
+            spent = self.prompt_estimate + events_relayed
+            if self.reservation is not None:
+                spent = min(spent, self.reservation.amount)
         await self._settle_early(spent)
 
     async def _settle_early(self, spent: int) -> None:

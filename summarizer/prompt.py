@@ -38,4 +38,7 @@ def build_request(
             body[key] = forwarded[key]
     if forwarded.get("tools"):
         body["tool_choice"] = "none"
+    if forwarded.get("cache_salt"):
+        # The conversation's cache namespace: without it the summary could not reuse its prefix.
+        body["cache_salt"] = forwarded["cache_salt"]
     return body

@@ -134,3 +134,18 @@ def test_the_proxy_keeps_its_sessions_through_a_sentinel_failover(cluster: Clust
         assert requests >= 2, "the session continued on the promoted replica"
     finally:
         proxy.stop()
+
+
+def test_sentinel_settings_are_checked_and_tls_urls_keep_tls() -> None:
+    def store(url: str, *sentinels: str) -> RedisSessionStore:
+        return RedisSessionStore(url, prefix="pp:", ttl_s=60, sentinels=sentinels, sentinel_service="m")
+
+    pool = store("rediss://user:secret@ignored:6380/3", "s-0:26379", "[::1]:26379").client.connection_pool
+    assert type(pool).__name__ == "SentinelConnectionPool"
+    assert pool.connection_class.__name__ == "SentinelManagedSSLConnection"
+    assert pool.connection_kwargs["db"] == 3 and pool.connection_kwargs["password"] == "secret"
+    for bad in ("fe80::1", "s-0", "s-0:0", "s-0:70000"):
+        with pytest.raises(ValueError, match="sentinel address"):
+            store("redis://x/0", bad)
+    with pytest.raises(ValueError, match="unix"):
+        store("unix:///run/redis.sock", "s-0:26379")

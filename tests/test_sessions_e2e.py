@@ -170,11 +170,15 @@ def test_a_stream_cut_short_gives_back_the_unused_reservation(make_proxy: Callab
         "max_tokens": 8000,
         "stream": True,
         "messages": [SYSTEM, {"role": "user", "content": "hi"}],
-        "fake_options": {"chunk_delay_s": 0.05},  # slow enough for the client to leave mid-stream
+        # A long reply, slow enough for the client to leave in the middle of it.
+        "fake_options": {"chunk_delay_s": 0.005, "reply": "and so the story goes on " * 200},
     }
+    events = 0
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers) as response:
-        for _ in response.iter_lines():
-            break  # the client leaves after the first event
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 300:
+                break  # the client leaves after 300 events (tokens)
     time.sleep(0.5)  # the proxy settles in the background
     # A complete request creates the session record, whose budget_left shows what was charged.
     again = {"model": MODEL, "max_tokens": 10, "messages": [SYSTEM, {"role": "user", "content": "hi again"}]}
@@ -183,4 +187,7 @@ def test_a_stream_cut_short_gives_back_the_unused_reservation(make_proxy: Callab
     time.sleep(0.3)
     session = finished.headers["x-prefix-proxy-session"]
     state = httpx.get(f"{server.url}/v1/sessions/{session}", headers=headers).json()
-    assert state["budget_left"]["session"] > 100_000 - 1_000  # was 100,000 - 8,000 - prompt
+    left = state["budget_left"]["session"]
+    assert left > 100_000 - 1_500  # was 100,000 - 8,000 - prompt: max_tokens stayed charged
+    # ... but what was streamed is charged: leaving early does not make tokens free.
+    assert left <= 100_000 - 300 - state["prompt_tokens"]

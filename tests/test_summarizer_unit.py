@@ -10,6 +10,7 @@ from proxy.sessions.identity import message_fingerprint
 from summarizer import Compactor, CompactorOptions, SummaryPolicy, SummaryState, anchor, plan_chunk
 from summarizer.anchor import SUMMARY_HEADER
 from summarizer.compactor import CompactionFailed
+from summarizer.prompt import build_request
 
 SYSTEM = {"role": "system", "content": "You are helpful."}
 
@@ -139,3 +140,10 @@ async def test_failed_summary_changes_nothing() -> None:
     with pytest.raises(CompactionFailed):
         await compactor.compact(state, {"model": "m"}, conversation(5), 1)
     assert state == SummaryState()
+
+
+def test_summary_request_stays_in_the_conversations_cache_namespace() -> None:
+    forwarded = {"model": "m", "messages": conversation(2), "cache_salt": "pp-tenant-salt"}
+    request = build_request(forwarded, conversation(2), instruction="Summarize.", max_tokens=100)
+    assert request["cache_salt"] == "pp-tenant-salt"
+    assert "cache_salt" not in build_request({**forwarded, "cache_salt": None}, [], instruction="", max_tokens=1)

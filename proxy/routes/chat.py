@@ -83,7 +83,7 @@ async def _forward(
             open_turn.finish_later(relay.usage, relay.assistant.message())
 
         def on_incomplete(relay: SSERelay) -> None:
-            state.sessions.spawn(open_turn.settle_unfinished(relay.usage))
+            state.sessions.spawn(open_turn.settle_unfinished(relay.usage, relay.events))
 
         response = await send_stream(
             state,

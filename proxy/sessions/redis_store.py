@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import parse_url
+from redis.asyncio.connection import SSLConnection, parse_url
 from redis.asyncio.sentinel import Sentinel
 
 from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLimit
@@ -54,7 +54,9 @@ _INT_FIELDS = (
 )
 
 
-def _client(url: str, timeout_s: float, sentinels: Sequence[str], service: str) -> aioredis.Redis:
+def _client(
+    url: str, timeout_s: float, sentinels: Sequence[str], service: str, sentinel_password: str | None = None
+) -> aioredis.Redis:
     options: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
@@ -66,21 +68,31 @@ def _client(url: str, timeout_s: float, sentinels: Sequence[str], service: str) 
     # Sentinel: the sentinels say where the master is, before every new connection and after a
     # failover; the URL still gives the database, credentials and TLS (its host is not used).
     parsed: dict[str, Any] = dict(parse_url(url))
+    if "path" in parsed:
+        raise ValueError("a unix:// Redis URL cannot be combined with sentinels")
     parsed.pop("host", None)
     parsed.pop("port", None)
-    sentinel = Sentinel(
-        [_host_port(address) for address in sentinels],
-        sentinel_kwargs={"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s},
-        **options,
-    )
+    # The sentinel pool brings its own connection class; rediss:// asks it for the TLS variant.
+    if parsed.pop("connection_class", None) is SSLConnection:
+        parsed["ssl"] = True
+    sentinel_options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    if sentinel_password:
+        sentinel_options["password"] = sentinel_password
+    sentinel = Sentinel([_host_port(address) for address in sentinels], sentinel_kwargs=sentinel_options, **options)
     return sentinel.master_for(service, **parsed)
 
 
 def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.strip().rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"a sentinel address is host:port, not {address!r}")
-    return host.strip("[]"), int(port)
+    """``host:port`` or ``[ipv6]:port``."""
+    text = address.strip()
+    host, _, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # an IPv6 address needs brackets, or its last group reads as the port
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"a sentinel address is host:port or [ipv6]:port, not {address!r}")
+    return host, int(port)
 
 
 class RedisSessionStore:
@@ -93,12 +105,17 @@ class RedisSessionStore:
         timeout_s: float = 0.25,
         sentinels: Sequence[str] = (),
         sentinel_service: str = "mymaster",
+        sentinel_password: str | None = None,
     ) -> None:
-        self._redis = _client(url, timeout_s, sentinels, sentinel_service)
+        self._redis = _client(url, timeout_s, sentinels, sentinel_service, sentinel_password)
         self._prefix = prefix
         self._ttl = ttl_s
         self._reserve = self._redis.register_script(_RESERVE)
         self._release = self._redis.register_script(_RELEASE)
+
+    @property
+    def client(self) -> aioredis.Redis:
+        return self._redis
 
     def _session_key(self, tenant: str, session_id: str) -> str:
         return f"{self._prefix}s:{tenant}:{session_id}"
