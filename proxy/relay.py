@@ -22,6 +22,7 @@ from proxy.usage import Usage
 logger = logging.getLogger("prefix_proxy.relay")
 
 _EVENT_END = b"\n\n"
+_DONE = b"data: [DONE]"
 _STREAM_INTERRUPTED = (
     b'data: {"error": {"message": "the upstream stream was interrupted", "type": "upstream_error", '
     b'"param": null, "code": "upstream_stream_interrupted"}}\n\n'
@@ -72,6 +73,10 @@ class SSERelay:
                         self._on_first_chunk()
                     first = False
                     self.events += complete.count(_EVENT_END)
+                    if _DONE in complete:
+                        # The answer is whole once [DONE] is relayed: a client that hangs up at once
+                        # must not race the upstream's end of body into an "incomplete" stream.
+                        self.completed = True
                     yield complete
             if pending:
                 yield pending

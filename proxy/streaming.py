@@ -50,9 +50,11 @@ class RelayResponse(StreamingResponse):
                     disconnected = True
                 group.cancel_scope.cancel()
         finally:
-            if self._close is not None:
-                # The body may never have been iterated (the client left before the headers went
-                # out), and then nothing else would close the upstream response.
-                with anyio.CancelScope(shield=True):
-                    await self._close()
-            self._on_finish(disconnected)
+            try:
+                if self._close is not None:
+                    # The body may never have been iterated (the client left before the headers went
+                    # out), and then nothing else would close the upstream response.
+                    with anyio.CancelScope(shield=True):
+                        await self._close()
+            finally:
+                self._on_finish(disconnected)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
+from typing import Any
 
 import httpx
 import openai
@@ -169,3 +172,46 @@ def test_a_stream_the_upstream_breaks_off_ends_with_an_error_event(client: opena
     assert received  # what came before the break reached the client
     metrics = httpx.get(proxy.url + "/metrics").text
     assert "prefix_proxy_streams_cancelled_total 1.0" in metrics
+
+
+def _lingering_sse_backend() -> Any:
+    """An upstream that sends a whole answer, [DONE] included, and only then, a second later, ends
+    its body: a client that hangs up at [DONE] races that end."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def chat(request: Request) -> StreamingResponse:
+        async def events() -> Any:
+            chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+            delta = {"index": 0, "delta": {"role": "assistant", "content": "Hello"}, "finish_reason": None}
+            yield f"data: {json.dumps({**chunk, 'choices': [delta]})}\n\n".encode()
+            done = {"index": 0, "delta": {}, "finish_reason": "stop"}
+            yield f"data: {json.dumps({**chunk, 'choices': [done]})}\n\n".encode()
+            usage = {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}
+            yield f"data: {json.dumps({**chunk, 'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode()
+            await asyncio.sleep(1.0)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def test_a_client_that_hangs_up_at_done_still_completes_its_turn(make_proxy: Any) -> None:
+    upstream = LiveServer(_lingering_sse_backend()).start()
+    proxy = make_proxy(upstream=upstream.url + "/v1")
+    try:
+        headers = {"x-session-id": f"done-{uuid.uuid4()}"}
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body, headers=headers) as response:
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    break  # and the connection closes, as SDKs do
+        session = response.headers["x-prefix-proxy-session"]
+        time.sleep(0.3)
+        state = httpx.get(f"{proxy.url}/v1/sessions/{session}", headers=headers)
+        assert state.status_code == 200 and state.json()["requests"] == 1  # the turn was recorded
+        assert "prefix_proxy_streams_cancelled_total 0.0" in httpx.get(proxy.url + "/metrics").text
+    finally:
+        upstream.stop()
