@@ -105,8 +105,11 @@ class Upstream:
         try:
             return await self.client.send(request, stream=True)
         except httpx.TimeoutException as exc:
-            if isinstance(exc, httpx.ConnectTimeout):
-                raise upstream_unreachable("connect timeout") from exc
+            # Neither a connect nor a pool timeout ever sent the request: another backend may take it.
+            if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+                raise upstream_unreachable(
+                    "connect timeout" if isinstance(exc, httpx.ConnectTimeout) else "no free connection"
+                ) from exc
             raise upstream_timeout() from exc
         except httpx.TransportError as exc:
             raise upstream_unreachable(type(exc).__name__) from exc

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from proxy.app import create_app
 from proxy.backends import Affinity, Backend, BackendPool, LeastInFlight, RoundRobin, backend_name, make_policy
 from proxy.config import Settings
+from proxy.errors import ProxyError
 from proxy.fakebackend import FakeBackendConfig
 from proxy.fakebackend import create_app as create_fake_app
 from proxy.metrics import Metrics
@@ -525,3 +526,31 @@ def test_a_passing_health_check_does_not_cut_short_the_backoff_of_failing_reques
         asyncio.run(scenario())
     finally:
         live.stop()
+
+
+def test_a_request_that_never_left_fails_over_but_a_read_timeout_does_not() -> None:
+    def never_sent(request: httpx.Request) -> httpx.Response:
+        raise httpx.PoolTimeout("no free connection", request=request)
+
+    def too_slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("the backend is still computing", request=request)
+
+    def answered(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"ok": True})
+
+    async def scenario(first: Any) -> int:
+        backends = [
+            Backend(name, Upstream(f"http://{name}/v1", transport=httpx.MockTransport(handler), use_aiohttp=False))
+            for name, handler in (("first:1", first), ("second:1", answered))
+        ]
+        pool = BackendPool(backends, RoundRobin())
+        try:
+            response = await pool.open("POST", "/chat/completions", content=b"{}")
+            return response.status_code
+        except ProxyError as error:
+            return error.status
+        finally:
+            await pool.aclose()
+
+    assert asyncio.run(scenario(never_sent)) == 200
+    assert asyncio.run(scenario(too_slow)) == 504
