@@ -81,17 +81,18 @@ class Canonicalizer:
     def one_system_message(self, model: str | None) -> bool:
         """Whether additions for ``model`` belong inside its system message: its backend refused a
         second one, or volatile lines are configured to go there (relocate_target system_end)."""
-        key = str(model)
-        return key in self._structure_bound or self._per_model.get(key, self._default).relocate_target == "system_end"
+        return self._options_for(str(model)).relocate_target == "system_end"
 
-    def apply(self, body: dict[str, Any], tenant: str) -> CanonResult:
-        model = str(body.get("model"))
+    def _options_for(self, model: str) -> CanonOptions:
         options = self._per_model.get(model, self._default)
         if model in self._structure_bound and options.relocate_target != "system_end":
             options = replace(options, relocate_target="system_end")
+        return options
+
+    def apply(self, body: dict[str, Any], tenant: str) -> CanonResult:
         return canonicalize(
             body,
-            options,
+            self._options_for(str(body.get("model"))),
             namespace=tenant,
             learned=self.learned,
             tool_memory=self.tool_memory,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.canon.relocate import is_text_parts
 from proxy.sessions.identity import message_fingerprint
 from proxy.tokenization.counter import message_text
 from summarizer.state import SummaryState
@@ -86,10 +87,10 @@ def _merged_into(system: dict[str, Any], state: SummaryState, tail: str) -> dict
     if system.get("role") != "system":
         return None
     summary = summary_message(state)["content"]
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+    if is_text_parts(content):
         # Text parts: the summary is a part of its own, before a last part of moved volatile lines.
         part = {"type": "text", "text": summary}
-        if tail and content and content[-1].get("text") == tail:
+        if tail and content[-1]["text"] == tail:
             return {**system, "content": [*content[:-1], part, content[-1]]}
         return {**system, "content": [*content, part]}
     if not isinstance(content, str):

@@ -149,17 +149,20 @@ class BackendPool:
         answers = await asyncio.gather(*(b.upstream.get_models(headers) for b in backends))
         merged: dict[str, dict[str, Any]] = {}
         listing = ModelListing()
+        answered = False
         for backend, answer in zip(backends, answers, strict=True):
             if answer is None or answer.status_code >= 500:
                 continue
             if answer.status_code != 200:
                 listing.refusal = listing.refusal or answer
                 continue
+            answered = True
             models = model_list(answer)
             if headers is None:  # a tenant's credentials may see fewer models than the backend serves
                 self._learned(backend, models)
             for model in models:
                 merged.setdefault(str(model.get("id")), model)
+        if answered:
             listing.data = list(merged.values())
         return listing
 

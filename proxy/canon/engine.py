@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeGuard
+from typing import Any, Literal
 
 from proxy.canon.actions import Action
 from proxy.canon.fingerprint import leading_system_count, stable_prefix_hash
 from proxy.canon.learned import LearnedVolatility
 from proxy.canon.normalize import NormalTextMemo, normalize_messages
 from proxy.canon.querytemplate import restore_query_blocks
-from proxy.canon.relocate import lines_touched, partition_lines, split_lines
+from proxy.canon.relocate import is_text_parts, lines_touched, partition_lines, split_lines
 from proxy.canon.toolcalls import ToolCallMemory, restore_tool_calls
 from proxy.canon.tools import canonicalize_tool_fields
 from proxy.canon.volatile import BUILTIN_DETECTORS, DetectionCache, Detector, Span, detect_spans
@@ -146,7 +146,7 @@ def _relocate_volatile(
         key = f"{app_key}\x00{index}"
         if isinstance(content, str):
             split = _split_text(content, options, learned, key, detection_cache)
-        elif _is_text_parts(content):
+        elif is_text_parts(content):
             split = _split_parts(content, options, learned, key, detection_cache)
         else:
             continue
@@ -222,14 +222,6 @@ def _split_text(
     if not moved:
         return _Split(text, learned=len(learned_lines))
     return _Split(stable, moved, spans, len(learned_lines))
-
-
-def _is_text_parts(content: Any) -> TypeGuard[list[dict[str, Any]]]:
-    return (
-        isinstance(content, list)
-        and bool(content)
-        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
-    )
 
 
 def _split_parts(

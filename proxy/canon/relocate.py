@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any, TypeGuard
 
 from proxy.canon.volatile import Span
 
 _EXCESS_BLANK_LINES = re.compile(r"\n{3,}")
+
+
+def is_text_parts(content: Any) -> TypeGuard[list[dict[str, Any]]]:
+    """Content given as text parts only (``[{"type": "text", "text": ...}, ...]``)."""
+    return (
+        isinstance(content, list)
+        and bool(content)
+        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+    )
 
 
 def split_lines(text: str) -> list[str]:

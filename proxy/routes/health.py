@@ -26,11 +26,12 @@ async def readyz(request: Request) -> Response:
         return json_response({"status": "upstream unreachable"}, status=503)
     # Ready while any backend answers; the body says which ones do (names, never URLs).
     up = await pool.backends_answering()
-    status = {"status": "ready" if any(up.values()) else "upstream unreachable"}
-    return json_response(
-        {**status, "backends": {name: "up" if ok else "down" for name, ok in up.items()}},
-        status=200 if any(up.values()) else 503,
-    )
+    ready = any(up.values())
+    body = {
+        "status": "ready" if ready else "upstream unreachable",
+        "backends": {name: "up" if ok else "down" for name, ok in up.items()},
+    }
+    return json_response(body, status=200 if ready else 503)
 
 
 @router.get("/metrics")
