@@ -14,6 +14,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 COPY summarizer ./summarizer
+COPY testbed ./testbed
 # Wheels for the project and every dependency, so the runtime stage needs no compiler and no cache.
 RUN pip wheel --wheel-dir /wheels .
 

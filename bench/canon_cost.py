@@ -20,12 +20,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from proxy.canonicalizer import Canonicalizer
+from proxy.canon.canonicalizer import Canonicalizer
 from proxy.config import CanonSettings
 from proxy.tokenization import load_encoding
-from proxy.workload.session import shuffle_keys
+from testbed.workload.session import shuffle_keys
 
-TOOLS_DIR = Path(__file__).resolve().parents[1] / "proxy" / "workload" / "data" / "tools"
+TOOLS_DIR = Path(__file__).resolve().parents[1] / "testbed" / "workload" / "data" / "tools"
 PARAGRAPH = (
     "Refunds are issued to the original payment method within five business days after the returned "
     "item arrives at the warehouse and passes inspection. Orders shipped abroad may take longer. "

@@ -1,24 +1,58 @@
-"""Latency the proxy adds, measured against a direct connection in one alternating run.
+"""Latency and CPU the proxy adds, measured against a direct connection in one interleaved run.
 
-    python -m bench.overhead [--requests 200]
+    python -m bench.overhead [--work | --instant] [--requests N] [--before CHECKOUT]
+                             [--tokens 8000] [--litellm PATH] [--vllm-router PATH] [--no-peers]
+                             [--sessions N] [--profile DIR [--profile-native]] [--py-spy PATH]
 
-Direct and proxied requests alternate (same prompts, same backend process), at
-concurrency 1 and 16, non-stream (full response) and stream (time to first
-chunk), with 1k- and 8k-token prompts. Prompts are distinct per request so both
-paths do the same backend work.
+Two backends, both modes by default:
+
+- ``--work``: the fake vLLM backend, which does work per request (tokenizes, computes prefill on
+  a prefix cache): concurrency 1 and 16, non-stream (full response) and stream (time to first
+  chunk), 1k- and 8k-token prompts, distinct per request so every path does the same backend work.
+  Per case, the proxy's CPU time per proxied request too. The backend's own time hides part of
+  the hop's cost in the throughput ratio.
+- ``--instant``: a backend that answers at once (``bench.instant_backend``), so what is measured
+  is the hop itself: prefix-proxy on its default settings and, side by side, the same server and
+  upstream client with none of its logic (``bench.bare_hop``: what the logic costs is the
+  difference), LiteLLM's proxy and vLLM Router (round robin over one worker: the floor of a proxy
+  hop) when their executables are found (``--litellm``, ``--vllm-router``, on ``PATH`` or next to
+  this Python; ``--no-peers``: prefix-proxy only). Per proxy: the median added at concurrency 1,
+  the median and p99 added and the throughput against direct at concurrency 16, the CPU time the proxy process (and its
+  children) spent per request over ``--requests`` sequential requests, and its resident memory
+  before and after. ``--sessions N`` then sends N distinct conversations to each prefix-proxy
+  (in-memory session store) and gives its RSS; ``--profile DIR`` then records each prefix-proxy
+  with py-spy over ``--requests`` more sequential requests (after the CPU figure, which sampling
+  would disturb): ``DIR/<name>.txt`` (collapsed stacks), ``DIR/<name>.svg`` (flame graph) and the
+  top entries (``bench.stacks``).
+
+``--before CHECKOUT`` adds another checkout of prefix-proxy (a before/after comparison). Every
+proxy of a mode runs at once, and the direct path and the proxies take turns, request by request
+or batch by batch, in an order that rotates: a machine that slows down mid-run weighs on all of
+them alike (measured one after the other, the same build differed by 25% in CPU per request).
+``python -m bench.hop`` is ``--instant``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
-from bench.servers import fake_backend, proxy
+from bench import stacks
+from bench.servers import fake_backend, free_port, spawn
 from proxy.tokenization import load_encoding
 
 MODEL = "fake-model"
@@ -26,6 +60,10 @@ FILLER = (
     "The quarterly report covers revenue, margins, inventory turnover and regional performance. "
     "Each section lists the figures, the change against last quarter and the reasons given by managers. "
 )
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+LITELLM_KEY = "sk-bench-hop-0000000000000000"  # a local benchmark process, not a credential
+BARE_HOP = "bare stack (no logic)"
+T = TypeVar("T")
 
 
 def prompt_of(tokens: int, salt: int) -> str:
@@ -34,18 +72,137 @@ def prompt_of(tokens: int, salt: int) -> str:
     return f"Request {salt}. " + FILLER * max(1, tokens // unit)
 
 
-@dataclass
-class Samples:
-    direct: list[float] = field(default_factory=list)
-    proxied: list[float] = field(default_factory=list)
-    direct_wall: float = 0.0
-    proxied_wall: float = 0.0
-    overhead_header_ms: list[float] = field(default_factory=list)
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+# The proxy process: CPU time and resident memory from /proc.
+
+
+def tree_pids(pid: int) -> list[int]:
+    """The process and its descendants (LiteLLM runs workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        todo.extend(children.get(current, []))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    total = 0
+    for each in tree_pids(pid):
+        with contextlib.suppress(OSError, IndexError):
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / CLOCK_TICKS
+
+
+def rss_mib(pid: int) -> float:
+    total = 0
+    for each in tree_pids(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{each}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+    return total / 1024
+
+
+# The proxies under test.
+
+
+@dataclass
+class Hop:
+    name: str
+    base_url: str
+    pid: int
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def prefix_proxy(upstream: str, source: str | None = None, name: str = "prefix-proxy") -> Iterator[Hop]:
+    """prefix-proxy on its default settings (access log on, to /dev/null), from this tree or ``source``."""
+    port = free_port()
+    args = [sys.executable, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(port)]
+    env = {"PYTHONPATH": source} if source else None
+    with spawn(args, f"http://127.0.0.1:{port}/healthz", env=env, cwd=source) as proc:
+        yield Hop(name, f"http://127.0.0.1:{port}/v1", proc.pid)
+
+
+@contextlib.contextmanager
+def bare_hop(upstream: str) -> Iterator[Hop]:
+    """The proxy's server and upstream client without its logic (``bench.bare_hop``)."""
+    port = free_port()
+    args = [sys.executable, "-m", "bench.bare_hop", "--upstream", upstream, "--port", str(port)]
+    with spawn(args, f"http://127.0.0.1:{port}/healthz") as proc:
+        yield Hop(BARE_HOP, f"http://127.0.0.1:{port}/v1", proc.pid)
+
+
+@contextlib.contextmanager
+def litellm(executable: str, upstream: str) -> Iterator[Hop]:
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "litellm.yaml"
+        config.write_text(
+            "model_list:\n"
+            f"  - model_name: {MODEL}\n"
+            "    litellm_params:\n"
+            f"      model: openai/{MODEL}\n"
+            f"      api_base: {upstream}\n"
+            "      api_key: unused\n"
+            "general_settings:\n"
+            f"  master_key: {LITELLM_KEY}\n"
+        )
+        args = [executable, "--config", str(config), "--port", str(port), "--num_workers", "1"]
+        with spawn(args, f"http://127.0.0.1:{port}/health/liveliness", timeout=180) as proc:
+            yield Hop("LiteLLM", f"http://127.0.0.1:{port}/v1", proc.pid, {"authorization": f"Bearer {LITELLM_KEY}"})
+
+
+@contextlib.contextmanager
+def vllm_router(executable: str, upstream_root: str) -> Iterator[Hop]:
+    port = free_port()
+    args = [executable, "--worker-urls", upstream_root, "--policy", "round_robin", "--port", str(port)]
+    with spawn(args, f"http://127.0.0.1:{port}/health") as proc:
+        yield Hop("vLLM Router", f"http://127.0.0.1:{port}/v1", proc.pid)
+
+
+def find(explicit: str | None, name: str) -> str | None:
+    """``explicit``, else on PATH, else next to this Python (a virtual environment not activated)."""
+    beside = Path(sys.executable).parent / name
+    return explicit or shutil.which(name) or (str(beside) if beside.is_file() else None)
+
+
+def checkouts(before: str | None) -> list[tuple[str, str | None]]:
+    """The prefix-proxy builds to measure: name and source tree (None: this one)."""
+    return [*([("prefix-proxy before", before)] if before else []), ("prefix-proxy", None)]
+
+
+# Every proxy under test runs at once and the paths (direct, then each proxy) take turns, the order
+# rotating from one round to the next: a machine that slows down or speeds up mid-run (other
+# processes, a noisy neighbour) weighs on every path alike, so before/after compares like with like.
+
+
+def rotated(items: list[T], shift: int) -> list[T]:
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+# --work: a backend that does work per request.
+
+
+@dataclass
+class Samples:
+    latencies: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    overhead_header_ms: list[float] = field(default_factory=list)
+    cpu_ms_per_request: float = 0.0
 
 
 async def one(client: httpx.AsyncClient, base: str, body: dict, stream: bool, sink: list[float] | None) -> float:
@@ -65,75 +222,297 @@ async def one(client: httpx.AsyncClient, base: str, body: dict, stream: bool, si
         return first if first is not None else time.perf_counter() - started
 
 
-async def run_case(direct: str, proxied: str, tokens: int, concurrency: int, stream: bool, n: int) -> Samples:
-    samples = Samples()
+async def run_case(
+    direct: str, hops: list[Hop], tokens: int, concurrency: int, stream: bool, n: int
+) -> tuple[Samples, list[Samples]]:
+    """The direct path's samples and each hop's."""
+    paths: list[tuple[str, Hop | None]] = [(direct, None), *((hop.base_url, hop) for hop in hops)]
+    samples = [Samples() for _ in paths]
     prompts = [prompt_of(tokens, i) for i in range(n)]
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        # Warm both paths (connections, code paths) before measuring.
-        for base in (direct, proxied):
+        # Warm every path (connections, code paths) before measuring.
+        for base, _ in paths:
             await one(client, base, {"model": MODEL, "messages": [{"role": "user", "content": "warm"}]}, stream, None)
-        for round_start in range(0, n, concurrency):
+        cpu_before = [cpu_seconds(hop.pid) for hop in hops]
+        for round_index, round_start in enumerate(range(0, n, concurrency)):
             batch = prompts[round_start : round_start + concurrency]
-            order = (direct, proxied) if (round_start // concurrency) % 2 == 0 else (proxied, direct)
-            for base in order:
+            for (base, hop), sink in rotated(list(zip(paths, samples, strict=True)), round_index):
                 bodies = [
                     {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": p + base[-8:]}]}
                     for p in batch
                 ]
-                sink = samples.overhead_header_ms if base == proxied else None
+                header_ms = sink.overhead_header_ms if hop else None
                 started = time.perf_counter()
-                results = await asyncio.gather(*(one(client, base, b, stream, sink) for b in bodies))
-                wall = time.perf_counter() - started
-                if base == direct:
-                    samples.direct.extend(results)
-                    samples.direct_wall += wall
-                else:
-                    samples.proxied.extend(results)
-                    samples.proxied_wall += wall
-    return samples
+                sink.latencies.extend(await asyncio.gather(*(one(client, base, b, stream, header_ms) for b in bodies)))
+                sink.wall += time.perf_counter() - started
+        for hop, sink, before in zip(hops, samples[1:], cpu_before, strict=True):
+            sink.cpu_ms_per_request = (cpu_seconds(hop.pid) - before) / len(sink.latencies) * 1e3
+    return samples[0], samples[1:]
 
 
-def report(rows: list[tuple[str, Samples]]) -> str:
+def work_report(rows: list[tuple[str, Samples, Samples]]) -> str:
     header = (
         f"{'case':<28}{'direct p50':>11}{'proxy p50':>11}{'added p50':>11}{'added p99':>11}"
-        f"{'thru ratio':>11}{'hdr p50':>9}"
+        f"{'thru ratio':>11}{'hdr p50':>9}{'cpu/req':>10}"
     )
     lines = [header, "-" * len(header)]
-    for name, s in rows:
-        d50, p50 = statistics.median(s.direct), statistics.median(s.proxied)
-        d99, p99 = percentile(s.direct, 0.99), percentile(s.proxied, 0.99)
-        ratio = (len(s.proxied) / s.proxied_wall) / (len(s.direct) / s.direct_wall)
-        hdr = f"{statistics.median(s.overhead_header_ms):.2f}" if s.overhead_header_ms else "-"
+    for name, direct, proxied in rows:
+        d50, p50 = statistics.median(direct.latencies), statistics.median(proxied.latencies)
+        d99, p99 = percentile(direct.latencies, 0.99), percentile(proxied.latencies, 0.99)
+        ratio = (len(proxied.latencies) / proxied.wall) / (len(direct.latencies) / direct.wall)
+        hdr = f"{statistics.median(proxied.overhead_header_ms):.2f}" if proxied.overhead_header_ms else "-"
         lines.append(
             f"{name:<28}{d50 * 1e3:>9.2f}ms{p50 * 1e3:>9.2f}ms{(p50 - d50) * 1e3:>9.2f}ms"
-            f"{(p99 - d99) * 1e3:>9.2f}ms{ratio:>11.3f}{hdr:>9}"
+            f"{(p99 - d99) * 1e3:>9.2f}ms{ratio:>11.3f}{hdr:>9}{proxied.cpu_ms_per_request:>8.2f}ms"
         )
     lines.append("added = proxied - direct (same percentile); thru ratio = proxied req/s / direct req/s;")
-    lines.append("hdr = the proxy's own x-prefix-proxy-overhead-ms (non-stream only).")
-    lines.append("Stream rows time the first chunk.")
+    lines.append("hdr = the proxy's own x-prefix-proxy-overhead-ms (non-stream only);")
+    lines.append("cpu/req = the proxy process's CPU time per proxied request. Stream rows time the first chunk.")
     return "\n".join(lines)
 
 
-async def main_async(requests: int) -> None:
-    with fake_backend() as direct, proxy(direct) as proxied:
-        rows = []
+async def work_mode(requests: int, before: str | None) -> str:
+    with fake_backend() as direct, contextlib.ExitStack() as stack:
+        hops = [stack.enter_context(prefix_proxy(direct, source, name)) for name, source in checkouts(before)]
+        rows: list[list[tuple[str, Samples, Samples]]] = [[] for _ in hops]
         for tokens in (1000, 8000):
             for concurrency in (1, 16):
                 for stream in (False, True):
                     n = max(concurrency * 4, requests if concurrency == 1 else requests * 2)
-                    name = f"{tokens // 1000}k c={concurrency} {'stream/ttfc' if stream else 'non-stream'}"
-                    samples = await run_case(direct, proxied, tokens, concurrency, stream, n)
-                    rows.append((name, samples))
-                    print(f"  done {name}", flush=True)
-        print(report(rows))
+                    case = f"{tokens // 1000}k c={concurrency} {'stream/ttfc' if stream else 'non-stream'}"
+                    direct_samples, proxied = await run_case(direct, hops, tokens, concurrency, stream, n)
+                    for hop_rows, samples in zip(rows, proxied, strict=True):
+                        hop_rows.append((case, direct_samples, samples))
+                    print(f"  done {case}", file=sys.stderr, flush=True)
+    return "\n\n".join(
+        f"{hop.name}, fake vLLM backend (work per request), {requests} requests at c=1\n{work_report(hop_rows)}"
+        for hop, hop_rows in zip(hops, rows, strict=True)
+    )
 
 
-def main() -> None:
+# --instant: the hop itself, behind a backend that answers at once.
+
+
+@dataclass
+class HopResult:
+    name: str
+    added_p50_c1: float = 0.0
+    added_p50_c16: float = 0.0
+    added_p99_c16: float = 0.0
+    throughput_c16: float = 0.0
+    cpu_ms_per_request: float = 0.0
+    rss_mib: tuple[float, float] = (0.0, 0.0)
+    notes: list[str] = field(default_factory=list)
+
+
+def body(prompt: str, salt: str) -> dict[str, object]:
+    return {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": f"{salt} {prompt}"}]}
+
+
+async def timed(
+    client: httpx.AsyncClient, url: str, payload: dict[str, object], headers: dict[str, str] | None = None
+) -> float:
+    started = time.perf_counter()
+    response = await client.post(url, json=payload, headers=headers)
+    response.raise_for_status()
+    return time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def profiled(pid: int, out: Path, py_spy: str, native: bool = False) -> Iterator[None]:
+    """py-spy records ``pid`` meanwhile into ``out`` (collapsed stacks, one line per distinct stack).
+
+    Frames are aggregated by function; py-spy pauses the process for each sample (whole stacks, no
+    torn ones). ``native`` adds C frames (uvloop, the GC, system calls).
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args = [py_spy, "record", "--pid", str(pid), "--rate", "500", "--function", "--format", "raw", "--output", str(out)]
+    args += ["--native"] if native else []
+    recorder = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # attach before the measured requests
+    try:
+        yield
+    finally:
+        recorder.send_signal(2)  # SIGINT: py-spy writes the file and exits
+        _, error = recorder.communicate(timeout=60)
+        if recorder.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"py-spy failed ({recorder.returncode}): {error.decode(errors='replace')[-500:]}")
+
+
+async def measure(direct: str, hops: list[Hop], prompt: str, requests: int) -> list[HopResult]:
+    """Every hop against the direct path, the paths taking turns (see ``rotated``)."""
+    results = [HopResult(hop.name) for hop in hops]
+    paths: list[tuple[str, dict[str, str] | None]] = [(direct, None), *((hop.base_url, hop.headers) for hop in hops)]
+    url = "/chat/completions"
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        for base, headers in paths:
+            for i in range(20):  # warm connections and code paths
+                await timed(client, base + url, body(prompt, f"warm{i}"), headers)
+        rss_before = [rss_mib(hop.pid) for hop in hops]
+        # Concurrency 1: one request on each path in turn.
+        latencies: list[list[float]] = [[] for _ in paths]
+        for i in range(requests):
+            for k in rotated(list(range(len(paths))), i):
+                base, headers = paths[k]
+                latencies[k].append(await timed(client, base + url, body(prompt, f"{k}-{i}"), headers))
+        for result, samples in zip(results, latencies[1:], strict=True):
+            result.added_p50_c1 = statistics.median(samples) - statistics.median(latencies[0])
+        # Concurrency 16: a batch of 16 on each path in turn.
+        latencies = [[] for _ in paths]
+        walls = [0.0 for _ in paths]
+        for batch in range(max(4, requests // 16)):
+            for k in rotated(list(range(len(paths))), batch):
+                base, headers = paths[k]
+                started = time.perf_counter()
+                concurrent = (timed(client, base + url, body(prompt, f"c{k}-{batch}-{j}"), headers) for j in range(16))
+                latencies[k].extend(await asyncio.gather(*concurrent))
+                walls[k] += time.perf_counter() - started
+        for result, samples, wall in zip(results, latencies[1:], walls[1:], strict=True):
+            result.added_p50_c16 = statistics.median(samples) - statistics.median(latencies[0])
+            result.added_p99_c16 = percentile(samples, 0.99) - percentile(latencies[0], 0.99)
+            result.throughput_c16 = (len(samples) / wall) / (len(latencies[0]) / walls[0])
+        # CPU per request: sequential requests through each hop, in four rounds of turns.
+        cpu = [0.0 for _ in hops]
+        rounds = 4
+        for r in range(rounds):
+            for k in rotated(list(range(len(hops))), r):
+                hop = hops[k]
+                before = cpu_seconds(hop.pid)
+                for i in range(r * requests // rounds, (r + 1) * requests // rounds):
+                    await timed(client, hop.base_url + url, body(prompt, f"cpu{k}-{i}"), hop.headers)
+                cpu[k] += cpu_seconds(hop.pid) - before
+        for result, hop, seconds, rss in zip(results, hops, cpu, rss_before, strict=True):
+            result.cpu_ms_per_request = seconds / requests * 1e3
+            result.rss_mib = (rss, rss_mib(hop.pid))
+    return results
+
+
+async def profile(hop: Hop, prompt: str, requests: int, out: Path, py_spy: str, native: bool) -> None:
+    """The same sequential load as the CPU figure, recorded by py-spy."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        with profiled(hop.pid, out, py_spy, native):
+            for i in range(requests):
+                await timed(client, hop.base_url + "/chat/completions", body(prompt, f"profile{i}"), hop.headers)
+
+
+async def rss_after_sessions(hop: Hop, sessions: int, concurrency: int = 16) -> float:
+    """Resident memory after ``sessions`` distinct two-turn conversations (each recorded as a session)."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        queue = iter(range(sessions))
+
+        async def worker() -> None:
+            for n in queue:
+                messages = [
+                    {"role": "user", "content": f"Conversation {n}: where is my order?"},
+                    {"role": "assistant", "content": "OK, done."},
+                    {"role": "user", "content": "And the invoice?"},
+                ]
+                response = await client.post(
+                    hop.base_url + "/chat/completions",
+                    json={"model": MODEL, "max_tokens": 16, "messages": messages},
+                    headers=hop.headers,
+                )
+                response.raise_for_status()
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return rss_mib(hop.pid)
+
+
+def hop_table(results: list[HopResult]) -> str:
+    rows = [
+        ("p50 added, c=1 (ms)", lambda r: f"{r.added_p50_c1 * 1e3:+.2f}"),
+        ("p50 / p99 added, c=16 (ms)", lambda r: f"{r.added_p50_c16 * 1e3:+.1f} / {r.added_p99_c16 * 1e3:+.1f}"),
+        ("throughput vs direct, c=16", lambda r: f"{r.throughput_c16:.2f}x"),
+        ("CPU per request in the proxy (ms)", lambda r: f"{r.cpu_ms_per_request:.2f}"),
+        ("RSS before -> after (MiB)", lambda r: f"{r.rss_mib[0]:.0f} -> {r.rss_mib[1]:.0f}"),
+    ]
+    lines = [f"| added to direct | {' | '.join(r.name for r in results)} |", "|---" * (len(results) + 1) + "|"]
+    lines += [f"| {label} | {' | '.join(cell(r) for r in results)} |" for label, cell in rows]
+    return "\n".join(lines)
+
+
+async def instant_mode(args: argparse.Namespace) -> str:
+    backend_port = free_port()
+    root = f"http://127.0.0.1:{backend_port}"
+    prompt = prompt_of(args.tokens, 0)
+    requests = args.requests or 400
+    py_spy = find(args.py_spy, "py-spy") if args.profile else None
+    notes = []
+    backend = [sys.executable, "-m", "bench.instant_backend", "--port", str(backend_port)]
+    with spawn(backend, root + "/health"), contextlib.ExitStack() as stack:
+        contexts: list[tuple[str, contextlib.AbstractContextManager[Hop]]] = [
+            (name, prefix_proxy(root + "/v1", source, name)) for name, source in checkouts(args.before)
+        ]
+        if args.peers:
+            contexts.append((BARE_HOP, bare_hop(root + "/v1")))
+        if args.peers and (path := find(args.litellm, "litellm")):
+            contexts.append(("LiteLLM", litellm(path, root + "/v1")))
+        if args.peers and (path := find(args.vllm_router, "vllm-router")):
+            contexts.append(("vLLM Router", vllm_router(path, root)))
+        hops = []
+        for name, context in contexts:
+            print(f"starting {name} ...", file=sys.stderr, flush=True)
+            hops.append(stack.enter_context(context))
+        print(f"measuring {', '.join(hop.name for hop in hops)} ...", file=sys.stderr, flush=True)
+        results = await measure(root + "/v1", hops, prompt, requests)
+        for hop, result in zip(hops, results, strict=True):
+            if not hop.name.startswith("prefix-proxy"):
+                continue
+            if py_spy is not None:
+                out = Path(args.profile) / f"{hop.name.replace(' ', '-')}.txt"
+                print(f"profiling {hop.name} ...", file=sys.stderr, flush=True)
+                await profile(hop, prompt, requests, out, py_spy, args.profile_native)
+                profiled_stacks = stacks.read(out)
+                out.with_suffix(".svg").write_text(stacks.svg(profiled_stacks, f"{hop.name}: {out.name}"))
+                top = stacks.markdown(profiled_stacks)
+                notes.append(f"{hop.name}, py-spy over {requests} requests ({out}):\n{top}")
+            if args.sessions:
+                print(f"  {hop.name}: {args.sessions:,} sessions ...", file=sys.stderr, flush=True)
+                after = await rss_after_sessions(hop, args.sessions)
+                result.notes.append(f"RSS after {args.sessions:,} more sessions: {after:.0f} MiB")
+    lines = [f"{args.tokens}-token chat, instant backend, {requests} requests per measurement", hop_table(results)]
+    lines += [f"{result.name}: {note}" for result in results for note in result.notes]
+    return "\n".join([*lines, *notes])
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    if args.profile and not args.work and find(args.py_spy, "py-spy") is None:
+        raise SystemExit("--profile: py-spy not found (pip install py-spy, or --py-spy PATH)")
+    if not args.instant:
+        print(await work_mode(args.requests or 100, args.before), flush=True)
+        if not args.work:
+            print(flush=True)
+    if not args.work:
+        print(await instant_mode(args), flush=True)
+
+
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=100, help="requests per path per case at concurrency 1")
-    args = parser.parse_args()
-    asyncio.run(main_async(args.requests))
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--work", action="store_true", help="only the backend that does work per request")
+    mode.add_argument("--instant", action="store_true", help="only the instant backend (the hop itself)")
+    parser.add_argument(
+        "--requests", type=int, help="requests per path per measurement (default: 100 --work, 400 --instant)"
+    )
+    parser.add_argument("--before", help="another checkout of prefix-proxy, measured first (before/after)")
+    parser.add_argument("--tokens", type=int, default=8000, help="--instant: prompt size")
+    parser.add_argument("--litellm", help="--instant: the litellm executable (default: found as said above)")
+    parser.add_argument("--vllm-router", help="--instant: the vllm-router executable (default: found)")
+    parser.add_argument(
+        "--peers", action=argparse.BooleanOptionalAction, default=True, help="--instant: LiteLLM and vLLM Router too"
+    )
+    parser.add_argument("--sessions", type=int, default=0, help="--instant: then this many sessions: RSS")
+    parser.add_argument("--profile", help="--instant: a folder for py-spy profiles of prefix-proxy")
+    parser.add_argument("--profile-native", action="store_true", help="--profile with C frames (py-spy --native)")
+    parser.add_argument("--py-spy", help="the py-spy executable (default: found)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(main_async(parser().parse_args(argv)))
 
 
 if __name__ == "__main__":

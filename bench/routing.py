@@ -12,27 +12,16 @@ and failed requests.
 from __future__ import annotations
 
 import argparse
-import threading
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
-import httpx
-
-from proxy.app import create_app
-from proxy.config import Settings
-from proxy.demo import DEMO_MAX_MODEL_LEN, serve_in_thread
-from proxy.fakebackend import FakeBackendConfig
-from proxy.fakebackend import create_app as create_fake_backend
-from proxy.workload import ScenarioResult, overall, run_workload
+from bench.routers import RouterRun, run_front, through_proxy
 
 
 @dataclass
-class RoutingRun:
-    label: str
-    backends: int
-    totals: ScenarioResult
-    per_backend: list[int]
+class RoutingRun(RouterRun):
+    backends: int = 1
 
 
 def run_policy(
@@ -46,51 +35,18 @@ def run_policy(
     scenarios: Sequence[str] | None = None,
     lose_one_halfway: bool = False,
 ) -> RoutingRun:
-    config = FakeBackendConfig(max_model_len=DEMO_MAX_MODEL_LEN)
-    with ExitStack() as stack:
-        servers = [ExitStack() for _ in range(backends)]
-        urls = [
-            server.enter_context(serve_in_thread(create_fake_backend(config), name=f"fake-{i}"))
-            for i, server in enumerate(servers)
-        ]
-        for server in servers:
-            stack.callback(server.close)
-        settings = Settings(upstreams=[u + "/v1" for u in urls], routing={"policy": policy})
-        proxy_url = stack.enter_context(serve_in_thread(create_app(settings), name="prefix-proxy"))
-        counts_before_loss: list[int] = []
-        progress: Callable[[int, int], None] | None = None
-        if lose_one_halfway:
-            lost = threading.Event()
-
-            def progress(done: int, expected: int) -> None:
-                if done >= expected // 2 and not lost.is_set():
-                    lost.set()
-                    counts_before_loss.extend(_requests_seen(urls))
-                    # Stopping waits for the server's thread: not on the workload's event loop.
-                    threading.Thread(target=servers[-1].close, daemon=True).start()
-
-        results = run_workload(
-            proxy_url + "/v1",
-            scenarios,
-            sessions_per_scenario=sessions,
-            seed=seed,
-            concurrency=concurrency,
-            progress=progress,
-        )
-        per_backend = _requests_seen(urls)
-        if lose_one_halfway:
-            per_backend[-1] = counts_before_loss[-1]
-    return RoutingRun(label, backends, overall(results.values()), per_backend)
-
-
-def _requests_seen(urls: list[str]) -> list[int]:
-    counts = []
-    for url in urls:
-        try:
-            counts.append(int(httpx.get(url + "/fake/stats", timeout=5).json()["prefix_cache"]["requests"]))
-        except httpx.HTTPError:
-            counts.append(0)
-    return counts
+    """The workload through the proxy routing by ``policy`` over ``backends`` fresh fake backends."""
+    run = run_front(
+        label,
+        partial(through_proxy, routing={"policy": policy}),
+        backends,
+        sessions=sessions,
+        concurrency=concurrency,
+        seed=seed,
+        scenarios=scenarios,
+        lose_one_halfway=lose_one_halfway,
+    )
+    return RoutingRun(run.label, run.totals, run.per_backend, run.lost_backend, backends=backends)
 
 
 def table(runs: list[RoutingRun]) -> str:
@@ -125,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         run_policy("affinity, one backend lost halfway", "affinity", args.backends, lose_one_halfway=True, **options)
     )
     print(table(runs))
-    return 1 if any(run.totals.errors for run in runs) else 0
+    return 1 if any(run.failed(args.concurrency) for run in runs) else 0
 
 
 if __name__ == "__main__":

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from typing import IO
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from testbed.serving import free_port
 
 
 def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
@@ -34,22 +30,36 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 30.0
 
 
 @contextlib.contextmanager
-def process(args: Sequence[str], ready_url: str, env: dict[str, str] | None = None) -> Iterator[None]:
+def spawn(
+    args: Sequence[str],
+    ready_url: str,
+    env: dict[str, str] | None = None,
+    stderr: IO[bytes] | int = subprocess.DEVNULL,
+    timeout: float = 30.0,
+    cwd: str | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run a command until the context exits, once ``ready_url`` answers."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", *args],
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        list(args), env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=stderr, cwd=cwd
     )
     try:
-        wait_ready(ready_url, proc)
-        yield
+        wait_ready(ready_url, proc, timeout)
+        yield proc
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextlib.contextmanager
+def process(
+    args: Sequence[str], ready_url: str, env: dict[str, str] | None = None, stderr: IO[bytes] | int = subprocess.DEVNULL
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``python -m proxy ARGS`` (the proxy's CLI) until the context exits."""
+    with spawn([sys.executable, "-m", "proxy", *args], ready_url, env, stderr) as proc:
+        yield proc
 
 
 @contextlib.contextmanager
@@ -61,9 +71,13 @@ def fake_backend(*extra: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def proxy(upstream: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Yields the proxy's /v1 base URL."""
+def proxy(
+    upstream: str, env: dict[str, str] | None = None, stderr: IO[bytes] | int = subprocess.DEVNULL
+) -> Iterator[str]:
+    """Yields the proxy's /v1 base URL; its log goes to ``stderr``."""
     port = free_port()
     # Default settings, access log included (to /dev/null): the figures are what a deployment gets.
-    with process(["serve", "--upstream", upstream, "--port", str(port)], f"http://127.0.0.1:{port}/healthz", env):
+    with process(
+        ["serve", "--upstream", upstream, "--port", str(port)], f"http://127.0.0.1:{port}/healthz", env, stderr
+    ):
         yield f"http://127.0.0.1:{port}/v1"

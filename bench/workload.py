@@ -1,4 +1,4 @@
-"""The realistic client workload (proxy.workload) against arbitrary servers, or dumped as JSONL.
+"""The realistic client workload (testbed.workload) against arbitrary servers, or dumped as JSONL.
 
 Compare a backend reached directly with the proxy in front of one (use two backends, or
 reset the cache between the runs, so the second run does not reuse the first one's cache):
@@ -25,9 +25,9 @@ from typing import Any, TextIO
 
 import httpx
 
-from proxy.demo import ProgressBar
-from proxy.workload import Exchange, ScenarioResult, resolve_scenarios, run_workload_async, scenario_names
-from proxy.workload.report import comparison_json, format_comparison
+from proxy.progress import ProgressBar
+from testbed.workload import Exchange, ScenarioResult, resolve_scenarios, run_workload_async, scenario_names
+from testbed.workload.report import comparison_json, format_comparison
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +74,7 @@ async def dump(args: argparse.Namespace, out: TextIO) -> int:
     transport: httpx.AsyncBaseTransport | None = None
     base_url = args.base_url
     if base_url is None:
-        from proxy.fakebackend import FakeBackendConfig, create_app
+        from testbed.fakevllm import FakeBackendConfig, create_app
 
         transport = httpx.ASGITransport(app=create_app(FakeBackendConfig()))
         base_url = "http://fake-backend/v1"
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:
-        from proxy.workload import get_scenario
+        from testbed.workload import get_scenario
 
         for name in scenario_names(include_all=True):
             print(f"{name:16} {get_scenario(name).description}")

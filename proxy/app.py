@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -10,27 +11,34 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
+from proxy.app_state import ProxyState
 from proxy.backends import Backend, BackendPool, backend_name, make_policy
-from proxy.canonicalizer import Canonicalizer, PrefixTracker
-from proxy.compaction import CompactionService
+from proxy.backends.catalog import ModelCatalog
+from proxy.backends.echo import EchoedHeaders
+from proxy.backends.upstream import Upstream
+from proxy.canon.canonicalizer import Canonicalizer, PrefixTracker
+from proxy.capacity.kvcache import resolve_shape
+from proxy.chat.compaction import CompactionService
 from proxy.config import Settings
-from proxy.errors import ProxyError, error_body, json_response
-from proxy.kvcache import resolve_shape
-from proxy.metrics import Metrics
-from proxy.models_info import ModelCatalog
-from proxy.routes import admin, chat, health, passthrough
+from proxy.http.direct import DirectRoutes, serve_direct
+from proxy.http.errors import ProxyError, error_body, json_response
+from proxy.observability.capture import CaptureWriter
+from proxy.observability.metrics import Metrics
+from proxy.observability.tracker import CacheBreakTracker
+from proxy.replicas.build import build_shared
+from proxy.routes import admin, chat, generic, health, messages, passthrough, responses
 from proxy.sessions.memory import MemorySessionStore
 from proxy.sessions.redis_store import RedisSessionStore
 from proxy.sessions.service import SessionService, StoreUnavailable
 from proxy.sessions.store import SessionStore
-from proxy.state import ProxyState
 from proxy.tenants import TenantDirectory
 from proxy.tokenization import TokenCounter
-from proxy.upstream import Upstream
 
 GAUGE_INTERVAL_S = 15.0
 
@@ -48,6 +56,7 @@ def build_store(settings: Settings) -> tuple[SessionStore, RedisSessionStore | N
             sentinel_password=(
                 sessions.redis_sentinel_password.get_secret_value() if sessions.redis_sentinel_password else None
             ),
+            cluster=sessions.redis_cluster,
         )
         return store, store
     return MemorySessionStore(sessions.ttl_s), None
@@ -73,10 +82,52 @@ def build_backends(
         for url in settings.upstream_urls
     ]
     routing = settings.routing
-    return BackendPool(backends, make_policy(routing.policy, routing.balance_factor), metrics)
+    return BackendPool(
+        backends, make_policy(routing.policy, routing.balance_factor), metrics, key_headers=routing.key_headers
+    )
+
+
+def echoed_headers(names: list[str], sessions: SessionService) -> EchoedHeaders:
+    """Router headers echoed through the session store (with its timeout and degradation)."""
+
+    async def load(digest: str) -> dict[str, str] | None:
+        try:
+            return await sessions.call(sessions.store.get_route_headers(digest))
+        except StoreUnavailable:
+            return None
+
+    def save(digest: str, headers: dict[str, str]) -> None:
+        async def write() -> None:
+            with contextlib.suppress(StoreUnavailable):
+                await sessions.call(sessions.store.set_route_headers(digest, headers))
+
+        sessions.spawn(write())
+
+    return EchoedHeaders(names, load, save)
 
 
 logger = logging.getLogger("prefix_proxy.app")
+
+
+def unexpected_error(exc: Exception) -> Response:
+    """The answer to an exception nothing else answered: a ProxyError's own, else a logged 500."""
+    if isinstance(exc, ProxyError):
+        return exc.response()
+    logger.exception("unhandled error", exc_info=exc)
+    return json_response(error_body("internal proxy error", "server_error", None, "internal_error"), 500)
+
+
+class ProxyApp(FastAPI):
+    """FastAPI, with the forwarded API's fixed paths served directly (:mod:`proxy.http.direct`)."""
+
+    direct = DirectRoutes()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.direct.match(scope)
+        if endpoint is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await serve_direct(self, endpoint, unexpected_error, scope, receive, send)
 
 
 def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
@@ -85,21 +136,35 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
     upstream = build_backends(settings, metrics, transport)
     store, redis_store = build_store(settings)
     sessions = SessionService(store, settings.sessions, metrics)
+    if settings.routing.echo_headers:
+        upstream.echo_from(echoed_headers(settings.routing.echo_headers, sessions))
     tenant_lookup = None
     if redis_store is not None and settings.sessions.tenants_in_redis:
-        tenant_lookup = redis_store.tenant_by_digest
+        tenants_store = redis_store
+
+        async def tenant_lookup(digest: str) -> str | None:
+            # Through the session service: its timeout, and no Redis round trip per request while
+            # an outage is known (StoreUnavailable at once).
+            return await sessions.call(tenants_store.tenant_by_digest(digest))
+
+    canonicalizer, shared_feed = Canonicalizer(settings.canon), None
+    if settings.replicas.share_memories:
+        canonicalizer, shared_feed = build_shared(settings, redis_store, metrics.shared_memory_entries)
+    tenants = TenantDirectory(settings.tenants, tenant_lookup, isolate_caches=settings.tenant_cache_isolation)
     state = ProxyState(
         settings=settings,
         metrics=metrics,
-        upstream=upstream,
-        canonicalizer=Canonicalizer(settings.canon),
+        backends=upstream,
+        canonicalizer=canonicalizer,
         prefixes=PrefixTracker(),
         sessions=sessions,
-        tenants=TenantDirectory(settings.tenants, tenant_lookup, isolate_caches=settings.tenant_cache_isolation),
+        tenants=tenants,
         models=ModelCatalog(upstream, ttl_s=settings.max_model_len_cache_s),
         token_counter=TokenCounter(),
+        compaction=CompactionService(settings.summarizer, sessions, upstream, tenants, metrics),
     )
-    state.compaction = CompactionService(state)
+    state.cache_breaks = CacheBreakTracker(settings.cache_breaks, metrics)
+    state.capture = CaptureWriter.from_settings(settings.capture)
     kv_bytes_per_token = (
         resolve_shape(settings.kv_model, settings.kv_config_json).bytes_per_token(settings.kv_dtype)
         if settings.kv_model or settings.kv_config_json
@@ -124,23 +189,34 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
         interval = settings.routing.health_check_interval_s
         if not upstream.single and interval > 0:
             background.append(asyncio.create_task(upstream.run_health_checks(interval)))
+        if shared_feed is not None:
+            background.append(asyncio.create_task(shared_feed.run()))
         try:
             yield
         finally:
             for task in background:
                 task.cancel()
-            await state.compaction.drain()
             await sessions.drain()
+            if shared_feed is not None:
+                await shared_feed.aclose()
             await store.aclose()
             await upstream.aclose()
+            if state.capture is not None:
+                state.capture.close()
 
-    app = FastAPI(title="prefix-proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = ProxyApp(title="prefix-proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = state
     # The forwarded API takes the raw request anyway, so it runs as plain Starlette routes:
     # FastAPI's dependency layer would add ~0.2 ms to every proxied request (bench/overhead.py).
-    app.router.routes.extend([*chat.routes, *passthrough.routes])
+    forwarded = [*chat.routes, *messages.routes, *responses.routes, *passthrough.routes]
+    app.router.routes.extend(forwarded)
+    app.direct = DirectRoutes(forwarded)
+    if settings.metrics_port is None:
+        app.router.routes.append(health.metrics_route(state))
     for module in (health, admin):
         app.include_router(module.router)
+    # Last: whatever else the backend serves (it matches every path).
+    app.router.routes.extend(generic.routes(app.router.routes))
 
     @app.exception_handler(ProxyError)
     async def proxy_error(_: Request, exc: ProxyError) -> Response:
@@ -154,7 +230,12 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error", exc_info=exc)
-        return json_response(error_body("internal proxy error", "server_error", None, "internal_error"), 500)
+        return unexpected_error(exc)
 
     return app
+
+
+def create_metrics_app(app: FastAPI) -> Starlette:
+    """``GET /metrics`` of ``app`` alone, for its own listen address (``metrics_port``)."""
+    state: ProxyState = app.state.proxy
+    return Starlette(routes=[health.metrics_route(state)])

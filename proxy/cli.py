@@ -8,11 +8,9 @@ from collections.abc import Sequence
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from proxy.access_log import configure_logging
-    from proxy.app import create_app
     from proxy.config import load_settings
+    from proxy.observability.access_log import configure_logging
+    from proxy.serve import serve
 
     upstreams = args.upstream or []
     settings = load_settings(
@@ -23,19 +21,12 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
     )
     configure_logging(settings.log_level)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
+    serve(settings)
     return 0
 
 
 def _fake_backend(args: argparse.Namespace) -> int:
-    from proxy.fakebackend import FakeBackendConfig, serve
+    from testbed.fakevllm import FakeBackendConfig, serve
 
     config = FakeBackendConfig(
         model=args.model,
@@ -51,16 +42,32 @@ def _fake_backend(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from proxy.demo import run_from_args
+    from testbed.demo import run_from_args
 
     return run_from_args(args)
 
 
 def _kv(args: argparse.Namespace) -> int:
-    from proxy.kvcache import describe
+    from proxy.capacity.command import kv_capacity
+    from proxy.capacity.kvcache import describe, resolve_shape
 
     print(describe(args.model, args.context, args.dtype, args.config_json))
+    capacity = kv_capacity(args, resolve_shape(args.model, args.config_json).bytes_per_token(args.dtype))
+    if capacity:
+        print(capacity)
     return 0
+
+
+def _ramp(args: argparse.Namespace) -> int:
+    from proxy.capacity.command import run_ramp_command
+
+    return run_ramp_command(args)
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from proxy.analysis.command import run
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     fake.add_argument("--ms-per-output-token", type=float, default=0.0)
     fake.set_defaults(handler=_fake_backend)
 
-    from proxy.demo import add_arguments as add_demo_arguments
+    from testbed.demo import add_arguments as add_demo_arguments
 
     demo = commands.add_parser(
         "demo", help="no setup: run a Dify-style workload directly and through the proxy, print hit rates"
@@ -103,7 +110,24 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--config-json", help="a Hugging Face config.json instead of a preset")
     kv.add_argument("--context", type=int, default=131072, help="tokens")
     kv.add_argument("--dtype", default="fp16", help="fp16, bf16, fp8, int8, fp32")
+    from proxy.capacity.command import add_kv_capacity_arguments, add_ramp_arguments
+
+    add_kv_capacity_arguments(kv)
     kv.set_defaults(handler=_kv)
+
+    ramp = commands.add_parser(
+        "ramp", help="ramp input length and concurrency against a backend: TTFT, KV pressure, critical context"
+    )
+    add_ramp_arguments(ramp)
+    ramp.set_defaults(handler=_ramp)
+
+    from proxy.analysis.command import add_arguments as add_analyze_arguments
+
+    analyze = commands.add_parser(
+        "analyze", help="replay a capture (capture.path) through each canonicalization mode: predicted savings"
+    )
+    add_analyze_arguments(analyze)
+    analyze.set_defaults(handler=_analyze)
 
     return parser
 

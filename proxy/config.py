@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -20,7 +20,19 @@ from pydantic_settings import (
 CONFIG_FILE_ENV = "PREFIX_PROXY_CONFIG"
 
 CanonMode = Literal["off", "safe", "relocate"]
-RelocateTarget = Literal["before_last_user", "system_end"]
+# The built-in volatile-span detectors (proxy.canon.volatile.BUILTIN_DETECTORS).
+DetectorName = Literal["context_block", "datetime", "weekday", "uuid", "request_id"]
+
+SESSION_HEADERS = (
+    "x-session-id",
+    "x-claude-code-session-id",
+    "session-id",
+    "session_id",
+    "x-openwebui-chat-id",
+    "x-opencode-session",
+    "x-dynamo-session-id",
+)
+RelocateTarget = Literal["before_last_user", "after_last_user", "system_end"]
 
 
 class VolatileRule(BaseModel):
@@ -35,8 +47,15 @@ class VolatileRule(BaseModel):
 class CanonSettings(BaseModel):
     mode: CanonMode = "relocate"
     relocate_target: RelocateTarget = "before_last_user"
-    normalize_whitespace: bool = True
-    normalize_unicode: bool = True
+    # Opt-in: re-format client text the backend has not seen (trailing blanks, CRLF; Unicode NFC).
+    # It changes the bytes the model is told; see docs/canonicalization.md.
+    normalize_whitespace: bool = False
+    normalize_unicode: bool = False
+    # A detected span moves only once its place was seen with another value (false: at first sight).
+    move_only_varying: bool = True
+    # Remember where each conversation's block went, so an unchanged block stays there.
+    remember_layouts: bool = True
+    layout_memory_entries: int = Field(200_000, gt=0)
     learn_volatility: bool = True
     # A moved block that is only a template around the user's message (Dify's {{#sys.query#}}) is
     # re-created in front of earlier user messages, so each turn extends the previous one.
@@ -44,9 +63,7 @@ class CanonSettings(BaseModel):
     learned_apps_max: int = 1024
     learned_history: int = 8
     rules: list[VolatileRule] = Field(default_factory=list)
-    builtin_detectors: list[str] = Field(
-        default_factory=lambda: ["context_block", "datetime", "weekday", "uuid", "request_id"]
-    )
+    builtin_detectors: list[DetectorName] = Field(default_factory=lambda: list(get_args(DetectorName)))
     # Per-model overrides of the mode, e.g. {"my-model": "safe"}.
     model_modes: dict[str, CanonMode] = Field(default_factory=dict)
 
@@ -106,10 +123,15 @@ class SessionSettings(BaseModel):
     redis_sentinel_service: str = "mymaster"
     # For sentinels that require a password of their own (requirepass on the sentinels).
     redis_sentinel_password: SecretStr | None = None
+    # Redis Cluster: redis_url names any node (a seed; the others are discovered); keys that one
+    # script or transaction touches together share a hash tag (docs/sessions.md).
+    redis_cluster: bool = False
     key_prefix: str = "prefix-proxy:"
     ttl_s: int = Field(7 * 24 * 3600, gt=0)
-    # Explicit session ids: this header, then the body's prompt_cache_key, then (if enabled) user.
-    header: str = "x-session-id"
+    # Explicit session ids: the first of these headers a request carries (what clients send: a
+    # generic header, Claude Code >= 2.1.86, Codex CLI, Open WebUI with ENABLE_FORWARD_USER_INFO_HEADERS,
+    # opencode, NVIDIA Dynamo), then the body's prompt_cache_key, then (if enabled) user.
+    headers: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(SESSION_HEADERS))
     use_prompt_cache_key: bool = True
     use_user: bool = False
     # How long a Redis failure keeps the proxy in pass-through before it tries Redis again.
@@ -119,6 +141,21 @@ class SessionSettings(BaseModel):
     tenants_in_redis: bool = False
 
     _split_sentinels = field_validator("redis_sentinels", mode="before")(_string_list)
+    _split_headers = field_validator("headers", mode="before")(_string_list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _single_header(cls, data: Any) -> Any:
+        """``header: NAME`` (one header, the earlier setting) goes first in ``headers``."""
+        if isinstance(data, dict) and data.get("header"):
+            data = dict(data)
+            first = str(data.pop("header"))
+            rest = _string_list(data.get("headers")) if data.get("headers") is not None else list(SESSION_HEADERS)
+            data["headers"] = [first, *(h for h in rest if h.lower() != first.lower())]
+        return data
+
+
+WindowRepair = Literal["off", "named", "inferred"]
 
 
 class SummarizerSettings(BaseModel):
@@ -131,9 +168,27 @@ class SummarizerSettings(BaseModel):
     timeout_s: float = Field(60.0, gt=0)
     lock_ttl_s: float = Field(120.0, gt=0)
     retry_backoff_s: float = Field(30.0, ge=0)
-    # Restore messages a client's sliding window dropped, until they are folded into the summary.
-    sliding_window_repair: bool = False
+    # A ready summary replaces the history it covers only once the request without it would pass
+    # this share of the context budget (1: only when it would not fit at all): swapping it in costs
+    # one recompute of the turns after it, which a direct connection never pays. Lower applies it
+    # sooner (fewer tokens per request and less KV memory per session, for that recompute).
+    apply_ratio: float = Field(1.0, ge=0, le=1)
+    # Restore messages a client's sliding window dropped, until they are folded into the summary:
+    # "named": in sessions the client names (a session header, prompt_cache_key), whose identity is
+    # certain; "inferred": in inferred sessions too, where the window re-sends replies the backend
+    # generated for the conversation (deterministic replies can make two conversations look alike,
+    # docs/summarizer.md); "off". true / false mean "named" / "off".
+    sliding_window_repair: WindowRepair = "named"
     repair_max_tokens: int = Field(4096, gt=0)
+
+    @field_validator("sliding_window_repair", mode="before")
+    @classmethod
+    def _repair_from_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            return "named" if value else "off"
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return "named" if value.strip().lower() == "true" else "off"
+        return value
 
 
 RoutingPolicyName = Literal["affinity", "least_in_flight", "round_robin"]
@@ -150,6 +205,115 @@ class RoutingSettings(BaseModel):
     # Active checks (GET /models on every backend) re-admit ejected backends and learn their models;
     # 0 leaves only passive ejection on failures.
     health_check_interval_s: float = Field(5.0, ge=0)
+    # A router behind the proxy (vLLM Router, SGLang Model Gateway, production-stack): each of these
+    # headers carries the request's routing key (a digest) on every upstream request, so the router
+    # keeps a conversation where its prefix is cached (docs/routing.md). Empty: none sent.
+    key_headers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    # Response headers a router sets for the client to send back (llm-d: x-session-token): the
+    # proxy keeps them per routing key in the session store and sends them on the next request.
+    echo_headers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    _split_key_headers = field_validator("key_headers", "echo_headers", mode="before")(_string_list)
+
+
+class ReplicaSettings(BaseModel):
+    """Several proxy replicas behind a load balancer (docs/routing.md, "Replicas that agree")."""
+
+    # Share what each replica's canonicalizer learns (volatile lines, places that vary, where each
+    # conversation's lines went, relayed tool calls, strict-template models) through the Redis
+    # session store, so every replica canonicalizes as one would. Needs sessions.store: redis.
+    share_memories: bool = False
+    # The shared stream keeps at most this many batches, and expires this long after the last write.
+    max_entries: int = Field(100_000, gt=0)
+    ttl_s: int = Field(7 * 24 * 3600, gt=0)
+    # Batches a starting replica reads first (what the others learned before it came up).
+    warm_entries: int = Field(10_000, ge=0)
+
+
+class CacheBreakSettings(BaseModel):
+    """Per-request miss explanation (docs/analysis.md): hashes of forwarded prompts, no text."""
+
+    enabled: bool = True
+    # The backend's KV block size (vLLM: --block-size, 16 by default): expected hits are whole blocks.
+    block_size: int = Field(16, gt=0)
+    # Forwarded prompts remembered (least recently used out); about 1 KiB each plus 16 bytes a message.
+    memory_prompts: int = Field(20_000, gt=0)
+
+
+class CaptureSettings(BaseModel):
+    """Shadow capture of client requests and backend answers, for ``prefix-proxy analyze``.
+
+    Off unless ``path`` is set. The file holds prompt text: it is created with mode 0600.
+    """
+
+    path: str | None = None
+    # Rotation: past this size the file becomes FILE.1 (FILE.1 becomes FILE.2, ...).
+    max_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    backups: int = Field(3, ge=0)
+
+
+# vLLM 0.32 routes that change or expose the engine (vllm/entrypoints/serve/dev, rl, lora, profile,
+# elastic_ep, fault_tolerance): an operator's, never a tenant's.
+DEFAULT_ADMIN_ROUTES = [
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/reset_encoder_cache",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/release_kv_cache_memory",
+    "/collective_rpc",
+    "/server_info",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/abort_requests",
+    "/inference/v1/abort_requests",
+    "/update_weights",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/finish_weight_update",
+    "/start_draft_weight_update",
+    "/shutdown_weight_transfer_engine",
+    "/update_weight_version",
+    "/weight_checker",
+    "/weight_info",
+    "/get_world_size",
+    "/start_profile",
+    "/stop_profile",
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+    "/fault_tolerance/*",
+    "/kv_event_sources",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+]
+
+
+class RouteSettings(BaseModel):
+    """Routes of the backend the proxy has no handler of its own for (docs/protocols.md).
+
+    Patterns are paths, ``*`` matching any run of characters (``/fault_tolerance/*``).
+    """
+
+    # Forward the backend's other routes (tokenize, rerank, score, pooling, audio, routes added
+    # later) as they are, with tenant auth, metrics and routing by model; false: 404.
+    passthrough: bool = True
+    # Reachable only with the admin key (Authorization: Bearer <admin_api_key>), sent upstream with
+    # the proxy's own upstream key; 403 when no admin key is configured.
+    admin_routes: list[str] = Field(default_factory=lambda: list(DEFAULT_ADMIN_ROUTES))
+    # Never forwarded (404), whoever asks.
+    denied_routes: list[str] = Field(default_factory=list)
+    # When set, only these (and the admin routes, for the admin) are forwarded; others 404.
+    allowed_routes: list[str] | None = None
+
+
+class ResponsesSettings(BaseModel):
+    """``/v1/responses``: where stored responses live (vLLM keeps them in its process)."""
+
+    # How long the proxy remembers which backend holds a stored response (and its chain).
+    chain_ttl_s: int = Field(7 * 24 * 3600, gt=0)
 
 
 class Settings(BaseSettings):
@@ -162,21 +326,38 @@ class Settings(BaseSettings):
     upstreams: Annotated[list[str], NoDecode] = Field(default_factory=list)
     upstream_api_key: SecretStr | None = None
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 32 * 1024 * 1024
     connect_timeout_s: float = 5.0
+    # Per read: the longest the upstream may stay silent (a long prefill included).
     upstream_timeout_s: float = 600.0
+    # Overall deadline of one request, from its arrival to the last byte of the answer (a stream
+    # included): past it the client gets 504, or an error event once a stream has started. Per-read
+    # timeouts alone let an upstream that drips a byte at a time hold a request forever.
+    request_timeout_s: float = Field(3600.0, gt=0)
+    # The largest single SSE event accepted from the upstream (vLLM's are a token or a tool call's
+    # arguments); a larger one ends the stream with an error event instead of growing the buffer.
+    max_sse_event_bytes: int = Field(8 * 1024 * 1024, gt=0)
     max_connections: int = 1000
     # aiohttp under the httpx client API (faster); "httpx" uses httpx's own transport.
     upstream_transport: Literal["aiohttp", "httpx"] = "aiohttp"
     log_level: str = "info"
     log_prompts: bool = False
     metrics_max_label_values: int = 64
+    # /metrics names tenants and backends and counts every tenant's traffic: keep it from clients
+    # with a bearer token of its own (Prometheus: authorization.credentials), a listen address of
+    # its own (metrics_port; then the API port answers /metrics with 404), or both.
+    metrics_api_key: SecretStr | None = None
+    metrics_host: str | None = None  # default: ``host``
+    metrics_port: int | None = None
     canon: CanonSettings = Field(default_factory=CanonSettings)
     sessions: SessionSettings = Field(default_factory=SessionSettings)
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     summarizer: SummarizerSettings = Field(default_factory=SummarizerSettings)
+    routes: RouteSettings = Field(default_factory=RouteSettings)
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     model_budgets: dict[str, BudgetOverrides] = Field(default_factory=dict)
     tenants: list[TenantSettings] = Field(default_factory=list)
     # With tenants configured, each gets its own vLLM cache_salt: no tenant's requests hit blocks
@@ -189,6 +370,8 @@ class Settings(BaseSettings):
     kv_config_json: str | None = None
     kv_dtype: str = "fp16"
     sessions_active_window_s: float = 900.0
+    cache_breaks: CacheBreakSettings = Field(default_factory=CacheBreakSettings)
+    capture: CaptureSettings = Field(default_factory=CaptureSettings)
 
     # Set on a subclass by load_settings(); otherwise the PREFIX_PROXY_CONFIG environment variable.
     config_file: ClassVar[str | None] = None

@@ -11,15 +11,27 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from proxy.config import BudgetOverrides, TenantSettings
-from proxy.errors import ProxyError
+from proxy.http.body import is_text
+from proxy.http.errors import ProxyError
+
+logger = logging.getLogger("prefix_proxy.tenants")
 
 ANONYMOUS = "anonymous"
+# Keys looked up in Redis are remembered this long (a revoked key stops working within it) ...
+REDIS_CACHE_TTL_S = 30.0
+# ... and this many at most, least recently used out first: unknown keys are remembered too (so
+# a client retrying a bad key costs no Redis round trip), and anyone can send any number of them.
+REDIS_CACHE_MAX_KEYS = 10_000
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,16 @@ def bearer_token(authorization: str | None) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
+def directory_unavailable() -> ProxyError:
+    return ProxyError(
+        503,
+        "API keys cannot be checked right now (the tenant store is unavailable); retry shortly",
+        type="server_error",
+        code="store_unavailable",
+        headers={"retry-after": "1"},
+    )
+
+
 def unauthorized(message: str = "invalid or missing API key") -> ProxyError:
     return ProxyError(
         401,
@@ -83,7 +105,8 @@ class TenantDirectory:
             for t in tenants
         }
         self._redis_lookup = redis_lookup
-        self._cache: dict[str, tuple[Tenant | None, float]] = {}
+        # Redis lookups by key digest: (tenant or None for an unknown key, fresh until).
+        self._cache: OrderedDict[str, tuple[Tenant | None, float]] = OrderedDict()
 
     @property
     def open(self) -> bool:
@@ -114,17 +137,39 @@ class TenantDirectory:
     async def _from_redis(self, digest: str) -> Tenant | None:
         if self._redis_lookup is None:
             return None
+        now = time.monotonic()
         cached = self._cache.get(digest)
-        if cached and cached[1] > time.monotonic():
+        if cached is not None and cached[1] > now:
+            self._cache.move_to_end(digest)
             return cached[0]
-        raw = await self._redis_lookup(digest)
-        tenant = None
-        if raw:
-            data = json.loads(raw)
-            tenant = Tenant(
-                str(data["name"]),
-                data.get("upstream_api_key"),
-                BudgetOverrides.model_validate(data.get("budget") or {}),
-            )
-        self._cache[digest] = (tenant, time.monotonic() + 30)
+        try:
+            raw = await self._redis_lookup(digest)
+        except Exception as exc:
+            # Redis is down: a tenant seen before keeps working on what was known of it; a key
+            # never seen cannot be told from a bad one, so the caller is asked to retry (503),
+            # neither let in nor told its key is wrong.
+            if cached is not None and cached[0] is not None:
+                return cached[0]
+            logger.warning("tenant lookup failed (%s): answering 503", type(exc).__name__)
+            raise directory_unavailable() from None
+        tenant = _tenant_record(digest, raw) if raw else None
+        self._cache[digest] = (tenant, now + REDIS_CACHE_TTL_S)
+        self._cache.move_to_end(digest)
+        while len(self._cache) > REDIS_CACHE_MAX_KEYS:
+            self._cache.popitem(last=False)
         return tenant
+
+
+def _tenant_record(digest: str, raw: str) -> Tenant | None:
+    """A Redis tenant record (JSON {name, upstream_api_key?, budget?}); None, with a warning for the
+    operator, when it is malformed: the key is then refused like an unknown one."""
+    try:
+        data = json.loads(raw)
+        name = data["name"]
+        upstream_key = data.get("upstream_api_key")
+        if not is_text(name) or not name or not (upstream_key is None or is_text(upstream_key)):
+            raise TypeError("name must be a non-empty string, upstream_api_key a string")
+        return Tenant(name, upstream_key, BudgetOverrides.model_validate(data.get("budget") or {}))
+    except (ValueError, TypeError, KeyError, AttributeError, ValidationError) as exc:
+        logger.warning("malformed tenant record tenant:%s… (%s): key refused", digest[:12], type(exc).__name__)
+        return None

@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.canon.relocate import is_text_parts
-from proxy.sessions.identity import message_fingerprint
-from proxy.tokenization.counter import message_text
+from proxy.openai.messages import is_text_parts, message_fingerprint, message_text
 from summarizer.state import SummaryState
 
 SUMMARY_HEADER = "Summary of the earlier part of this conversation:"
+# An inferred conversation is repaired only when the client re-sends this many replies the backend
+# generated for it: one reply can repeat in another conversation (greedy decoding, the same question),
+# a run of them in the same order hardly.
+MIN_REPLIES_IN_OVERLAP = 2
 
 
 def summary_message(state: SummaryState) -> dict[str, Any]:
@@ -45,6 +47,7 @@ def anchor(
     insert_at: int,
     *,
     repair: bool = False,
+    repair_needs_reply: bool = False,
     into_system: bool = False,
     system_tail: str = "",
 ) -> Anchored:
@@ -61,7 +64,7 @@ def anchor(
             removed += 1
     removed_bytes = sum(len(message_text(m).encode("utf-8", "surrogatepass")) for m in rest[:removed])
     rest = rest[removed:]
-    restored = _restore_dropped(rest, state.tail) if repair else []
+    restored = _restore_dropped(rest, state.tail, repair_needs_reply) if repair else []
     out = list(head)
     actions = []
     if state.active:
@@ -101,13 +104,16 @@ def _merged_into(system: dict[str, Any], state: SummaryState, tail: str) -> dict
     return {**system, "content": f"{content}\n\n{summary}"}
 
 
-def _restore_dropped(rest: list[dict[str, Any]], tail: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _restore_dropped(
+    rest: list[dict[str, Any]], tail: list[dict[str, Any]], needs_reply: bool = False
+) -> list[dict[str, Any]]:
     """Messages of the remembered tail that the client dropped from the front of its window.
 
     Only a clean slide is repaired: the client must re-send every remembered message
     from its window's first one to the last reply, byte for byte in canonical form, and
     then its new ones. Anything else (an edited history, or a conversation that merely
-    shares a message with this one) is left alone.
+    shares a message with this one) is left alone. ``needs_reply`` (an inferred identity): the
+    re-sent part must hold a reply the backend generated for this conversation.
     """
     if not rest or not tail:
         return []
@@ -121,4 +127,6 @@ def _restore_dropped(rest: list[dict[str, Any]], tail: list[dict[str, Any]]) -> 
         return []
     if any(tail_prints[start + i] != message_fingerprint(rest[i]) for i in range(remaining)):
         return []
+    if needs_reply and sum(m.get("role") == "assistant" for m in tail[start:]) < MIN_REPLIES_IN_OVERLAP:
+        return []  # too little the backend generated for this conversation to prove it is this one
     return tail[:start]

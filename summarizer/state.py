@@ -14,8 +14,10 @@ class SummaryState:
     tokens: int = 0
     version: int = 0
     updated: float = 0.0
-    # Sliding-window repair: the uncovered history as last forwarded (canonical messages).
+    # Sliding-window repair: the uncovered history as last forwarded (canonical messages), and the
+    # stable prefix (system prompt, tools) it was forwarded after: it repairs only that app's requests.
     tail: list[dict[str, Any]] = field(default_factory=list)
+    tail_prefix: str = ""
 
     @property
     def active(self) -> bool:
@@ -29,6 +31,7 @@ class SummaryState:
             "version": self.version,
             "updated": self.updated,
             "tail": self.tail,
+            "tail_prefix": self.tail_prefix,
         }
 
     @classmethod
@@ -42,4 +45,5 @@ class SummaryState:
             version=int(data.get("version", 0)),
             updated=float(data.get("updated", 0.0)),
             tail=list(data.get("tail", [])),
+            tail_prefix=str(data.get("tail_prefix", "")),
         )

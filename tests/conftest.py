@@ -1,51 +1,18 @@
-"""Shared fixtures: real servers on real ports (uvicorn) for end-to-end tests."""
+"""Shared fixtures: real servers on real ports (uvicorn) for end-to-end tests; helpers in tests/helpers.py."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from proxy.app import create_app
 from proxy.config import Settings
-from proxy.fakebackend import FakeBackendConfig
-from proxy.fakebackend import create_app as create_fake_app
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class LiveServer:
-    """An ASGI app served by uvicorn on a free port, in a background thread."""
-
-    def __init__(self, app: Any, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    def start(self) -> LiveServer:
-        self._thread.start()
-        deadline = time.monotonic() + 15
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
+from testbed.fakevllm import FakeBackendConfig
+from testbed.fakevllm import create_app as create_fake_app
+from tests.helpers import LiveServer
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
+import random
+import socket
 import subprocess
 import tempfile
 import time
@@ -12,14 +13,20 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.helpers import require_executable
+
 SHARED_URL = "redis://127.0.0.1:6379/0"
+REDIS_HINT = (
+    "these tests start Redis servers of their own "
+    "(Debian/Ubuntu: apt-get install redis-server; bash scripts/test.sh installs it)"
+)
 
 
 def require_shared_redis() -> None:
     try:
         redis.Redis.from_url(SHARED_URL, socket_connect_timeout=1).ping()
     except redis.RedisError as exc:
-        pytest.fail(f"Redis must run on 127.0.0.1:6379 for these tests (.ci/run starts it): {exc}")
+        pytest.fail(f"Redis must run on 127.0.0.1:6379 for these tests (bash scripts/test.sh starts it): {exc}")
 
 
 def unique_prefix() -> str:
@@ -37,8 +44,7 @@ class PrivateRedis:
     """A redis-server process of our own on a free port, which a test may really stop and restart."""
 
     def __init__(self, port: int, *args: str) -> None:
-        if shutil.which("redis-server") is None:
-            pytest.fail("redis-server is not installed (.ci/run installs it)")
+        require_executable("redis-server", REDIS_HINT)
         self.port = port
         self.url = f"redis://127.0.0.1:{port}/0"
         self._args = args  # e.g. ("--replicaof", "127.0.0.1", "6380")
@@ -116,3 +122,127 @@ class PrivateSentinel:
             self._process.terminate()
             self._process.wait(timeout=10)
             self._process = None
+
+
+class PrivateCluster:
+    """A Redis Cluster of our own: ``masters`` masters (the 16384 slots split between them), each
+    with ``replicas`` replicas, every node a PrivateRedis (own port, own directory, really stoppable).
+
+    Quick to fail over (``cluster-node-timeout`` 1 s): a stopped master's replica is promoted in a
+    few seconds.
+    """
+
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000) -> None:
+        require_executable("redis-cli", REDIS_HINT)
+        options = (
+            *("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+            *("--cluster-node-timeout", str(node_timeout_ms)),
+            # A replica that lost its master for a while may still take over: the test wants the
+            # failover, not the data-safety pause.
+            *("--cluster-replica-validity-factor", "0"),
+        )
+        self.nodes = [PrivateRedis(_cluster_port(), *options) for _ in range(masters * (1 + replicas))]
+        self._replicas = replicas
+
+    @property
+    def url(self) -> str:
+        """Any node is a seed: the client discovers the others."""
+        return self.nodes[0].url
+
+    def start(self) -> PrivateCluster:
+        try:
+            for node in self.nodes:
+                node.start()
+            subprocess.run(
+                [
+                    "redis-cli",
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{node.port}" for node in self.nodes),
+                    "--cluster-replicas",
+                    str(self._replicas),
+                    "--cluster-yes",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                timeout=60,
+            )
+            self.wait_ok(self.nodes)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ok(self, nodes: list[PrivateRedis], timeout: float = 30.0) -> None:
+        """Until every given node sees the cluster whole (every slot served)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if all(
+                    redis.Redis(port=n.port, socket_timeout=1).cluster("INFO").get("cluster_state") == "ok"
+                    for n in nodes
+                ):
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("the private Redis Cluster did not become ready")
+
+    def client(self) -> redis.RedisCluster:
+        return redis.RedisCluster.from_url(self.url, socket_timeout=2)
+
+    def master_of(self, key: str) -> PrivateRedis:
+        """The node serving ``key``'s slot as master now."""
+        node = self.client().get_node_from_key(key)
+        return next(n for n in self.nodes if n.port == node.port)
+
+    def replica_of(self, master: PrivateRedis) -> PrivateRedis:
+        # ROLE on a master: ["master", offset, [[host, port, offset], ...]]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            role = redis.Redis(port=master.port, socket_timeout=2).execute_command("ROLE")
+            if role[2]:
+                port = int(role[2][0][1])
+                return next(n for n in self.nodes if n.port == port)
+            time.sleep(0.1)
+        raise AssertionError("the master has no replica")
+
+    def fail_over(self, master: PrivateRedis, timeout: float = 30.0) -> PrivateRedis:
+        """Stop ``master``; return its replica once promoted and the cluster whole again."""
+        replica = self.replica_of(master)
+        # Everything the master took is on the replica before it goes (WAIT), so the only losses a
+        # test can see are the store's, not replication lag's.
+        redis.Redis(port=master.port).execute_command("WAIT", 1, 5000)
+        master.stop()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                role = redis.Redis(port=replica.port, socket_timeout=1).execute_command("ROLE")
+                if role[0] in (b"master", "master"):
+                    break
+            except redis.RedisError:
+                pass
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the replica was not promoted")
+        self.wait_ok([n for n in self.nodes if n is not master], timeout)
+        return replica
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster-bus port (port + 10000) is free too."""
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from proxy.access_log import ACCESS_LOGGER, JsonFormatter
-from tests.conftest import LiveServer
+from proxy.observability.access_log import ACCESS_LOGGER, JsonFormatter
+from tests.helpers import LiveServer
 
 SECRET = "my password is hunter2"
 
@@ -61,3 +61,17 @@ def test_request_id_reaches_the_upstream(proxy: LiveServer, fake_backend: LiveSe
 def test_prompts_logged_only_when_enabled(make_proxy: Callable[..., LiveServer], access_lines: list[str]) -> None:
     send(make_proxy(log_prompts=True))
     assert SECRET in "".join(access_lines)
+
+
+def test_timestamps_are_utc_whatever_the_local_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        record = logging.LogRecord("prefix_proxy.access", logging.INFO, __file__, 1, "request", None, None)
+        record.created, record.msecs = 86_400.25, 250.0
+        assert json.loads(JsonFormatter().format(record))["ts"] == "1970-01-02T00:00:00.250Z"
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()

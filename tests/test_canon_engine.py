@@ -123,8 +123,8 @@ def test_timestamp_no_longer_changes_prefix_hash() -> None:
 def _dify_prompts_with_inline_query() -> list[str]:
     path = DATA / "dify_prompts.jsonl"
     if not path.exists():
-        # The package bundles a subset of the same real prompts (proxy/workload/data).
-        path = Path(__file__).resolve().parents[1] / "proxy" / "workload" / "data" / "dify_prompts.jsonl"
+        # The package bundles a subset of the same real prompts (testbed/workload/data).
+        path = Path(__file__).resolve().parents[1] / "testbed" / "workload" / "data" / "dify_prompts.jsonl"
     prompts = []
     for line in path.read_text().splitlines():
         record = json.loads(line)
@@ -223,22 +223,29 @@ def test_generated_tool_calls_restored_byte_for_byte() -> None:
     assert "tool_call_ids_restored:1" in [str(a) for a in result.actions]
 
 
-def test_unknown_tool_calls_get_deterministic_ids() -> None:
+def test_unknown_tool_calls_keep_the_first_bytes_forwarded() -> None:
+    memory = ToolCallMemory()
+    first_id = str(uuid.uuid4())
     first = canonicalize(
-        {"model": "m", "messages": _dify_agent_history(str(uuid.uuid4()), '{"city":"Paris"}')},
+        {"model": "m", "messages": _dify_agent_history(first_id, '{"city":"Paris"}')},
         RELOCATE,
         namespace="t",
-        tool_memory=ToolCallMemory(),
+        tool_memory=memory,
     )
+    # A call the proxy never relayed goes out exactly as the client sent it...
+    assert first.body["messages"][2]["tool_calls"][0]["id"] == first_id
+    assert first.actions == []
+    # ...and a re-send with a fresh id and re-dumped arguments gets those bytes back.
     second = canonicalize(
-        {"model": "m", "messages": _dify_agent_history(str(uuid.uuid4()), '{"city":"Paris"}')},
+        {"model": "m", "messages": _dify_agent_history(str(uuid.uuid4()), '{"city": "Paris"}')},
         RELOCATE,
         namespace="t",
-        tool_memory=ToolCallMemory(),
+        tool_memory=memory,
     )
     assert json.dumps(first.body) == json.dumps(second.body)
-    # Arguments the proxy never saw generated are left exactly as the client sent them.
-    assert first.body["messages"][2]["tool_calls"][0]["function"]["arguments"] == '{"city":"Paris"}'
+    # Without a memory nothing is rewritten.
+    alone = canonicalize({"model": "m", "messages": _dify_agent_history("mine", "{}")}, RELOCATE, namespace="t")
+    assert alone.body["messages"][2]["tool_calls"][0]["id"] == "mine"
 
 
 def test_tool_call_memory_is_tenant_scoped() -> None:
@@ -251,3 +258,14 @@ def test_tool_call_memory_is_tenant_scoped() -> None:
     body = {"model": "m", "messages": _dify_agent_history("x", '{"city":"Paris"}')}
     result = canonicalize(body, RELOCATE, namespace="tenant-b", tool_memory=memory)
     assert result.body["messages"][2]["tool_calls"][0]["id"] != "secret-id"
+
+
+def test_a_template_in_use_outlives_templates_made_after_it() -> None:
+    """Many apps share an app key (one tenant's chat apps on one model): the one still sending keeps its
+    learned lines while others come and go (templates leave least recently matched first)."""
+    learned = LearnedVolatility(templates_per_app=4)
+    busy = [f"busy line {n}" for n in range(6)]
+    assert learned.observe("key", [*busy, "question 0"]) == set()
+    for n in range(1, 12):
+        learned.observe("key", [f"other app {n} line {k}" for k in range(6)])  # a new template each time
+        assert learned.observe("key", [*busy, f"question {n}"]) == {6}, n

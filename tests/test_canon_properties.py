@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.canon import CanonOptions, canonicalize
-from proxy.canon.jsoncanon import sort_keys_deep
+from proxy.openai.jsoncanon import sort_keys_deep
 
 WORDS = st.sampled_from(
     [

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from proxy.demo import ProgressBar, main
+from proxy.progress import ProgressBar
+from testbed.demo import main
 
 
 def test_json_output_for_a_small_run(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,7 +14,6 @@ import importlib.resources
 import json
 import os
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,8 +23,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from proxy.capacity.kvcache import PRESETS
 from proxy.config import Settings
-from proxy.kvcache import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -125,10 +124,20 @@ def test_manifests_fit_together() -> None:
     assert service["metadata"]["name"] == "prefix-proxy"
 
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    port_names = {port["name"] for port in container["ports"]}
-    assert service["spec"]["ports"][0]["targetPort"] in port_names
-    assert m["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
-    assert m["ServiceMonitor"]["spec"]["endpoints"][0]["path"] == "/metrics"
+    container_ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    service_ports = {port["name"]: port for port in service["spec"]["ports"]}
+    assert all(port["targetPort"] in container_ports for port in service_ports.values())
+    endpoint = m["ServiceMonitor"]["spec"]["endpoints"][0]
+    assert endpoint["path"] == "/metrics"
+    # /metrics is scraped on its own port, which the proxy is told to serve it on, with the key it
+    # is told to require (the same Secret key).
+    env = {e["name"]: e for e in container["env"]}
+    assert endpoint["port"] == "metrics" and endpoint["port"] in service_ports
+    assert str(container_ports["metrics"]) == env["PREFIX_PROXY_METRICS_PORT"]["value"]
+    assert container_ports["metrics"] != container_ports["http"]
+    secret_ref = env["PREFIX_PROXY_METRICS_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert endpoint["authorization"]["credentials"] == {"name": secret_ref["name"], "key": secret_ref["key"]}
+    assert secret_ref["key"] in m["Secret"]["stringData"] and not secret_ref.get("optional")
 
 
 def test_deployment_probes_security_and_resources() -> None:
@@ -321,10 +330,13 @@ def test_prometheus_config_scrapes_the_compose_services() -> None:
     prometheus = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
     proxy_sd = jobs["prefix-proxy"]["dns_sd_configs"][0]
-    assert proxy_sd["names"] == ["proxy"] and proxy_sd["port"] == 8080
     assert jobs["vllm"]["static_configs"][0]["targets"] == ["vllm:8000"]
     services = interpolate(compose(), {})["services"]
     assert "proxy" in services and services["proxy"]["environment"]["PREFIX_PROXY_PORT"] == "8080"
+    # /metrics on its own port, scraped there and not published to the host.
+    metrics_port = services["proxy"]["environment"]["PREFIX_PROXY_METRICS_PORT"]
+    assert proxy_sd["names"] == ["proxy"] and str(proxy_sd["port"]) == metrics_port != "8080"
+    assert not any(metrics_port in str(port) for port in services["proxy"].get("ports", []))
     mounts = services["prometheus"]["volumes"]
     assert "./prometheus:/etc/prometheus:ro" in mounts
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
@@ -339,11 +351,7 @@ def dashboard() -> dict[str, Any]:
 
 
 def test_dashboard_json_is_generated_from_its_source() -> None:
-    sys.path.insert(0, str(DEPLOY / "grafana"))
-    try:
-        source = importlib.import_module("dashboard")
-    finally:
-        sys.path.pop(0)
+    source = importlib.import_module("deploy.grafana.dashboard")  # the repo root is on pytest's pythonpath
     assert DASHBOARD.read_text() == source.render(), (
         "deploy/grafana/dashboards/prefix-proxy.json is stale: "
         "python deploy/grafana/dashboard.py > deploy/grafana/dashboards/prefix-proxy.json"
@@ -392,6 +400,7 @@ def test_dashboard_has_the_required_panels() -> None:
         "prefix_proxy_store_errors_total",
         "sum by (kind) (rate(prefix_proxy_canon_actions_total",
         'status=~"5.."',
+        "sum by (cause) (rate(prefix_proxy_cache_break_tokens_total",
     ):
         assert needle in exprs, needle
 
@@ -458,3 +467,83 @@ def test_env_example_lists_only_variables_the_compose_file_reads() -> None:
     assert variables
     unused = [name for name in variables if "${" + name not in text]
     assert not unused, f"deploy/.env.example names variables docker-compose.yml never reads: {unused}"
+
+
+# -- topologies: Redis Cluster, a router behind the proxy ------------------------------------------
+
+TOPOLOGIES = K8S / "topologies"
+COMPOSE_OVERRIDES = DEPLOY / "compose"
+
+
+def topology_docs() -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (f"{path.name}:{doc['kind']}", doc)
+        for path in sorted(TOPOLOGIES.glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+
+
+@pytest.mark.parametrize("name", [name for name, _ in topology_docs()])
+def test_topology_manifests_validate_against_the_kubernetes_schema(name: str) -> None:
+    doc = dict(topology_docs())[name]
+    validate_k8s(doc, "latest")
+    assert doc["metadata"]["namespace"] == "prefix-proxy"
+
+
+def test_redis_cluster_topology_is_a_cluster_of_three_masters_with_replicas() -> None:
+    docs = {doc["kind"]: doc for _, doc in topology_docs() if doc["metadata"]["name"].startswith("redis-cluster")}
+    statefulset, service, job = docs["StatefulSet"], docs["Service"], docs["Job"]
+    assert service["spec"]["clusterIP"] == "None" and statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    assert statefulset["spec"]["replicas"] == 6
+    assert "--cluster-enabled yes" in statefulset["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    create = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert create.count(":6379") == 6 and "--cluster-replicas 1" in create
+
+
+def compose_override(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((COMPOSE_OVERRIDES / name).read_text())
+    return data
+
+
+def merged(override: dict[str, Any]) -> dict[str, Any]:
+    """The main compose file with an override file on top (compose merges maps, appends lists)."""
+
+    def merge(base: Any, top: Any) -> Any:
+        if isinstance(base, dict) and isinstance(top, dict):
+            return {key: merge(base[key], top[key]) if key in base and key in top else top.get(key, base.get(key))
+                    for key in {**base, **top}}
+        return top
+
+    return {key: value for key, value in merge(compose(), override).items() if not key.startswith("x-")}
+
+
+@pytest.mark.parametrize("name", ["redis-cluster.yml", "router.yml"])
+def test_compose_topologies_validate_against_the_compose_spec(name: str) -> None:
+    validator = jsonschema.Draft202012Validator(compose_schema())
+    document = interpolate(merged(compose_override(name)), {})
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(document)]
+    assert not errors, errors
+    services = document["services"]
+    for service in services.values():
+        for dependency in service.get("depends_on", {}):
+            assert dependency in services, f"depends on a service that does not exist: {dependency}"
+
+
+@pytest.mark.parametrize("name", ["redis-cluster.yml", "router.yml"])
+def test_compose_topologies_configure_the_proxy_with_known_settings(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    environment = interpolate(merged(compose_override(name)), {})["services"]["proxy"]["environment"]
+    for key in [k for k in os.environ if k.startswith("PREFIX_PROXY_")]:
+        monkeypatch.delenv(key)
+    for key, value in environment.items():
+        if key != "PREFIX_PROXY_CONFIG":
+            monkeypatch.setenv(key, str(value))
+    settings = Settings()
+    if name == "redis-cluster.yml":
+        assert settings.sessions.redis_cluster and settings.replicas.share_memories
+        assert settings.sessions.redis_url == "redis://redis-0:6379/0"
+    else:
+        assert settings.routing.key_headers == ["x-session-id"]
+        assert settings.upstream == "http://router:8000/v1"

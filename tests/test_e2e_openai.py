@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer
 
 MODEL = "fake-model"
 LONG_SYSTEM = "You are a meticulous support assistant for an online bookshop. " * 40
@@ -215,3 +215,24 @@ def test_a_client_that_hangs_up_at_done_still_completes_its_turn(make_proxy: Any
         assert "prefix_proxy_streams_cancelled_total 0.0" in httpx.get(proxy.url + "/metrics").text
     finally:
         upstream.stop()
+
+
+def test_a_conversation_with_nothing_varying_reaches_the_backend_byte_identical(
+    client: openai.OpenAI, fake_backend: LiveServer
+) -> None:
+    """Through the whole proxy (sessions, budgets, summaries on defaults): client text with CRLF,
+    trailing blanks, non-NFC text, code and a constant date arrives exactly as sent, every turn."""
+    system = (
+        "You review Python code.\r\n\r\nToday is 2026-11-30 (Monday).\r\n"
+        "Keep answers short.  \r\n<context>\r\n</context>\r\nCafe\u0301 rules apply.\t"
+    )
+    tag = uuid.uuid4().hex
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"[{tag}] turn {turn}:\n```py\ndef f(x):  \n    return x \n```\n"})
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)  # type: ignore[arg-type]
+        log = httpx.get(fake_backend.url + "/fake/requests", params={"limit": 256}).json()
+        received = [r["body"] for r in log if tag in json.dumps(r["body"])]
+        latest = max(received, key=lambda body: len(body["messages"]))
+        assert json.dumps(latest["messages"]) == json.dumps(messages), f"turn {turn}"
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import LiveServer, free_port
+from tests.helpers import LiveServer, free_port
 
 MODEL = "fake-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -26,7 +26,8 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]
 
 
 def post(server: LiveServer, body: Any = None, *, content: bytes | None = None, timeout: float = 30) -> httpx.Response:
-    return httpx.post(server.url + "/v1/chat/completions", json=body, content=content, timeout=timeout)
+    headers = {"content-type": "application/json"} if content is not None else None
+    return httpx.post(server.url + "/v1/chat/completions", json=body, content=content, headers=headers, timeout=timeout)
 
 
 def test_malformed_json_is_400(proxy: LiveServer) -> None:

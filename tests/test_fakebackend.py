@@ -13,10 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
-from proxy.fakebackend import FakeBackendConfig, create_app, running_fake_backend
-from proxy.fakebackend.tokenizer import TiktokenChatTokenizer
+from testbed.fakevllm import FakeBackendConfig, create_app
+from testbed.fakevllm.tokenizer import TiktokenChatTokenizer
+from tests.helpers import LiveServer, achat_ok
 
 TOKENIZER = TiktokenChatTokenizer()
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 20}
@@ -42,13 +44,6 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
-async def chat(client: httpx.AsyncClient, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    response = await client.post("/v1/chat/completions", json={"model": "fake-model", "messages": messages, **extra})
-    assert response.status_code == 200, response.text
-    body: dict[str, Any] = response.json()
-    return body
-
-
 async def stream_events(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[Any]:
     events: list[Any] = []
     async with client.stream("POST", path, json=body) as response:
@@ -70,7 +65,7 @@ def cached(body: dict[str, Any]) -> int:
 
 class TestChatCompletions:
     async def test_response_shape_and_first_request_miss(self, client: httpx.AsyncClient) -> None:
-        body = await chat(client, [SYSTEM, {"role": "user", "content": "Hi"}])
+        body = await achat_ok(client, [SYSTEM, {"role": "user", "content": "Hi"}])
         assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", body["id"])
         assert body["object"] == "chat.completion" and body["model"] == "fake-model"
         (choice,) = body["choices"]
@@ -85,58 +80,58 @@ class TestChatCompletions:
 
     async def test_prompt_tokens_match_tokenize(self, client: httpx.AsyncClient) -> None:
         messages = [SYSTEM, {"role": "user", "content": "count me"}]
-        body = await chat(client, messages, tools=[WEATHER])
+        body = await achat_ok(client, messages, tools=[WEATHER])
         tokenized = (await client.post("/tokenize", json={"messages": messages, "tools": [WEATHER]})).json()
         assert tokenized["count"] == body["usage"]["prompt_tokens"] == len(tokenized["tokens"])
         assert tokenized["max_model_len"] == 32768 and tokenized["token_strs"] is None
 
     async def test_repeat_hits_all_but_the_recomputed_block(self, client: httpx.AsyncClient) -> None:
         messages = [SYSTEM, {"role": "user", "content": "Hi"}]
-        first = await chat(client, messages)
-        second = await chat(client, messages)
+        first = await achat_ok(client, messages)
+        second = await achat_ok(client, messages)
         prompt_tokens = first["usage"]["prompt_tokens"]
         assert cached(second) == (prompt_tokens - 1) // 16 * 16
         assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
     async def test_append_only_second_turn_hits_the_previous_reply(self, client: httpx.AsyncClient) -> None:
         turn1 = [SYSTEM, {"role": "user", "content": "Tell me about caching."}]
-        first = await chat(client, turn1)
+        first = await achat_ok(client, turn1)
         reply = first["choices"][0]["message"]["content"]
         turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "More?"}]
-        second = await chat(client, turn2)
+        second = await achat_ok(client, turn2)
         computed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
         assert cached(second) == computed // 16 * 16
         assert cached(second) > first["usage"]["prompt_tokens"]
 
     async def test_changed_system_prompt_misses(self, client: httpx.AsyncClient) -> None:
-        await chat(client, [SYSTEM, {"role": "user", "content": "Hi"}])
+        await achat_ok(client, [SYSTEM, {"role": "user", "content": "Hi"}])
         other = {"role": "system", "content": "Now: 12:00:01. " + SYSTEM["content"]}
-        body = await chat(client, [other, {"role": "user", "content": "Hi"}])
+        body = await achat_ok(client, [other, {"role": "user", "content": "Hi"}])
         assert cached(body) == 0
 
     async def test_max_tokens_and_max_completion_tokens(self, client: httpx.AsyncClient) -> None:
         messages = [{"role": "user", "content": "Hi"}]
-        body = await chat(client, messages, max_tokens=3)
+        body = await achat_ok(client, messages, max_tokens=3)
         assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 3
-        body = await chat(client, messages, max_tokens=50, max_completion_tokens=2)
+        body = await achat_ok(client, messages, max_tokens=50, max_completion_tokens=2)
         assert body["usage"]["completion_tokens"] == 2
 
     async def test_cache_salt_isolates(self, client: httpx.AsyncClient) -> None:
         messages = [SYSTEM, {"role": "user", "content": "Hi"}]
-        await chat(client, messages, cache_salt="tenant-a")
-        assert cached(await chat(client, messages, cache_salt="tenant-b")) == 0
-        assert cached(await chat(client, messages, cache_salt="tenant-a")) > 0
+        await achat_ok(client, messages, cache_salt="tenant-a")
+        assert cached(await achat_ok(client, messages, cache_salt="tenant-b")) == 0
+        assert cached(await achat_ok(client, messages, cache_salt="tenant-a")) > 0
 
     @pytest.mark.parametrize(("mode", "details"), [("omit", "absent"), ("null", None), ("zero", {"cached_tokens": 0})])
     async def test_zero_cached_tokens_modes(self, mode: str, details: Any) -> None:
         async with make_client(FakeBackendConfig(zero_cached_tokens_details=mode)) as c:  # type: ignore[arg-type]
-            usage = (await chat(c, [{"role": "user", "content": "Hi"}]))["usage"]
+            usage = (await achat_ok(c, [{"role": "user", "content": "Hi"}]))["usage"]
         assert usage.get("prompt_tokens_details", "absent") == details
 
 
 class TestToolCalls:
     async def test_tool_call_shape(self, client: httpx.AsyncClient) -> None:
-        body = await chat(client, [{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER])
+        body = await achat_ok(client, [{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER])
         choice = body["choices"][0]
         assert choice["finish_reason"] == "tool_calls"
         message = choice["message"]
@@ -151,7 +146,7 @@ class TestToolCalls:
 
     async def test_relayed_tool_call_history_hits_the_generated_tokens(self, client: httpx.AsyncClient) -> None:
         turn1: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Weather in Paris?"}]
-        first = await chat(client, turn1, tools=[WEATHER])
+        first = await achat_ok(client, turn1, tools=[WEATHER])
         message = first["choices"][0]["message"]
         call = message["tool_calls"][0]
         turn2 = [
@@ -159,19 +154,19 @@ class TestToolCalls:
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
         ]
-        second = await chat(client, turn2, tools=[WEATHER])
+        second = await achat_ok(client, turn2, tools=[WEATHER])
         computed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
         assert cached(second) == computed // 16 * 16
         assert second["choices"][0]["finish_reason"] == "stop"  # answers the tool result in text
 
     async def test_tool_choice_none_returns_raw_text(self, client: httpx.AsyncClient) -> None:
-        body = await chat(client, [{"role": "user", "content": "Weather?"}], tools=[WEATHER], tool_choice="none")
+        body = await achat_ok(client, [{"role": "user", "content": "Weather?"}], tools=[WEATHER], tool_choice="none")
         message = body["choices"][0]["message"]
         assert message["tool_calls"] == [] and message["content"].startswith("<tool_call>")
 
     async def test_named_tool_choice(self, client: httpx.AsyncClient) -> None:
         choice = {"type": "function", "function": {"name": "get_weather"}}
-        body = await chat(client, [{"role": "user", "content": "x y z"}], tools=[WEATHER], tool_choice=choice)
+        body = await achat_ok(client, [{"role": "user", "content": "x y z"}], tools=[WEATHER], tool_choice=choice)
         result = body["choices"][0]
         assert result["finish_reason"] == "stop" and result["message"]["content"] == ""
         assert result["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
@@ -179,7 +174,7 @@ class TestToolCalls:
 
     async def test_required_tool_choice(self, client: httpx.AsyncClient) -> None:
         prompt = [{"role": "user", "content": "summarize please"}]  # policy alone would answer in text
-        body = await chat(client, prompt, tools=[WEATHER], tool_choice="required")
+        body = await achat_ok(client, prompt, tools=[WEATHER], tool_choice="required")
         result = body["choices"][0]
         assert result["finish_reason"] == "tool_calls"
         assert result["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
@@ -203,7 +198,7 @@ class TestToolCalls:
 class TestStreaming:
     async def test_text_stream_matches_non_stream(self, client: httpx.AsyncClient) -> None:
         messages = [SYSTEM, {"role": "user", "content": "Stream me"}]
-        full = await chat(client, messages)
+        full = await achat_ok(client, messages)
         events = await stream_events(
             client,
             "/v1/chat/completions",
@@ -243,7 +238,7 @@ class TestStreaming:
 
     async def test_tool_call_stream(self, client: httpx.AsyncClient) -> None:
         messages = [{"role": "user", "content": "Weather in Oslo?"}]
-        full = await chat(client, messages, tools=[WEATHER])
+        full = await achat_ok(client, messages, tools=[WEATHER])
         events = await stream_events(
             client, "/v1/chat/completions", {"messages": messages, "tools": [WEATHER], "stream": True}
         )
@@ -258,7 +253,6 @@ class TestStreaming:
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
     async def test_openai_sdk_reads_the_stream(self) -> None:
-        openai = pytest.importorskip("openai")
         app = create_app(FakeBackendConfig())
         http_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
         sdk = openai.AsyncOpenAI(api_key="x", base_url="http://fake/v1", http_client=http_client)
@@ -303,7 +297,7 @@ class TestErrors:
 
     async def test_served_model_names(self) -> None:
         async with make_client(FakeBackendConfig(model="org/model", served_model_names=["a", "b"])) as c:
-            body = await chat(c, [{"role": "user", "content": "x"}], model="b")
+            body = await achat_ok(c, [{"role": "user", "content": "x"}], model="b")
             assert body["model"] == "a"
             assert (
                 await c.post("/v1/chat/completions", json={"model": "org/model", "messages": []})
@@ -360,7 +354,7 @@ class TestErrors:
 
     async def test_fake_options_delay_and_reply(self, client: httpx.AsyncClient) -> None:
         started = time.monotonic()
-        body = await chat(
+        body = await achat_ok(
             client, [{"role": "user", "content": "x"}], fake_options={"delay_s": 0.2, "reply": "Forced reply."}
         )
         assert time.monotonic() - started >= 0.2
@@ -431,8 +425,8 @@ class TestOtherEndpoints:
 
     async def test_metrics(self, client: httpx.AsyncClient) -> None:
         messages = [SYSTEM, {"role": "user", "content": "Hi"}]
-        first = await chat(client, messages)
-        second = await chat(client, messages)
+        first = await achat_ok(client, messages)
+        second = await achat_ok(client, messages)
         text = (await client.get("/metrics")).text
         samples = {}
         for line in text.splitlines():
@@ -455,7 +449,7 @@ class TestOtherEndpoints:
     async def test_request_log_stats_lookup_and_reset(self, client: httpx.AsyncClient) -> None:
         messages = [SYSTEM, {"role": "user", "content": "Hi"}]
         assert (await client.post("/fake/cache/lookup", json={"messages": messages})).json()["cached_tokens"] == 0
-        body = await chat(client, messages, user="u1")
+        body = await achat_ok(client, messages, user="u1")
         records = (await client.get("/fake/requests", params={"include_token_ids": True})).json()
         (record,) = records
         assert record["endpoint"] == "/v1/chat/completions" and record["state"] == "completed"
@@ -467,25 +461,25 @@ class TestOtherEndpoints:
         stats = (await client.get("/fake/stats")).json()
         assert stats["prefix_cache"]["queries"] == body["usage"]["prompt_tokens"]
         assert stats["prefix_cache"]["cached_blocks"] > 0 and stats["requests_running"] == 0
-        await chat(client, messages)
+        await achat_ok(client, messages)
         assert len((await client.get("/fake/requests", params={"limit": 1})).json()) == 1
         await client.post("/fake/reset")
         assert (await client.get("/fake/requests")).json() == []
-        assert cached(await chat(client, messages)) == 0
+        assert cached(await achat_ok(client, messages)) == 0
         assert "vllm:prefix_cache_hits_total" in (await client.get("/metrics")).text
 
     async def test_reset_prefix_cache(self, client: httpx.AsyncClient) -> None:
         messages = [SYSTEM, {"role": "user", "content": "Hi"}]
-        await chat(client, messages)
+        await achat_ok(client, messages)
         assert (await client.post("/reset_prefix_cache")).status_code == 200
-        assert cached(await chat(client, messages)) == 0
+        assert cached(await achat_ok(client, messages)) == 0
 
 
 class TestConcurrencyAndTiming:
     async def test_concurrent_requests_stay_consistent(self) -> None:
         async with make_client(FakeBackendConfig(cache_capacity_blocks=64, seconds_per_output_token=0.001)) as c:
             conversations = [[SYSTEM, {"role": "user", "content": f"question {i % 5}"}] for i in range(40)]
-            results = await asyncio.gather(*(chat(c, m) for m in conversations))
+            results = await asyncio.gather(*(achat_ok(c, m) for m in conversations))
             stats = (await c.get("/fake/stats")).json()
         cache = stats["prefix_cache"]
         assert cache["queries"] == sum(r["usage"]["prompt_tokens"] for r in results)
@@ -507,7 +501,7 @@ class TestConcurrencyAndTiming:
                     await asyncio.sleep(0.005)
 
             watcher = asyncio.create_task(watch())
-            results = await asyncio.gather(chat(c, big), chat(c, other))
+            results = await asyncio.gather(achat_ok(c, big), achat_ok(c, other))
             watcher.cancel()
             assert seen_waiting == 1
             assert all(r["choices"][0]["finish_reason"] == "stop" for r in results)
@@ -518,16 +512,16 @@ class TestConcurrencyAndTiming:
         config = FakeBackendConfig(prefill_seconds_per_token=0.0005)
         async with make_client(config) as c:
             messages = [{"role": "system", "content": "context " * 400}, {"role": "user", "content": "Hi"}]
-            await chat(c, messages)
-            await chat(c, messages)
+            await achat_ok(c, messages)
+            await achat_ok(c, messages)
             first, second = (await c.get("/fake/requests")).json()
         assert first["ttft_s"] >= 0.2 and second["ttft_s"] < first["ttft_s"] / 5
 
     async def test_long_prompt_is_cheap(self, client: httpx.AsyncClient) -> None:
         messages = [{"role": "user", "content": "lorem ipsum dolor sit amet " * 1600}]  # ~8k tokens
-        await chat(client, messages)
+        await achat_ok(client, messages)
         started = time.perf_counter()
-        body = await chat(client, messages)
+        body = await achat_ok(client, messages)
         assert body["usage"]["prompt_tokens"] > 7000
         assert time.perf_counter() - started < 0.5
 
@@ -537,7 +531,7 @@ class TestRealServer:
 
     def test_client_disconnect_cancels_the_stream(self) -> None:
         config = FakeBackendConfig(seconds_per_output_token=0.02)
-        with running_fake_backend(config) as url, httpx.Client(base_url=url, timeout=10) as client:
+        with LiveServer(create_app(config)) as server, httpx.Client(base_url=server.url, timeout=10) as client:
             body = {"messages": [{"role": "user", "content": "Long story"}], "stream": True, "max_tokens": 200}
             with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 lines = response.iter_lines()
@@ -555,7 +549,10 @@ class TestRealServer:
             assert stats["active_streams"] == 0
 
     def test_abort_after_chunks_breaks_the_connection(self) -> None:
-        with running_fake_backend() as url, httpx.Client(base_url=url, timeout=10) as client:
+        with (
+            LiveServer(create_app(FakeBackendConfig())) as server,
+            httpx.Client(base_url=server.url, timeout=10) as client,
+        ):
             body = {
                 "messages": [{"role": "user", "content": "x"}],
                 "stream": True,

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.fakebackend.chatml import parse_prompt
-from proxy.fakebackend.replies import (
+from testbed.fakevllm.chatml import parse_prompt
+from testbed.fakevllm.replies import (
     SUMMARY_HEADER,
     TextReply,
     ToolCallReply,
@@ -21,14 +21,14 @@ from proxy.fakebackend.replies import (
     reply_for_prompt,
     tool_call_for,
 )
-from proxy.fakebackend.template import render_chat
-from proxy.fakebackend.tokenizer import (
+from testbed.fakevllm.template import render_chat
+from testbed.fakevllm.tokenizer import (
     HFTokenizer,
     TiktokenChatTokenizer,
     load_tokenizer,
     token_text_deltas,
 )
-from proxy.fakebackend.toolcalls import parse_output, stream_deltas
+from testbed.fakevllm.toolcalls import parse_output, stream_deltas
 
 WEATHER = {
     "type": "function",
@@ -51,7 +51,8 @@ WEATHER = {
 NOOP = {"type": "function", "function": {"name": "noop"}}
 
 
-def chat(*turns: tuple[str, Any], tools: list[dict[str, Any]] | None = None) -> str:
+def rendered(*turns: tuple[str, Any], tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt the fake backend's template makes of (role, content) turns."""
     return render_chat([{"role": role, "content": content} for role, content in turns], tools)
 
 
@@ -60,24 +61,26 @@ TOKENIZER = TiktokenChatTokenizer()
 
 class TestPlainText:
     def test_deterministic_and_varied(self) -> None:
-        a = reply_for_prompt(chat(("user", "What is APC?")))
-        assert a == reply_for_prompt(chat(("user", "What is APC?")))
-        others = {reply_for_prompt(chat(("user", f"question {i}"))) for i in range(20)}
+        a = reply_for_prompt(rendered(("user", "What is APC?")))
+        assert a == reply_for_prompt(rendered(("user", "What is APC?")))
+        others = {reply_for_prompt(rendered(("user", f"question {i}"))) for i in range(20)}
         assert len(others) == 20
 
     def test_twenty_to_sixty_words_in_sentences(self) -> None:
         for i in range(50):
-            words = reply_for_prompt(chat(("user", f"q{i}"))).split()
+            words = reply_for_prompt(rendered(("user", f"q{i}"))).split()
             assert 20 <= len(words) <= 60
             assert words[0][0].isupper() and words[-1].endswith(".")
 
     def test_depends_on_the_last_turn_only(self) -> None:
-        a = reply_for_prompt(chat(("system", "A"), ("user", "same question")))
-        b = reply_for_prompt(chat(("system", "B"), ("user", "earlier"), ("assistant", "x"), ("user", "same question")))
+        a = reply_for_prompt(rendered(("system", "A"), ("user", "same question")))
+        b = reply_for_prompt(
+            rendered(("system", "B"), ("user", "earlier"), ("assistant", "x"), ("user", "same question"))
+        )
         assert a == b
 
     def test_max_tokens_truncates(self) -> None:
-        prompt = chat(("user", "long answer please"))
+        prompt = rendered(("user", "long answer please"))
         assert len(TOKENIZER.encode(reply_for_prompt(prompt, 5))) <= 5
         assert reply_for_prompt(prompt).startswith(reply_for_prompt(prompt, 5))
 
@@ -87,7 +90,7 @@ class TestPlainText:
 
 class TestToolCalls:
     def test_user_turn_with_tools_gets_a_tool_call(self) -> None:
-        reply = plan_reply(chat(("user", "Weather in Paris tomorrow?"), tools=[WEATHER]))
+        reply = plan_reply(rendered(("user", "Weather in Paris tomorrow?"), tools=[WEATHER]))
         assert isinstance(reply, ToolCallReply)
         assert reply.name == "get_weather"
         args = reply.arguments
@@ -96,7 +99,7 @@ class TestToolCalls:
         assert isinstance(args["city"], str) and args["city"] in "Weather in Paris tomorrow?"
 
     def test_tool_call_text_is_hermes_format(self) -> None:
-        text = reply_for_prompt(chat(("user", "Weather?"), tools=[WEATHER]))
+        text = reply_for_prompt(rendered(("user", "Weather?"), tools=[WEATHER]))
         match = re.fullmatch(r"<tool_call>\n(\{.*\})\n</tool_call>", text, re.DOTALL)
         assert match is not None
         payload = json.loads(match.group(1))
@@ -104,7 +107,7 @@ class TestToolCalls:
 
     def test_generated_call_renders_back_byte_identical(self) -> None:
         # What the model generated is exactly what the template renders for it in history.
-        prompt = chat(("user", "Weather in Rome?"), tools=[WEATHER])
+        prompt = rendered(("user", "Weather in Rome?"), tools=[WEATHER])
         reply = plan_reply(prompt)
         assert isinstance(reply, ToolCallReply)
         call = {
@@ -123,7 +126,7 @@ class TestToolCalls:
 
     def test_tool_choice_is_deterministic_and_spread(self) -> None:
         tools = [WEATHER, NOOP]
-        names = {plan_reply(chat(("user", f"ask {i}"), tools=tools)).name for i in range(30)}  # type: ignore[union-attr]
+        names = {plan_reply(rendered(("user", f"ask {i}"), tools=tools)).name for i in range(30)}  # type: ignore[union-attr]
         assert names == {"get_weather", "noop"}
 
     def test_tool_results_get_a_text_answer(self) -> None:
@@ -138,14 +141,14 @@ class TestToolCalls:
         assert isinstance(plan_reply(prompt), TextReply)
 
     def test_named_tool(self) -> None:
-        call = tool_call_for(chat(("user", "x"), tools=[WEATHER, NOOP]), "noop")
+        call = tool_call_for(rendered(("user", "x"), tools=[WEATHER, NOOP]), "noop")
         assert call == ToolCallReply("noop", {})
 
 
 class TestSummaries:
     @pytest.mark.parametrize("ask", ["Please SUMMARIZE the chat", "Give me a summary.", "请给出摘要", "总结一下"])
     def test_summary_requests(self, ask: str) -> None:
-        prompt = chat(
+        prompt = rendered(
             ("system", "You are helpful."),
             ("user", "I need a trip to Paris. Budget is small."),
             ("assistant", "Paris is lovely in spring! Trains are cheap."),
@@ -177,17 +180,17 @@ class TestSummaries:
             "- assistant called noop",
             "- tool result: Sunny all day.",
         ]
-        pasted = chat(("user", "Summarize this:\nAlice: hi there. more\nBob: hello."))
+        pasted = rendered(("user", "Summarize this:\nAlice: hi there. more\nBob: hello."))
         assert reply_for_prompt(pasted).splitlines()[1:] == ["- Alice: hi there.", "- Bob: hello."]
 
     def test_summary_respects_max_tokens(self) -> None:
-        prompt = chat(*[("user", f"Sentence number {i} is here.") for i in range(30)], ("user", "summarize"))
+        prompt = rendered(*[("user", f"Sentence number {i} is here.") for i in range(30)], ("user", "summarize"))
         assert len(TOKENIZER.encode(reply_for_prompt(prompt, 12))) <= 12
 
 
 class TestPromptParsing:
     def test_turns_tools_and_open_turn(self) -> None:
-        view = parse_prompt(chat(("system", "S"), ("user", "U"), tools=[WEATHER, NOOP]))
+        view = parse_prompt(rendered(("system", "S"), ("user", "U"), tools=[WEATHER, NOOP]))
         assert [t.role for t in view.turns] == ["system", "user", "assistant"]
         assert [t["name"] for t in view.tools] == ["get_weather", "noop"]
         assert view.last_turn is not None and view.last_turn.content == "U"
@@ -267,10 +270,9 @@ class TestTokenizers:
 
     @pytest.fixture
     def hf_tokenizer_file(self, tmp_path: Path) -> Path:
-        tokenizers = pytest.importorskip("tokenizers")
-        from tokenizers import models, pre_tokenizers, trainers
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-        tok = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+        tok = Tokenizer(models.BPE(unk_token="[UNK]"))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         trainer = trainers.BpeTrainer(
             vocab_size=300,
@@ -278,7 +280,7 @@ class TestTokenizers:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
         tok.train_from_iterator(["hello world, the user and the assistant talk"] * 20, trainer)
-        tok.decoder = tokenizers.decoders.ByteLevel()
+        tok.decoder = decoders.ByteLevel()
         path = tmp_path / "tokenizer.json"
         tok.save(str(path))
         return path

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jinja2 import sandbox as jinja2_sandbox
 
-from proxy.fakebackend.template import (
+from testbed.fakevllm.template import (
     DEFAULT_SYSTEM_PROMPT,
     QWEN_STYLE_CHAT_TEMPLATE,
     ChatTemplateError,
@@ -18,8 +19,6 @@ from proxy.fakebackend.template import (
     normalize_tools,
     render_chat,
 )
-
-jinja2_sandbox = pytest.importorskip("jinja2.sandbox")
 
 
 def hf_tojson(

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
 from hypothesis import given
 from hypothesis import strategies as st
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
+from proxy.backends.upstream import Upstream
 from proxy.canon.normalize import MEMO_MIN_CHARS, NormalTextMemo, normalize_text
-from proxy.jsonio import dumps, loads
+from proxy.openai.jsonio import dumps, loads
 from proxy.recent import RecentSet
-from proxy.upstream import Upstream
+from testbed.serving import LiveServer
 
 LINE = st.text(alphabet=st.sampled_from("ab é\u0065\u0301\t\r\n"), max_size=60)
 
@@ -73,6 +79,27 @@ async def test_upstream_keeps_no_cookies_between_requests() -> None:
         await upstream.aclose()
     assert seen == [None, None]
     assert not upstream.client.cookies
+
+
+def test_the_default_transport_keeps_no_cookies_of_a_named_upstream_host() -> None:
+    """aiohttp keeps the cookies of named hosts (not of IP addresses) unless told not to."""
+    seen: list[str | None] = []
+
+    async def app(request: Request) -> Response:
+        seen.append(request.headers.get("cookie"))
+        return JSONResponse({}, headers={"set-cookie": "session=tenant-a; Path=/"})
+
+    async def two_requests(url: str) -> None:
+        upstream = Upstream(url)
+        try:
+            for _ in range(2):
+                await upstream.read(await upstream.open("POST", "/chat/completions", content=b"{}"))
+        finally:
+            await upstream.aclose()
+
+    with LiveServer(Starlette(routes=[Route("/v1/chat/completions", app, methods=["POST"])])) as server:
+        asyncio.run(two_requests(f"http://localhost:{server.port}/v1"))
+    assert seen == [None, None]
 
 
 def test_recent_set_drops_the_least_recently_used() -> None:

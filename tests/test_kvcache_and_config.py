@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from proxy.capacity.kvcache import PRESETS, resolve_shape, shape_from_hf_config
 from proxy.cli import main
 from proxy.config import load_settings
-from proxy.kvcache import PRESETS, resolve_shape, shape_from_hf_config
 
 
 def test_kv_cli_prints_16_gib_for_llama_8b(capsys: pytest.CaptureFixture[str]) -> None:
@@ -61,3 +61,15 @@ def test_config_precedence(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PREFIX_PROXY_PORT")
     settings = load_settings(str(toml))
     assert settings.upstream == "http://toml:3/v1" and settings.sessions.store == "redis"
+
+
+def test_detector_names_are_the_canonicalizers_and_checked_when_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    from proxy.canon.volatile import BUILTIN_DETECTORS
+    from proxy.config import Settings
+
+    assert Settings().canon.builtin_detectors == list(BUILTIN_DETECTORS), "every built-in detector is on by default"
+    monkeypatch.setenv("PREFIX_PROXY_CANON__BUILTIN_DETECTORS", '["datetime", "timestamp"]')
+    with pytest.raises(ValidationError, match="builtin_detectors"):
+        load_settings()

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import PROMETHEUS_HINT, require_executable
+
+pytestmark = pytest.mark.prometheus
+
 PROMETHEUS_DIR = Path(__file__).resolve().parents[1] / "deploy/prometheus"
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
-    binary = shutil.which("promtool")
-    if binary is None:
-        pytest.fail(
-            "`promtool` is not installed: these tests need Prometheus' own checker "
-            "(Debian/Ubuntu: apt-get install prometheus; .ci/run installs it)"
-        )
+    binary = require_executable("promtool", PROMETHEUS_HINT)
     # From the config's directory, as Prometheus resolves rule_files relative to the config file.
     return subprocess.run([binary, *args], cwd=PROMETHEUS_DIR, capture_output=True, text=True, timeout=120, check=False)
 

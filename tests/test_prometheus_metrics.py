@@ -11,8 +11,8 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from proxy.fakebackend.metrics import BackendMetrics
-from proxy.metrics import Metrics
+from proxy.observability.metrics import Metrics
+from testbed.fakevllm.metrics import BackendMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS_MD = ROOT / "docs/metrics.md"

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import LiveServer, free_port
+from tests.helpers import LiveServer, chat, free_port
 from tests.redis_server import SHARED_URL, PrivateRedis, delete_prefix, require_shared_redis, unique_prefix
 
 MODEL = "fake-model"
@@ -80,11 +80,6 @@ def redis_env(prefix: str, url: str = SHARED_URL, **extra: str) -> dict[str, str
     }
 
 
-def chat(url: str, messages: list[dict[str, Any]], headers: dict[str, str] | None = None) -> httpx.Response:
-    body = {"model": MODEL, "messages": messages, "max_tokens": 20}
-    return httpx.post(url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=30)
-
-
 def test_two_replicas_share_one_session_exactly(
     start_proxies: Callable[..., list[ProxyProcess]], redis_prefix: str
 ) -> None:
@@ -94,7 +89,7 @@ def test_two_replicas_share_one_session_exactly(
     for turn in range(40):
         replica = (a, b)[turn % 2]
         history.append({"role": "user", "content": f"Question {turn}: which screws fit a 6 mm plug?"})
-        response = chat(replica.url, history)
+        response = chat(replica.url, history, max_tokens=20)
         statuses.append(response.status_code)
         if response.status_code == 429:
             assert response.json()["error"]["code"] == "session_budget_exceeded"
@@ -128,7 +123,7 @@ def test_concurrent_requests_stay_within_the_budget(
 
     def one(i: int) -> httpx.Response:
         messages = [SYSTEM, {"role": "user", "content": f"Request {i}: list three kinds of wood glue."}]
-        return chat(replicas[i % 2].url, messages, headers)
+        return chat(replicas[i % 2].url, messages, headers=headers, max_tokens=20)
 
     with concurrent.futures.ThreadPoolExecutor(50) as pool:
         responses = list(pool.map(one, range(50)))
@@ -168,7 +163,7 @@ def test_redis_outage_degrades_to_pass_through_and_recovers(
 
         def turn(i: int) -> None:
             history.append({"role": "user", "content": f"Turn {i}: what sandpaper grit for pine?"})
-            response = chat(server.url, history)
+            response = chat(server.url, history, max_tokens=20)
             if response.status_code != 200:
                 failures.append(response.status_code)
                 history.pop()
@@ -211,12 +206,11 @@ def test_tenants_provisioned_in_redis(start_proxies: Callable[..., list[ProxyPro
     )
     (server,) = start_proxies(1, redis_env(redis_prefix, PREFIX_PROXY_SESSIONS__TENANTS_IN_REDIS="true"))
     messages = [SYSTEM, {"role": "user", "content": "hello"}]
-    assert chat(server.url, messages).status_code == 401
-    assert chat(server.url, messages, {"authorization": "Bearer sk-wrong"}).status_code == 401
-    key = {"authorization": "Bearer sk-from-redis-42"}
+    assert chat(server.url, messages, max_tokens=20).status_code == 401
+    assert chat(server.url, messages, key="sk-wrong", max_tokens=20).status_code == 401
     statuses = []
     for turn in range(6):
-        response = chat(server.url, messages, key)
+        response = chat(server.url, messages, key="sk-from-redis-42", max_tokens=20)
         statuses.append(response.status_code)
         if response.status_code != 200:
             break

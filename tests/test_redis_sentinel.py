@@ -19,7 +19,7 @@ from proxy.app import create_app
 from proxy.config import Settings
 from proxy.sessions.model import TurnRecord
 from proxy.sessions.redis_store import RedisSessionStore
-from tests.conftest import LiveServer, free_port
+from tests.helpers import LiveServer, free_port
 from tests.redis_server import PrivateRedis, PrivateSentinel
 
 

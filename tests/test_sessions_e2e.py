@@ -10,16 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer, chat
 
 MODEL = "fake-model"
 SYSTEM = {"role": "system", "content": "You are a travel agent. Answer in two sentences."}
-
-
-def chat(server: LiveServer, messages: list[dict[str, Any]], key: str | None = None, **extra: Any) -> httpx.Response:
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    body = {"model": MODEL, "messages": messages, "max_tokens": 30, **extra}
-    return httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
 
 
 def converse(server: LiveServer, questions: list[str], window: int | None = None, key: str | None = None) -> list[str]:
@@ -29,7 +23,7 @@ def converse(server: LiveServer, questions: list[str], window: int | None = None
     for question in questions:
         history.append({"role": "user", "content": question})
         sent = history if window is None else history[-window:]
-        response = chat(server, [SYSTEM, *sent], key)
+        response = chat(server, [SYSTEM, *sent], key=key, max_tokens=30)
         assert response.status_code == 200, response.text
         sessions.append(response.headers["x-prefix-proxy-session"])
         history.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
@@ -50,7 +44,7 @@ def test_two_interleaved_conversations_of_one_user_stay_apart(proxy: LiveServer)
         for name, history, topic in (("a", a, "Kyoto"), ("b", b, "Oslo")):
             opening = f"hi, I am planning a trip to {topic}"
             history.append({"role": "user", "content": opening if turn == 0 else f"more about {topic}, part {turn}"})
-            response = chat(proxy, [SYSTEM, *history])
+            response = chat(proxy, [SYSTEM, *history], max_tokens=30)
             ids[name].add(response.headers["x-prefix-proxy-session"])
             history.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
     assert len(ids["a"]) == 1 and len(ids["b"]) == 1
@@ -58,15 +52,52 @@ def test_two_interleaved_conversations_of_one_user_stay_apart(proxy: LiveServer)
 
 
 def test_explicit_session_header_wins(proxy: LiveServer) -> None:
-    first = chat(proxy, [SYSTEM, {"role": "user", "content": "one"}], **{})
+    first = chat(proxy, [SYSTEM, {"role": "user", "content": "one"}], max_tokens=30)
     headers = {"x-session-id": "my-conversation-42"}
     body = {"model": MODEL, "messages": [SYSTEM, {"role": "user", "content": "two"}], "max_tokens": 5}
     a = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
     b = httpx.post(proxy.url + "/v1/chat/completions", json={**body, "messages": [SYSTEM]}, headers=headers)
     assert a.headers["x-prefix-proxy-session"] == b.headers["x-prefix-proxy-session"]
     assert a.headers["x-prefix-proxy-session"] != first.headers["x-prefix-proxy-session"]
-    cache_key = chat(proxy, [SYSTEM, {"role": "user", "content": "x"}], prompt_cache_key="my-conversation-42")
+    cache_key = chat(
+        proxy, [SYSTEM, {"role": "user", "content": "x"}], prompt_cache_key="my-conversation-42", max_tokens=30
+    )
     assert cache_key.headers["x-prefix-proxy-session"] == a.headers["x-prefix-proxy-session"]
+
+
+@pytest.mark.parametrize(
+    "header", ["X-OpenWebUI-Chat-Id", "X-Claude-Code-Session-Id", "session-id", "x-opencode-session"]
+)
+def test_the_session_headers_clients_send_name_the_session(proxy: LiveServer, header: str) -> None:
+    chat_id = f"chat-{uuid.uuid4()}"
+    sessions = set()
+    for question in ("first question", "an unrelated second one"):
+        body = {"model": MODEL, "messages": [SYSTEM, {"role": "user", "content": question}], "max_tokens": 5}
+        response = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers={header: chat_id})
+        sessions.add(response.headers["x-prefix-proxy-session"])
+    assert len(sessions) == 1, "two requests without shared history, one named session"
+
+
+def test_session_headers_are_an_ordered_list(make_proxy: Callable[..., LiveServer]) -> None:
+    proxy = make_proxy(sessions={"headers": ["x-my-app-conversation", "x-session-id"]})
+    body = {"model": MODEL, "messages": [SYSTEM, {"role": "user", "content": "hi"}], "max_tokens": 5}
+
+    def session(headers: dict[str, str]) -> str:
+        response = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
+        return response.headers["x-prefix-proxy-session"]
+
+    named = session({"x-my-app-conversation": "c-1"})
+    assert session({"x-my-app-conversation": "c-1", "x-session-id": "other"}) == named, "the first listed wins"
+    assert session({"x-session-id": "c-1"}) == named, "the same id under a later header: the same session"
+    assert session({"x-openwebui-chat-id": "c-1"}) != named, "a header left out of the list is not read"
+
+
+def test_the_single_header_setting_still_works() -> None:
+    from proxy.config import SESSION_HEADERS, SessionSettings
+
+    settings = SessionSettings.model_validate({"header": "X-Conversation"})
+    assert settings.headers == ["X-Conversation", *SESSION_HEADERS]
+    assert SessionSettings.model_validate({"headers": "a, b"}).headers == ["a", "b"]
 
 
 TENANTS = [
@@ -82,7 +113,7 @@ def keyed_proxy(make_proxy: Callable[..., LiveServer]) -> LiveServer:
 
 def test_missing_or_wrong_key_is_401(keyed_proxy: LiveServer) -> None:
     for key in (None, "sk-wrong"):
-        response = chat(keyed_proxy, [SYSTEM, {"role": "user", "content": "hi"}], key)
+        response = chat(keyed_proxy, [SYSTEM, {"role": "user", "content": "hi"}], key=key, max_tokens=30)
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
     models = httpx.get(keyed_proxy.url + "/v1/models")
@@ -117,10 +148,10 @@ def test_tenants_cannot_see_or_reset_each_others_sessions(keyed_proxy: LiveServe
 
 def test_context_over_hard_limit_is_answered_by_the_proxy(make_proxy: Callable[..., LiveServer]) -> None:
     server = make_proxy(budget={"context_limit_tokens": 300})
-    response = chat(server, [SYSTEM, {"role": "user", "content": "tell me everything " * 400}])
+    response = chat(server, [SYSTEM, {"role": "user", "content": "tell me everything " * 400}], max_tokens=30)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
-    assert chat(server, [SYSTEM, {"role": "user", "content": "short"}]).status_code == 200
+    assert chat(server, [SYSTEM, {"role": "user", "content": "short"}], max_tokens=30).status_code == 200
 
 
 def test_context_limit_defaults_to_max_model_len_minus_max_tokens(proxy: LiveServer) -> None:
@@ -154,9 +185,9 @@ def test_exact_counts_from_the_backends_tokenize(
     messages = [SYSTEM, {"role": "user", "content": "count me " * 60 + "now"}]
     exact = httpx.post(fake_backend.url + "/tokenize", json={"model": MODEL, "messages": messages}).json()["count"]
     just_fits = make_proxy(budget={"context_limit_tokens": exact, "exact_counts_via_tokenize": True})
-    assert chat(just_fits, messages).status_code == 200
+    assert chat(just_fits, messages, max_tokens=30).status_code == 200
     too_small = make_proxy(budget={"context_limit_tokens": exact - 1, "exact_counts_via_tokenize": True})
-    response = chat(too_small, messages)
+    response = chat(too_small, messages, max_tokens=30)
     assert response.status_code == 400
     assert f"about {exact} tokens" in response.json()["error"]["message"]
 

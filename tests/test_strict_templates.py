@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 
-from proxy.fakebackend import FakeBackendConfig
-from proxy.fakebackend import create_app as create_fake_app
 from summarizer.anchor import SUMMARY_HEADER
-from tests.conftest import LiveServer
+from testbed.fakevllm import FakeBackendConfig
+from testbed.fakevllm import create_app as create_fake_app
+from tests.helpers import LiveServer, chat
 
 SYSTEM = "Current time: 2026-11-29 14:03:11\nYou are a support assistant. Answer briefly and politely."
 
@@ -31,15 +31,15 @@ def strict_backend() -> Iterator[LiveServer]:
     server.stop()
 
 
-def chat(proxy: LiveServer, system: str, question: str, stream: bool = False) -> tuple[int, dict[str, str], str]:
-    body: dict[str, Any] = {
-        "model": "fake-model",
-        "max_tokens": 8,
-        "stream": stream,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
-    }
-    response = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=30)
-    return response.status_code, dict(response.headers), response.text
+def asking(system: str, question: str) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def seen_varying(proxy: LiveServer) -> None:
+    """One earlier request with another time: the proxy moves a span only once its place has varied."""
+    response = chat(proxy, asking(SYSTEM.replace("14:03:11", "13:59:02"), "Hello"), max_tokens=8)
+    assert response.status_code == 200
+    assert "volatile_moved" not in response.headers.get("x-prefix-proxy-actions", "")
 
 
 def test_the_strict_backend_refuses_an_inserted_system_message(strict_backend: LiveServer) -> None:
@@ -59,23 +59,27 @@ def test_a_refused_rewrite_is_resent_in_the_client_order(
     make_proxy: Callable[..., LiveServer], strict_backend: LiveServer, stream: bool
 ) -> None:
     proxy = make_proxy(upstream=strict_backend.url + "/v1")
-    status, headers, _ = chat(proxy, SYSTEM, "Where is my order?", stream)
-    assert status == 200
-    actions = headers["x-prefix-proxy-actions"]
+    seen_varying(proxy)
+    response = chat(proxy, asking(SYSTEM, "Where is my order?"), max_tokens=8, stream=stream)
+    assert response.status_code == 200
+    actions = response.headers["x-prefix-proxy-actions"]
     assert "retried_keeping_message_order" in actions
     assert "volatile_moved:system_end" in actions
 
     # From now on the model gets the client's order at once; the timestamp still moves.
-    status, headers, _ = chat(proxy, SYSTEM.replace("14:03:11", "14:04:52"), "And my invoice?", stream)
-    assert status == 200
-    assert "retried" not in headers["x-prefix-proxy-actions"]
-    assert "volatile_moved:system_end" in headers["x-prefix-proxy-actions"]
+    response = chat(
+        proxy, asking(SYSTEM.replace("14:03:11", "14:04:52"), "And my invoice?"), max_tokens=8, stream=stream
+    )
+    assert response.status_code == 200
+    assert "retried" not in response.headers["x-prefix-proxy-actions"]
+    assert "volatile_moved:system_end" in response.headers["x-prefix-proxy-actions"]
 
 
 def test_a_request_the_backend_refuses_anyway_reaches_the_client(
     make_proxy: Callable[..., LiveServer], strict_backend: LiveServer
 ) -> None:
     proxy = make_proxy(upstream=strict_backend.url + "/v1")
+    seen_varying(proxy)
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(
@@ -89,9 +93,9 @@ def test_a_request_the_backend_refuses_anyway_reaches_the_client(
         )
     assert "roles must alternate" in str(raised.value)
     # The client's own order was refused too, so the model is not marked: a later request still relocates.
-    status, headers, _ = chat(proxy, SYSTEM, "Where is my order?")
-    assert status == 200
-    assert "retried_keeping_message_order" in headers["x-prefix-proxy-actions"]
+    response = chat(proxy, asking(SYSTEM, "Where is my order?"), max_tokens=8)
+    assert response.status_code == 200
+    assert "retried_keeping_message_order" in response.headers["x-prefix-proxy-actions"]
 
 
 def test_a_long_conversation_is_summarized_into_the_one_system_message(

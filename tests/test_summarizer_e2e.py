@@ -13,10 +13,10 @@ import pytest
 
 from proxy.app import create_app
 from proxy.config import Settings
-from proxy.fakebackend import FakeBackendConfig
-from proxy.fakebackend import create_app as create_fake_app
 from summarizer.anchor import SUMMARY_HEADER
-from tests.conftest import LiveServer
+from testbed.fakevllm import FakeBackendConfig
+from testbed.fakevllm import create_app as create_fake_app
+from tests.helpers import LiveServer
 from tests.redis_server import SHARED_URL, delete_prefix, require_shared_redis, unique_prefix
 
 MODEL = "fake-model"
@@ -69,6 +69,43 @@ def play(server: LiveServer, turns: int, max_tokens: int = 60) -> list[httpx.Res
         history.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
         time.sleep(0.05)  # the client reads; background compaction runs meanwhile
     return responses
+
+
+def computed_prefill(responses: list[httpx.Response]) -> int:
+    usages = [r.json()["usage"] for r in responses]
+    return sum(u["prompt_tokens"] - ((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0) for u in usages)
+
+
+def test_a_ready_summary_waits_until_the_conversation_needs_it() -> None:
+    """Swapping a summary in costs one recompute of the turns after it. By default it happens only
+    once the whole history would not fit (where a direct connection is refused): until then the
+    conversation costs what a direct one does, and it is never refused. Applied as soon as ready
+    (apply_ratio 0) it swaps in earlier and pays for it while the history would still have fit."""
+    limit, turns = 1500, 30
+    runs = {}
+    for ratio in (1.0, 0.0):
+        backend = LiveServer(create_fake_app(FakeBackendConfig())).start()  # a cold cache for each run
+        server = proxy_for(
+            backend,
+            budget={"context_limit_tokens": limit, "soft_ratio": 0.6},
+            summarizer={"max_summary_tokens": 120, "apply_ratio": ratio},
+        )
+        try:
+            responses = play(server, turns)
+        finally:
+            server.stop()
+            backend.stop()
+        assert [r.status_code for r in responses] == [200] * turns
+        assert all(r.json()["usage"]["prompt_tokens"] <= limit for r in responses)
+        summarized = ["summary_anchored" in r.headers.get("x-prefix-proxy-actions", "") for r in responses]
+        runs[ratio] = (summarized, responses)
+    (deferred, deferred_responses), (eager, eager_responses) = runs[1.0], runs[0.0]
+    first_deferred, first_eager = deferred.index(True), eager.index(True)
+    assert first_eager < first_deferred, "by default the summary waits while the history still fits"
+    assert not any(deferred[:first_deferred])
+    # Until then the deferred conversation pays what a direct one would; the eager one paid for swaps.
+    before = slice(0, first_deferred)
+    assert computed_prefill(deferred_responses[before]) < computed_prefill(eager_responses[before])
 
 
 def test_long_conversation_stays_under_the_hard_limit_with_stable_prefixes(backend: LiveServer) -> None:
@@ -184,7 +221,8 @@ def test_compaction_never_splits_tool_calls_from_their_results(backend: LiveServ
     server = proxy_for(
         backend,
         budget={"context_limit_tokens": 2500, "soft_ratio": 0.5},
-        summarizer={"max_summary_tokens": 100, "keep_last_turns": 2},
+        # Applied as soon as ready: this test is about where the cut falls, on many compactions.
+        summarizer={"max_summary_tokens": 100, "keep_last_turns": 2, "apply_ratio": 0},
     )
     history: list[dict[str, Any]] = [SYSTEM]
     try:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from proxy.sessions.identity import message_fingerprint
+from proxy.openai.messages import message_fingerprint
 from summarizer import Compactor, CompactorOptions, SummaryPolicy, SummaryState, anchor, plan_chunk
 from summarizer.anchor import SUMMARY_HEADER
 from summarizer.compactor import CompactionFailed

@@ -15,7 +15,7 @@ import httpx
 import openai
 
 from proxy.tenants import tenant_cache_salt
-from tests.conftest import LiveServer
+from tests.helpers import LiveServer
 
 TENANTS = [{"name": "acme", "api_key": "sk-acme"}, {"name": "globex", "api_key": "sk-globex"}]
 SYSTEM = "You are the billing assistant of a large retailer. Answer briefly and cite the policy. " * 20

@@ -55,3 +55,12 @@ def test_counter_memoizes_by_hash() -> None:
     assert counter.count_text(text) == counter.count_text(text) == len(load_encoding().encode_ordinary(text))
     assert counter.count_message({"role": "user", "content": [{"type": "text", "text": "hi"}]}) > 0
     socket.socket  # noqa: B018 - the module stays importable and untouched here
+
+
+def test_the_encoding_is_loaded_by_the_first_count_not_before() -> None:
+    # ~35 MiB that a proxy whose requests never come near a limit does not spend.
+    load_encoding.cache_clear()
+    counter = TokenCounter()
+    assert load_encoding.cache_info().currsize == 0
+    assert counter.count_text("hello world") == 2
+    assert load_encoding.cache_info().currsize == 1

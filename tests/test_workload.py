@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.fakebackend import FakeBackendConfig
-from proxy.fakebackend import create_app as create_fake_backend
 from proxy.tokenization import load_encoding
-from proxy.workload import (
+from testbed.fakevllm import FakeBackendConfig
+from testbed.fakevllm import create_app as create_fake_backend
+from testbed.workload import (
     Scenario,
     ScenarioResult,
     Session,
@@ -26,10 +26,10 @@ from proxy.workload import (
     run_workload_async,
     scenario_names,
 )
-from proxy.workload.corpus import dify_nodes, knowledge_passages, placeholders, questions, tool_suite
-from proxy.workload.report import comparison_json, format_comparison
-from proxy.workload.runner import cached_tokens_of
-from proxy.workload.session import reserialize_arguments, shuffle_keys
+from testbed.workload.corpus import dify_nodes, knowledge_passages, placeholders, questions, tool_suite
+from testbed.workload.report import comparison_json, format_comparison
+from testbed.workload.runner import cached_tokens_of
+from testbed.workload.session import reserialize_arguments, shuffle_keys
 
 BUILTIN = ["dify_rag", "timestamp_user", "fc_agent", "inline_query", "stable_app"]
 
@@ -38,10 +38,9 @@ def scripted_reply(body: dict[str, Any], counter: list[int]) -> dict[str, Any]:
     """A deterministic stand-in for a backend: a tool call after a user turn when tools exist."""
     counter[0] += 1
     n = counter[0]
-    last = body["messages"][-1]
-    if body.get("tools") and last["role"] == "user":
+    if body.get("tools") and _user_turn(body):
         tool = body["tools"][n % len(body["tools"])]
-        function = tool["function"]
+        function = tool.get("function", tool)  # chat tools nest it; Anthropic and Responses do not
         arguments = {"b": n, "a": "x", "nested": {"z": 1, "y": [1, 2]}}
         return {
             "role": "assistant",
@@ -55,6 +54,16 @@ def scripted_reply(body: dict[str, Any], counter: list[int]) -> dict[str, Any]:
             ],
         }
     return {"role": "assistant", "content": f"Answer number {n}. The cache keeps stable prefixes."}
+
+
+def _user_turn(body: dict[str, Any]) -> bool:
+    """The request ends with the user's words (not tool results), in any protocol."""
+    if "input" in body:  # Responses
+        return bool(body["input"]) and body["input"][-1].get("role") == "user"
+    last = body["messages"][-1]
+    content = last.get("content")
+    blocks = content if isinstance(content, list) else []
+    return last["role"] == "user" and not any(b.get("type") == "tool_result" for b in blocks)
 
 
 def drive(session: Session) -> list[dict[str, Any]]:
@@ -72,7 +81,7 @@ def session_bodies(scenario: str, index: int = 0, seed: int = 0) -> list[dict[st
 
 
 def _rng(seed: int, scenario: str, index: int) -> Any:
-    from proxy.workload.registry import session_rng
+    from testbed.workload.registry import session_rng
 
     return session_rng(seed, scenario, index)
 
@@ -86,7 +95,7 @@ def user_requests(bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_bundled_data_is_small_loads_from_the_package_and_has_a_notice() -> None:
-    data = resources.files("proxy.workload").joinpath("data")
+    data = resources.files("testbed.workload").joinpath("data")
     files = ["dify_prompts.jsonl", "mt_bench_questions.jsonl", "NOTICE.md"]
     tool_files = [f"tools/{name}.json" for name in ("message_api", "ticket_api")]
     total = 0
@@ -145,7 +154,7 @@ def test_sessions_are_interleaved_round_robin_with_3_to_6_user_turns() -> None:
     assert sorted(len(s.user_turns) for s in long_ones) == [20] * 8 + [40] * 4, "long scenarios cap their sessions"
     # Sessions of one app do not replay each other's conversation.
     for scenario in BUILTIN:
-        apps = len(getattr(importlib.import_module(f"proxy.workload.scenarios.{scenario}"), "APPS", (0,)))
+        apps = len(getattr(importlib.import_module(f"testbed.workload.scenarios.{scenario}"), "APPS", (0,)))
         for app in range(apps):
             openings = [s.user_turns[0] for s in sessions if s.scenario == scenario and s.index % apps == app]
             assert len(set(openings)) == len(openings)

@@ -7,10 +7,13 @@ the already cache-friendly app does not get worse; no request fails.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from proxy.demo import DemoResult, run_demo
-from proxy.workload import overall
+from proxy.config import Settings
+from testbed.demo import DemoResult, run_demo
+from testbed.workload import overall
 
 SESSIONS = 32
 TARGET_OVERALL = 0.80
@@ -74,15 +77,39 @@ def test_the_proxy_reports_what_it_did(demo: DemoResult) -> None:
     assert not any(demo.direct[name].actions for name in demo.direct)
 
 
-def test_sliding_window_share_at_least_doubles(demo: DemoResult) -> None:
+def test_no_scenario_computes_more_than_direct(demo: DemoResult) -> None:
+    for name, direct in demo.direct.items():
+        # 2%: canonical tool JSON shifts block boundaries a little (stable_app).
+        assert demo.proxied[name].prefill_tokens <= direct.prefill_tokens * 1.02, name
+
+
+def test_a_sliding_window_of_an_unnamed_conversation_is_left_alone(demo: DemoResult) -> None:
+    """The sliding-window client sends only ``user`` (Dify: one id for all of a user's conversations):
+    its identity is not certain, so on defaults nothing is restored, and it costs what direct costs."""
     direct, proxied = demo.direct["sliding_window"], demo.proxied["sliding_window"]
+    assert proxied.actions["window_repaired"] == 0
+    assert proxied.prefill_tokens <= direct.prefill_tokens * 1.02
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"sessions": {"use_user": True}},  # the app's `user` is one conversation: a named session
+        {"summarizer": {"sliding_window_repair": "inferred"}},
+    ],
+    ids=["named", "inferred"],
+)
+def test_sliding_window_repair_at_least_doubles_the_share(settings: dict[str, Any]) -> None:
+    result = run_demo(sessions=8, seed=0, scenarios="sliding_window", progress=False, settings=Settings(**settings))
+    direct, proxied = result.direct["sliding_window"], result.proxied["sliding_window"]
     assert proxied.hit_rate >= 2 * direct.hit_rate
-    assert proxied.prefill_tokens < direct.prefill_tokens
+    assert proxied.prefill_tokens < 0.5 * direct.prefill_tokens
     assert proxied.actions["window_repaired"] > 0
 
 
-def test_long_session_is_compacted_into_a_smaller_context(demo: DemoResult) -> None:
+def test_long_session_costs_no_more_than_direct(demo: DemoResult) -> None:
     direct, proxied = demo.direct["long_session"], demo.proxied["long_session"]
-    assert proxied.actions["summary_anchored"] > 0
-    assert proxied.prompt_tokens < 0.95 * direct.prompt_tokens
+    # It stays within its context budget, so a ready summary waits (summarizer.apply_ratio) and the
+    # history goes as sent: swapping the summary in would make the backend recompute the kept turns.
+    assert proxied.prefill_tokens <= 1.02 * direct.prefill_tokens
     assert proxied.hit_rate > 0.9

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from bench.real_vllm.streaming import TimedStat, make_sessions, run_sessions_streaming, timed
-from proxy.workload.runner import ScenarioResult, overall
+from testbed.workload.runner import ScenarioResult, overall
 
 OVERALL = "overall"
 _METRIC_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)")

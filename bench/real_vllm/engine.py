@@ -3,7 +3,7 @@
 Standard library only and no vLLM import: usable from the project venv. The server runs from
 `bench/real_vllm/.work/venv` (made by `setup.py`) and serves the random-weight model built by
 `build_model.py`; replies are forced by `forced_reply.ForcedReplyLogitsProcessor`, so they are a pure
-function of the rendered prompt (`proxy.fakebackend.replies.reply_for_prompt`).
+function of the rendered prompt (`testbed.fakevllm.replies.reply_for_prompt`).
 
     from bench.real_vllm.engine import RealVLLM, unavailable_reason
 
@@ -195,7 +195,7 @@ class RealVLLM:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         env.update(
             {
-                "PYTHONPATH": str(REPO_ROOT),  # the logits processor and proxy.fakebackend
+                "PYTHONPATH": str(REPO_ROOT),  # the logits processor and testbed.fakevllm
                 "VLLM_CPU_KVCACHE_SPACE": str(self.kv_space_gib),
                 "VLLM_USE_V2_MODEL_RUNNER": "0",
                 "HF_HUB_OFFLINE": "1",

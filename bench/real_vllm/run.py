@@ -68,9 +68,9 @@ def run_fake(
     length (and KV pool size, ``capacity_blocks``, when known: it decides LRU eviction)."""
     from proxy.app import create_app
     from proxy.config import Settings
-    from proxy.demo import serve_in_thread
-    from proxy.fakebackend import FakeBackendConfig
-    from proxy.fakebackend import create_app as create_fake
+    from testbed.fakevllm import FakeBackendConfig
+    from testbed.fakevllm import create_app as create_fake
+    from testbed.serving import serve_in_thread
 
     config = FakeBackendConfig(
         model=workload.model,
@@ -117,7 +117,7 @@ def warm_up(engine: RealVLLM, proxy_url: str, run_id: str) -> None:
 def run_real(workload: Workload, preset: str, run_id: str, startup_timeout: float):
     from proxy.app import create_app
     from proxy.config import Settings
-    from proxy.demo import serve_in_thread
+    from testbed.serving import serve_in_thread
 
     info: dict[str, Any] = {}
     with ExitStack() as stack:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the engine and the in-process servers are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from proxy.workload import resolve_scenarios
+    from testbed.workload import resolve_scenarios
 
     try:
         scenarios = [s.name for s in resolve_scenarios(args.scenarios)]

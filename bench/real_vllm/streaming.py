@@ -1,7 +1,11 @@
-"""The project's workload sessions, sent as STREAMING chat requests, with time to first token.
+"""The project's workload sessions, sent as STREAMING requests, with time to first token.
 
-`proxy.workload.runner` sends non-streaming requests, so it cannot see time to first token. This
-drives the same `Session` objects (`proxy.workload.registry.build_sessions`: same seed, same
+Each session streams in its own protocol (``Session.protocol``): chat completions, Anthropic
+Messages (time to first token: the first content block; usage from ``message_delta``) or Responses
+(first output item; usage and the reply from ``response.completed``).
+
+`testbed.workload.runner` sends non-streaming requests, so it cannot see time to first token. This
+drives the same `Session` objects (`testbed.workload.registry.build_sessions`: same seed, same
 sessions, same requests) with ``"stream": true`` and ``stream_options.include_usage``, assembles the
 assistant message from the deltas (text and tool calls) and hands it to `Session.observe`, like a
 client would. Each request's numbers land in a `TimedStat` (a `RequestStat` plus ``ttft_s`` and
@@ -25,15 +29,16 @@ from typing import Any
 
 import httpx
 
-from proxy.workload.registry import build_sessions
-from proxy.workload.runner import (
+from testbed.workload.registry import build_sessions
+from testbed.workload.runner import (
     RequestStat,
     ScenarioResult,
     cached_tokens_of,
     parse_actions_header,
     parse_float_header,
 )
-from proxy.workload.session import Session
+from testbed.workload.session import Session
+from testbed.workload.wire import CHAT, MESSAGES, RESPONSES, WIRES
 
 ProgressCallback = Callable[[int], None]
 
@@ -95,15 +100,97 @@ class StreamedReply:
         return message
 
 
+@dataclass
+class AnthropicReply(StreamedReply):
+    """What the typed events of one Anthropic Messages stream add up to."""
+
+    def feed(self, event: dict[str, Any]) -> bool:
+        kind = event.get("type")
+        if kind == "error":
+            self.error = json.dumps(event.get("error"))[:200]
+        elif kind == "message_delta":
+            self.usage = event.get("usage") if isinstance(event.get("usage"), dict) else self.usage
+            self.finish_reason = (event.get("delta") or {}).get("stop_reason")
+        elif kind == "content_block_start":
+            block = event.get("content_block") or {}
+            if block.get("type") == "tool_use":
+                self.tool_calls[int(event.get("index", 0))] = {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {"name": block.get("name"), "arguments": ""},
+                }
+            return True
+        elif kind == "content_block_delta":
+            delta = event.get("delta") or {}
+            if delta.get("type") == "text_delta":
+                self.content.append(str(delta.get("text", "")))
+            elif delta.get("type") == "input_json_delta" and int(event.get("index", 0)) in self.tool_calls:
+                self.tool_calls[int(event.get("index", 0))]["function"]["arguments"] += delta.get("partial_json", "")
+            return True
+        return False
+
+    def message(self) -> dict[str, Any]:
+        text = "".join(self.content)
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        calls = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        for call in calls:  # as a client re-sends it: the parsed input, dumped again
+            try:
+                parsed = json.loads(call["function"]["arguments"] or "{}")
+            except ValueError:  # cut short by max_tokens: the client has no input to re-send
+                parsed = {}
+            call["function"]["arguments"] = json.dumps(parsed)
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+    def counts(self) -> tuple[int, int, int]:
+        return MESSAGES.usage({"usage": self.usage})
+
+
+@dataclass
+class ResponsesReply:
+    """A Responses stream: the whole answer arrives in ``response.completed``."""
+
+    answer: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def feed(self, event: dict[str, Any]) -> bool:
+        kind = str(event.get("type"))
+        if kind in ("error", "response.failed"):
+            self.error = json.dumps(event)[:200]
+        elif kind == "response.completed" and isinstance(event.get("response"), dict):
+            self.answer = event["response"]
+            self.usage = self.answer.get("usage")
+            self.finish_reason = str(self.answer.get("status"))
+        return kind in ("response.output_text.delta", "response.output_item.added")
+
+    def message(self) -> dict[str, Any]:
+        return RESPONSES.message(self.answer)
+
+    def counts(self) -> tuple[int, int, int]:
+        return RESPONSES.usage(self.answer)
+
+
+def _reply_for(protocol: str) -> Any:
+    return {"messages": AnthropicReply, "responses": ResponsesReply}.get(protocol, StreamedReply)()
+
+
 async def stream_chat(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], session_id: str
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    session_id: str,
+    protocol: str = "chat",
+    headers: dict[str, str] | None = None,
 ) -> tuple[TimedStat, dict[str, Any] | None]:
-    """POST one streaming chat request; returns its stat and the assembled assistant message."""
+    """POST one streaming request; returns its stat and the assembled assistant message."""
     started = time.perf_counter()
-    reply = StreamedReply()
+    reply = _reply_for(protocol)
     ttft: float | None = None
     try:
-        async with client.stream("POST", url, json=body) as response:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
             actions = parse_actions_header(response.headers.get("x-prefix-proxy-actions"))
             overhead = parse_float_header(response.headers.get("x-prefix-proxy-overhead-ms"))
             if not response.is_success:
@@ -132,13 +219,17 @@ async def stream_chat(
     if reply.error is None and reply.usage is None:
         reply.error = "stream ended without usage"
     usage = reply.usage or {}
+    if isinstance(reply, StreamedReply):
+        counts = (_int(usage.get("prompt_tokens")), cached_tokens_of(usage), _int(usage.get("completion_tokens")))
+    else:
+        counts = reply.counts()
     stat = TimedStat(
         session_id,
         0,
         status,
-        prompt_tokens=_int(usage.get("prompt_tokens")),
-        cached_tokens=cached_tokens_of(usage),
-        completion_tokens=_int(usage.get("completion_tokens")),
+        prompt_tokens=counts[0],
+        cached_tokens=counts[1],
+        completion_tokens=counts[2],
         error=reply.error,
         actions=actions,
         overhead_ms=overhead,
@@ -165,7 +256,6 @@ async def run_sessions_streaming(
     Returns one `ScenarioResult` per scenario (in the order the sessions name them); its
     ``per_request`` entries are `TimedStat`s in completion order.
     """
-    url = base_url.rstrip("/") + "/chat/completions"
     results: dict[str, ScenarioResult] = {}
     for session in sessions:
         results.setdefault(session.scenario, ScenarioResult(session.scenario)).sessions += 1
@@ -180,14 +270,19 @@ async def run_sessions_streaming(
             body = session.next_request()
             if body is None:
                 return
+            wire = WIRES[session.protocol]
             body = {"model": model, **body, **(extra_body or {})}
             body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
+            if wire is CHAT:
+                body["stream_options"] = {"include_usage": True}
             if max_tokens is not None:
-                body["max_tokens"] = max_tokens
+                body[wire.max_tokens_key] = max_tokens
             step_index = session.requests_sent
+            url = base_url.rstrip("/") + wire.path
             async with semaphore:
-                stat, message = await stream_chat(client, url, body, session.session_id)
+                stat, message = await stream_chat(
+                    client, url, body, session.session_id, session.protocol, session.extra_headers()
+                )
             stat.step = step_index
             if message is not None:
                 session.observe(message)

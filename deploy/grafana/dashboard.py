@@ -147,6 +147,24 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 unit="reqps",
                 stack=True,
             ),
+            Panel(
+                "Where prefill goes",
+                "Prefill tokens per second by why they were not served from the cache (docs/analysis.md): the "
+                "estimated tokens each cache break cost, by cause (system_changed, tools_changed, history_trimmed, "
+                "model_output_rewritten, cache_evicted, ...), and the rest of the prefill: the new turns "
+                "themselves, which no cache can serve. Causes are counted over all models and tenants.",
+                [
+                    Target(f"sum by (cause) (rate(prefix_proxy_cache_break_tokens_total[{RI}]))", "{{cause}}"),
+                    Target(
+                        f"clamp_min(sum(rate(prefix_proxy_prefill_tokens_total{{{P}}}[{RI}]))"
+                        f" - sum(rate(prefix_proxy_cache_break_tokens_total[{RI}])), 0)",
+                        "new turns",
+                    ),
+                ],
+                unit="short",
+                stack=True,
+                width=24,
+            ),
         ],
     ),
     (

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 import xxhash
 
-from proxy.upstream import Upstream
+from proxy.backends.upstream import Upstream
 
 # Passive ejection: a backend that failed is skipped for BASE * 2**(failures - 1) seconds, up to MAX.
 EJECT_BASE_S = 1.0

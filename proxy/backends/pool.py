@@ -12,17 +12,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from proxy.backends.backend import Backend
+from proxy.backends.echo import EchoedHeaders
+from proxy.backends.keyheaders import KeyHeaders
 from proxy.backends.policies import RoutingPolicy
-from proxy.errors import ProxyError, upstream_unreachable
-from proxy.metrics import Metrics
-from proxy.upstream import model_list, read_response
+from proxy.backends.upstream import model_list, read_response
+from proxy.http.errors import ProxyError, upstream_unreachable
+from proxy.observability.metrics import Metrics
 
 logger = logging.getLogger("prefix_proxy.backends")
 
@@ -40,7 +42,13 @@ class ModelListing:
 
 
 class BackendPool:
-    def __init__(self, backends: Sequence[Backend], policy: RoutingPolicy, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        policy: RoutingPolicy,
+        metrics: Metrics | None = None,
+        key_headers: Sequence[str] = (),
+    ) -> None:
         if not backends:
             raise ValueError("a backend pool needs at least one backend")
         names = [b.name for b in backends]
@@ -49,6 +57,10 @@ class BackendPool:
         self.backends = list(backends)
         self.policy = policy
         self._metrics = metrics
+        # For a router behind the proxy: the routing key travels as these headers, and what the
+        # router asks to be sent back (llm-d's x-session-token) is echoed (set by echo_from).
+        self._key_headers = KeyHeaders(key_headers)
+        self._echo: EchoedHeaders | None = None
         if metrics is not None:
             metrics.watch_backends(self.backends)
 
@@ -58,7 +70,14 @@ class BackendPool:
     def single(self) -> bool:
         return len(self.backends) == 1
 
-    def auth_headers(self, client_authorization: str | None) -> dict[str, str]:
+    def credentials(self, tenant_key: str | None, client_authorization: str | None = None) -> dict[str, str]:
+        """How a request authenticates upstream (the one place that decides it): the tenant's own
+        upstream key; else the upstream key configured for the proxy; else the client's credentials,
+        passed on only when given (an open proxy) and sendable as a header at all."""
+        if tenant_key:
+            return {"authorization": f"Bearer {tenant_key}"}
+        if client_authorization is not None and not client_authorization.isascii():
+            client_authorization = None
         # Every backend is configured with the same upstream key.
         return self.backends[0].upstream.auth_headers(client_authorization)
 
@@ -78,30 +97,45 @@ class BackendPool:
         method: str,
         path: str,
         *,
-        content: bytes | None = None,
+        content: bytes | AsyncIterable[bytes] | None = None,
         headers: Mapping[str, str] | None = None,
         root: bool = False,
         key: str | None = None,
         model: str | None = None,
+        pinned_to: str | None = None,
+        replayable: bool = True,
     ) -> httpx.Response:
         """Send to the best backend for ``key``/``model``; the response's body is not yet read.
 
-        The backend that answered is in ``response.extensions["prefix_proxy_backend"]``. A timeout
-        is not retried elsewhere: the backend may still be computing, and a second one would double
-        the work.
+        The backend that answered is in ``response.extensions["prefix_proxy_backend"]``. Only a
+        request that never left (connection refused, connect or pool timeout) is retried elsewhere:
+        after a timeout or a connection dropped after sending, the backend may still be computing,
+        and a second one would double the work.
+
+        ``pinned_to`` names the only backend that can answer (it holds state the request refers to,
+        such as a stored response); ``replayable=False``: the body is a stream that can be sent
+        once, so there is no second try.
         """
-        ranked = self.rank(key, model)
+        pinned = [b for b in self.backends if b.name == pinned_to] if pinned_to is not None else []
+        ranked = pinned or self.rank(key, model)
+        if not replayable:
+            ranked = ranked[:1]
         last_error: ProxyError | None = None
         for attempt, backend in enumerate(ranked):
             is_last = attempt == len(ranked) - 1
             backend.in_flight += 1
             try:
-                response = await backend.upstream.open(method, path, content=content, headers=headers, root=root)
+                outgoing = await self._outgoing(headers, key)
+                response = await backend.upstream.open(method, path, content=content, headers=outgoing, root=root)
             except ProxyError as error:
                 backend.in_flight -= 1
-                unreachable = error.code == "upstream_unreachable"
-                self._count(backend, "unreachable" if unreachable else "timeout")
-                if not unreachable:
+                timed_out = error.status == 504
+                self._count(backend, "timeout" if timed_out else "unreachable")
+                if error.code != "upstream_unreachable":
+                    # The request left (a timeout, or a connection dropped after sending): the
+                    # backend may be computing it, and sending it again would do the work twice.
+                    if not timed_out and not self.single:
+                        backend.record_failure()
                     raise
                 self._failed(backend, f"unreachable ({error.message})", moving_on=not is_last)
                 last_error = error
@@ -121,6 +155,8 @@ class BackendPool:
             else:
                 self._count(backend, "ok")
                 backend.record_success()
+                if self._echo is not None:
+                    self._echo.observe(key, outgoing, response.headers)
             response.extensions[BACKEND_EXTENSION] = backend.name
             if response.is_closed:  # a transport that hands back a body already read (httpx.MockTransport)
                 backend.in_flight -= 1
@@ -128,6 +164,14 @@ class BackendPool:
                 response.stream = _ReleaseOnClose(response.stream, backend)
             return response
         raise last_error or upstream_unreachable("no backend")
+
+    def echo_from(self, echo: EchoedHeaders) -> None:
+        """Echo the router's response headers on later requests with the same key."""
+        self._echo = echo
+
+    async def _outgoing(self, headers: Mapping[str, str] | None, key: str | None) -> Mapping[str, str] | None:
+        headers = self._key_headers.apply(headers, key)
+        return await self._echo.add_to(headers, key) if self._echo is not None else headers
 
     def _failed(self, backend: Backend, why: str, *, moving_on: bool) -> None:
         backend.record_failure()

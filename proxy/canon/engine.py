@@ -2,44 +2,47 @@
 
 Stages, in order:
 1. tools, tool_choice, functions, response_format: canonical order and JSON;
-2. whitespace / Unicode normalization of client-authored text;
+2. (opt-in) whitespace / Unicode normalization of client-authored text;
 3. history tool calls: exact ids and argument bytes the backend generated;
 4. (``relocate`` mode) volatile lines of the leading system prompt moved behind
-   the stable part: detectors, user rules and learned volatility decide which; a
-   moved block that only restates the user's question is re-created in front of
-   earlier questions too, as those turns were forwarded (``querytemplate``).
+   the stable part, whole lines, byte for byte: detectors, user rules and learned
+   volatility name candidates, and a candidate moves only once its place has been
+   seen to vary (``varying``); a conversation forwarded with its lines in place
+   keeps them there, and lines inserted before one of its user turns go there again
+   (``layout``). A moved block that only restates the user's question is re-created
+   in front of earlier questions too, as those turns were forwarded
+   (``querytemplate``). See ``relocation``.
 
-The input is never mutated. Apart from the optional learned-volatility and
-tool-call memories passed in, the result depends only on the input, and
-``canonicalize(canonicalize(x)) == canonicalize(x)``.
+The input is never mutated. Apart from the optional memories passed in, the result
+depends only on the input, and ``canonicalize(canonicalize(x)) == canonicalize(x)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from proxy.canon.actions import Action
 from proxy.canon.fingerprint import leading_system_count, stable_prefix_hash
+from proxy.canon.layout import ForwardedLayouts
 from proxy.canon.learned import LearnedVolatility
 from proxy.canon.normalize import NormalTextMemo, normalize_messages
-from proxy.canon.querytemplate import restore_query_blocks
-from proxy.canon.relocate import is_text_parts, lines_touched, partition_lines, split_lines
+from proxy.canon.relocation import Memories, Placement, relocate
 from proxy.canon.toolcalls import ToolCallMemory, restore_tool_calls
 from proxy.canon.tools import canonicalize_tool_fields
-from proxy.canon.volatile import BUILTIN_DETECTORS, DetectionCache, Detector, Span, detect_spans
-
-Mode = Literal["off", "safe", "relocate"]
-Target = Literal["before_last_user", "system_end"]
+from proxy.canon.varying import VaryingPlaces
+from proxy.canon.volatile import BUILTIN_DETECTORS, DetectionCache, Detector
+from proxy.config import CanonMode, RelocateTarget
 
 
 @dataclass(frozen=True)
 class CanonOptions:
-    mode: Mode = "relocate"
-    relocate_target: Target = "before_last_user"
-    normalize_whitespace: bool = True
-    normalize_unicode: bool = True
+    mode: CanonMode = "relocate"
+    relocate_target: RelocateTarget = "before_last_user"
+    # Re-formatting text the backend has not seen yet is opt-in: it changes what the model is told.
+    normalize_whitespace: bool = False
+    normalize_unicode: bool = False
     # Re-create a moved block that only restates the user's question before earlier questions too.
     restore_query_blocks: bool = True
     detectors: Sequence[Detector] = field(default_factory=lambda: tuple(BUILTIN_DETECTORS.values()))
@@ -70,8 +73,13 @@ def canonicalize(
     tool_memory: ToolCallMemory | None = None,
     detection_cache: DetectionCache | None = None,
     normal_texts: NormalTextMemo | None = None,
+    varying: VaryingPlaces | None = None,
+    layouts: ForwardedLayouts | None = None,
 ) -> CanonResult:
     """Canonicalize a chat-completions body. ``namespace`` (the tenant) scopes the memories.
+
+    Without ``varying`` every detected span counts as varying (moved at first sight); without
+    ``layouts`` a block always goes to its default place.
 
     ``detection_cache`` and ``normal_texts`` only save work (each must belong to these
     ``options``); the result does not depend on them.
@@ -99,9 +107,11 @@ def canonicalize(
     stable_count = leading_system_count(messages)
     system_tail = ""
     if options.mode == "relocate":
-        app_key = _app_key(namespace, out)
-        relocation, stable_count, system_tail = _relocate_volatile(messages, options, learned, app_key, detection_cache)
-        actions.extend(relocation)
+        placement = Placement(options.relocate_target, options.restore_query_blocks, options.detectors)
+        memories = Memories(learned, varying, layouts, detection_cache)
+        relocation = relocate(out, messages, placement, memories, namespace)
+        actions.extend(relocation.actions)
+        stable_count, system_tail = relocation.stable_count, relocation.system_tail
 
     return CanonResult(out, actions, stable_prefix_hash(out, stable_count), stable_count, system_tail)
 
@@ -114,172 +124,3 @@ def _copy_message(message: Any) -> Any:
     if isinstance(content, list):
         copied["content"] = [dict(p) if isinstance(p, dict) else p for p in content]
     return copied
-
-
-def _app_key(namespace: str, body: dict[str, Any]) -> str:
-    tools = body.get("tools") or body.get("functions") or []
-    names = ",".join(str((t.get("function") or t).get("name", "")) if isinstance(t, dict) else "" for t in tools)
-    return f"{namespace}\x00{body.get('model', '')}\x00{names}"
-
-
-def _relocate_volatile(
-    messages: list[dict[str, Any]],
-    options: CanonOptions,
-    learned: LearnedVolatility | None,
-    app_key: str,
-    detection_cache: DetectionCache | None = None,
-) -> tuple[list[Action], int, str]:
-    """Returns the actions, how many leading system messages are now stable, and the volatile lines
-    moved to the end of the last of them (system_end)."""
-    system_count = leading_system_count(messages)
-    if system_count == 0:
-        return [], 0, ""
-    system_tail = ""
-    stable_count = system_count
-    to_end = options.relocate_target == "system_end" or not _has_user_after(messages, system_count)
-    actions: list[Action] = []
-    moved_blocks: list[str] = []
-    emptied: list[int] = []
-    detected = False
-    for index in range(system_count):
-        content = messages[index].get("content")
-        key = f"{app_key}\x00{index}"
-        if isinstance(content, str):
-            split = _split_text(content, options, learned, key, detection_cache)
-        elif is_text_parts(content):
-            split = _split_parts(content, options, learned, key, detection_cache)
-        else:
-            continue
-        if split.learned:
-            actions.append(Action("learned_volatile_lines", str(split.learned)))
-        stable, moved, spans = split.stable, split.moved, split.spans
-        if not moved:
-            continue
-        if to_end:
-            new_content = _append_text(stable, moved)
-            if new_content != content:
-                messages[index] = {**messages[index], "content": new_content}
-                actions.extend(_span_actions(spans))
-                actions.append(Action("volatile_moved", "system_end"))
-            if index == system_count - 1 and stable:
-                system_tail = moved
-            continue
-        if not stable and index == system_count - 1 and _last_user_index(messages) == system_count:
-            # A wholly volatile last system message right before the only user turn is already in place.
-            stable_count = index
-            continue
-        actions.extend(_span_actions(spans))
-        detected = detected or bool(spans)
-        moved_blocks.append(moved)
-        if stable:
-            messages[index] = {**messages[index], "content": stable}
-        else:
-            emptied.append(index)
-    if moved_blocks:
-        block = "\n\n".join(moved_blocks)
-        messages.insert(_last_user_index(messages), {"role": "system", "content": block})
-        for index in reversed(emptied):
-            del messages[index]
-        stable_count = system_count - len(emptied)
-        actions.append(Action("volatile_moved", "before_last_user"))
-        if options.restore_query_blocks and not detected:
-            # Only learned lines: detected spans (dates, retrieved context) are not a restatement.
-            restored = restore_query_blocks(messages, block, stable_count, _last_user_index(messages))
-            if restored:
-                actions.append(Action("query_blocks_restored", str(restored)))
-    return actions, stable_count, system_tail
-
-
-@dataclass
-class _Split:
-    """A system message's content with its volatile lines taken out (``moved``: "" when none)."""
-
-    stable: str | list[Any]
-    moved: str = ""
-    spans: list[Span] = field(default_factory=list)
-    learned: int = 0
-
-
-def _split_text(
-    text: str,
-    options: CanonOptions,
-    learned: LearnedVolatility | None,
-    key: str,
-    detection_cache: DetectionCache | None,
-) -> _Split:
-    if not text:
-        return _Split(text)
-    spans = detect_spans(text, options.detectors, detection_cache)
-    lines = split_lines(text)
-    volatile = lines_touched(text, spans)
-    learned_lines: set[int] = set()
-    if learned is not None:
-        learned_lines = _reindex(lines, volatile, learned.observe(key, _without(lines, volatile)))
-        volatile |= learned_lines
-    if not volatile:
-        return _Split(text, learned=len(learned_lines))
-    stable, moved = partition_lines(lines, volatile)
-    if not moved:
-        return _Split(text, learned=len(learned_lines))
-    return _Split(stable, moved, spans, len(learned_lines))
-
-
-def _split_parts(
-    parts: list[dict[str, Any]],
-    options: CanonOptions,
-    learned: LearnedVolatility | None,
-    key: str,
-    detection_cache: DetectionCache | None,
-) -> _Split:
-    """Content given as text parts (``[{"type": "text", "text": ...}]``): each part is split like a
-    string; parts keep their order, a part left empty is dropped, and the moved lines of all parts
-    form one block, joined as the lines of one text are (so a second pass changes nothing)."""
-    kept: list[Any] = []
-    out = _Split(kept)
-    moved: list[str] = []
-    for number, part in enumerate(parts):
-        split = _split_text(part["text"], options, learned, f"{key}\x00{number}", detection_cache)
-        out.learned += split.learned
-        if not split.moved:
-            kept.append(part)
-            continue
-        moved.append(split.moved)
-        out.spans.extend(split.spans)
-        if split.stable:
-            kept.append({**part, "text": split.stable})
-    out.moved = "\n".join(moved)  # as partition_lines joins the moved lines of one text
-    return out
-
-
-def _append_text(stable: str | list[Any], moved: str) -> str | list[Any]:
-    if isinstance(stable, list):
-        return [*stable, {"type": "text", "text": moved}]
-    return f"{stable}\n\n{moved}" if stable else moved
-
-
-def _without(lines: list[str], excluded: set[int]) -> list[str]:
-    return [line for i, line in enumerate(lines) if i not in excluded]
-
-
-def _reindex(lines: list[str], excluded: set[int], learned: set[int]) -> set[int]:
-    """Map indices into the reduced line list back to indices into ``lines``."""
-    kept = [i for i in range(len(lines)) if i not in excluded]
-    return {kept[i] for i in learned}
-
-
-def _span_actions(spans: list[Span]) -> list[Action]:
-    counts: dict[str, int] = {}
-    for span in spans:
-        counts[span.kind] = counts.get(span.kind, 0) + 1
-    return [Action(f"volatile_{kind}", str(n)) for kind, n in sorted(counts.items())]
-
-
-def _has_user_after(messages: list[dict[str, Any]], start: int) -> bool:
-    return any(m.get("role") == "user" for m in messages[start:])
-
-
-def _last_user_index(messages: list[dict[str, Any]]) -> int:
-    for index in range(len(messages) - 1, -1, -1):
-        if messages[index].get("role") == "user":
-            return index
-    return len(messages)

@@ -6,9 +6,8 @@ from typing import Any
 
 import xxhash
 
-from proxy.jsonio import dumps
-
-STABLE_ROLES = frozenset({"system", "developer"})
+from proxy.openai.jsonio import dumps
+from proxy.openai.messages import STABLE_ROLES
 
 
 def leading_system_count(messages: list[dict[str, Any]]) -> int:

@@ -36,7 +36,8 @@ class _Template:
 
 
 class LearnedVolatility:
-    def __init__(self, max_apps: int = 1024, history: int = 8, templates_per_app: int = 8) -> None:
+    # Templates per app key (tenant, model, tools): a tenant's chat apps on one model share a key.
+    def __init__(self, max_apps: int = 1024, history: int = 8, templates_per_app: int = 32) -> None:
         self._apps: OrderedDict[str, list[_Template]] = OrderedDict()
         self._max_apps = max_apps
         self._history = max(2, history)
@@ -44,7 +45,10 @@ class LearnedVolatility:
 
     def observe(self, app_key: str, lines: list[str]) -> set[int]:
         """Record one prompt (as lines) and return the indices of lines seen to vary."""
-        hashes = [line_hash(line) if line.strip() else 0 for line in lines]
+        return self.observe_hashes(app_key, [line_hash(line) if line.strip() else 0 for line in lines])
+
+    def observe_hashes(self, app_key: str, hashes: list[int]) -> set[int]:
+        """:meth:`observe` on the lines' hashes (0 for a blank line): what another replica shares."""
         current = frozenset(h for h in hashes if h)
         if not current:
             return set()
@@ -59,6 +63,10 @@ class LearnedVolatility:
         else:
             core = template.core
             volatile = {i for i, h in enumerate(hashes) if h and h not in core}
+            templates = self._apps[app_key]
+            if templates[0] is not template:  # least recently matched out, not least recently made
+                templates.remove(template)
+                templates.insert(0, template)
         template.add(current)
         self._apps.move_to_end(app_key)
         return volatile

@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
-from typing import Any, TypeGuard
 
 from proxy.canon.volatile import Span
-
-_EXCESS_BLANK_LINES = re.compile(r"\n{3,}")
-
-
-def is_text_parts(content: Any) -> TypeGuard[list[dict[str, Any]]]:
-    """Content given as text parts only (``[{"type": "text", "text": ...}, ...]``)."""
-    return (
-        isinstance(content, list)
-        and bool(content)
-        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
-    )
 
 
 def split_lines(text: str) -> list[str]:
@@ -51,9 +38,51 @@ def _line_of(starts: list[int], offset: int) -> int:
 
 
 def partition_lines(lines: list[str], volatile: set[int]) -> tuple[str, str]:
-    """Split into (stable text, volatile text); both keep their lines' original order."""
-    stable = [line for i, line in enumerate(lines) if i not in volatile]
-    moved = [line for i, line in enumerate(lines) if i in volatile]
-    stable_text = _EXCESS_BLANK_LINES.sub("\n\n", "\n".join(stable)).strip("\n")
-    moved_text = "\n".join(line for line in moved if line.strip())
-    return stable_text, moved_text
+    """Split into (stable text, moved text): every line goes to exactly one side, byte for byte
+    (indentation, trailing spaces, blank lines inside a block and the CR of CRLF included), and both
+    sides keep the lines' original order.
+
+    One blank line that separated a moved run from the text on both sides (or from the text's start
+    or end) travels with the run, so the stable text keeps one paragraph break where it had two; when
+    only blank lines would stay, they all go. Nothing is added or dropped.
+    """
+    moving = set(volatile)
+    for first, last in runs(lines, sorted(volatile), bridge_blank=False):
+        before_blank = first == 0 or _blank(lines[first - 1])
+        after_blank = last == len(lines) - 1 or _blank(lines[last + 1])
+        if not (before_blank and after_blank):
+            continue
+        if last + 1 < len(lines) and _blank(lines[last + 1]) and last + 1 not in moving:
+            moving.add(last + 1)
+        elif first > 0 and _blank(lines[first - 1]) and first - 1 not in moving:
+            moving.add(first - 1)
+    stable = [line for i, line in enumerate(lines) if i not in moving]
+    if all(_blank(line) for line in stable):
+        # Nothing but blank lines would stay: they go along, so no byte is lost with the emptied text.
+        return "", "\n".join(lines)
+    moved = [line for i, line in enumerate(lines) if i in moving]
+    return "\n".join(stable), "\n".join(moved)
+
+
+def already_at_end(lines: list[str], volatile: set[int]) -> bool:
+    """True when nothing but blank lines follows the first volatile line that is not itself volatile."""
+    if not volatile:
+        return True
+    return all(i in volatile or _blank(lines[i]) for i in range(min(volatile), len(lines)))
+
+
+def _blank(line: str) -> bool:
+    return not line.strip()
+
+
+def runs(lines: list[str], indices: list[int], *, bridge_blank: bool) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive line indices (sorted), as (first, last); ``bridge_blank``: blank
+    lines between two indices do not end a run."""
+    found: list[tuple[int, int]] = []
+    for index in indices:
+        gap = lines[found[-1][1] + 1 : index] if found else None
+        if gap is not None and (not gap or (bridge_blank and all(_blank(line) for line in gap))):
+            found[-1] = (found[-1][0], index)
+        else:
+            found.append((index, index))
+    return found

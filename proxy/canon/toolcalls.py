@@ -1,4 +1,4 @@
-"""History tool calls restored to the exact ids and argument bytes the backend generated.
+"""History tool calls restored to the exact ids and argument bytes the backend saw.
 
 Some clients (Dify's function-calling agent) rebuild history tool calls with
 fresh uuid4 ids and re-serialized arguments on every request, so the history
@@ -6,21 +6,25 @@ misses the cache after the first tool call. The proxy relayed the original
 calls, so it remembers them keyed by where they occur in the conversation:
 tenant, the user message that started the turn, the assistant message's
 ordinal after it, the call's index, its function name and canonical arguments.
-Only where the original is unknown does a deterministic id derived from the
-same key replace the client's, in the call and in its tool results alike.
+A call the proxy did not relay (it came from elsewhere, or from before a
+restart) is forwarded as the client sent it the first time and remembered the
+same way, so a later re-send with a fresh id gets those first bytes back. A
+client that keeps its ids is never rewritten; the id changes in the call and in
+its tool results alike.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import xxhash
 
 from proxy.canon.actions import Action
-from proxy.canon.jsoncanon import canonical_arguments
-from proxy.tokenization.counter import message_text
+from proxy.canon.layout import extend, prefix_chain
+from proxy.openai.jsoncanon import canonical_arguments
+from proxy.openai.messages import message_text
 
 K = TypeVar("K", int, str)
 
@@ -72,6 +76,12 @@ def call_key(namespace: str, anchor: int, ordinal: int, index: int, name: str, a
     return digest.intdigest()
 
 
+def nth_key(key: int, occurrence: int) -> int:
+    """The key of the ``occurrence``-th call at an identical position in one conversation (a user who
+    repeats a question the model answers with the same call): each keeps its own id."""
+    return key if occurrence == 0 else xxhash.xxh3_64_intdigest(f"{key}\x00{occurrence}".encode())
+
+
 def _anchor(message: dict[str, Any]) -> int:
     return xxhash.xxh3_64_intdigest(message_text(message).encode("utf-8", "surrogatepass"))
 
@@ -105,7 +115,11 @@ def next_assistant_position(messages: list[dict[str, Any]]) -> tuple[int, int]:
 def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: ToolCallMemory | None) -> list[Action]:
     """Rewrite history tool calls in place (messages must be copies the caller owns)."""
     renamed: dict[str, str] = {}
-    restored = derived = arguments_restored = 0
+    occurrences: Counter[int] = Counter()
+    used: set[str] = set()
+    restored = arguments_restored = 0
+    # histories[i] names the texts of messages[:i] (ids and argument bytes left out: they churn).
+    histories = prefix_chain(0, [_anchor(m) for m in messages])
     for index, anchor, ordinal in iter_call_positions(messages):
         calls = messages[index].get("tool_calls")
         if not isinstance(calls, list) or not calls:
@@ -117,12 +131,26 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
                 continue
             function = call["function"]
             name = str(function.get("name", ""))
-            key = call_key(namespace, anchor, ordinal, position, name, function.get("arguments", ""))
+            base = call_key(namespace, anchor, ordinal, position, name, function.get("arguments", ""))
+            key = nth_key(base, occurrences[base])
+            occurrences[base] += 1
             old_id = call.get("id")
+            # Calls the proxy did not relay are remembered under the whole history before them:
+            # restored only within the same conversation, never into another that happens to ask
+            # the same thing (a client's own ids must stay its own).
+            forwarded_key = extend(histories[index], key)
             # A client that kept the backend's own id identifies the call exactly; the position key
-            # can collide between conversations that happen to ask the same thing.
-            original = (memory.by_id(old_id) or memory.recall(key)) if memory is not None else None
+            # can collide between conversations that happen to ask the same thing (harmless for calls
+            # the backend generated: a client re-sending them with fresh ids has no ids of its own).
+            original = (
+                (memory.by_id(old_id) or memory.recall(key) or memory.recall(forwarded_key))
+                if memory is not None
+                else None
+            )
+            if original is not None and original.id in used:
+                original = None  # never two calls with one id in a request
             call = {**call}
+            new_id: Any = old_id
             if original is not None:
                 new_id = original.id
                 if original.arguments != function.get("arguments"):
@@ -131,12 +159,15 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
                 if new_id != old_id:
                     restored += 1
             else:
-                new_id = f"call_{key:016x}"
-                if new_id != old_id:
-                    derived += 1
+                arguments = function.get("arguments")
+                if memory is not None and isinstance(old_id, str) and isinstance(arguments, str):
+                    memory.remember(forwarded_key, GeneratedCall(id=old_id, arguments=arguments))
             if isinstance(old_id, str) and old_id != new_id:
                 renamed[old_id] = new_id
-            call["id"] = new_id
+            if new_id != old_id:
+                call["id"] = new_id
+            if isinstance(new_id, str):
+                used.add(new_id)
             new_calls.append(call)
         messages[index] = {**messages[index], "tool_calls": new_calls}
     if renamed:
@@ -148,8 +179,6 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
         actions.append(Action("tool_call_ids_restored", str(restored)))
     if arguments_restored:
         actions.append(Action("tool_call_arguments_restored", str(arguments_restored)))
-    if derived:
-        actions.append(Action("tool_call_ids_derived", str(derived)))
     return actions
 
 
@@ -161,6 +190,19 @@ def remember_generated_calls(
 ) -> None:
     """Remember the (id, name, arguments) calls the backend generated in reply to ``messages``."""
     anchor, ordinal = next_assistant_position(messages)
+    earlier = Counter(_base_keys(messages, namespace))
     for position, (call_id, name, arguments) in enumerate(calls):
-        key = call_key(namespace, anchor, ordinal, position, name, arguments)
-        memory.remember(key, GeneratedCall(id=call_id, arguments=arguments))
+        base = call_key(namespace, anchor, ordinal, position, name, arguments)
+        memory.remember(nth_key(base, earlier[base]), GeneratedCall(id=call_id, arguments=arguments))
+
+
+def _base_keys(messages: list[dict[str, Any]], namespace: str) -> list[int]:
+    """The position keys of the history's calls (before telling repeated positions apart)."""
+    keys = []
+    for index, anchor, ordinal in iter_call_positions(messages):
+        for position, call in enumerate(messages[index].get("tool_calls") or []):
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                function = call["function"]
+                name = str(function.get("name", ""))
+                keys.append(call_key(namespace, anchor, ordinal, position, name, function.get("arguments", "")))
+    return keys

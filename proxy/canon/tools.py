@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from proxy.canon.actions import Action
-from proxy.canon.jsoncanon import canonical_dumps, sort_keys_deep
+from proxy.openai.jsoncanon import canonical_dumps, sort_keys_deep
 
 
 def _tool_name(tool: Any) -> str:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from proxy.config import DetectorName
+
 METADATA_LINE_BYTES = 48
 
 _MONTHS = r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?|Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)"  # noqa: E501
@@ -117,7 +119,7 @@ def detect_request_ids(text: str) -> Iterable[Span]:
             yield Span(match.start(), match.end(), "request_id")
 
 
-BUILTIN_DETECTORS: dict[str, Detector] = {
+BUILTIN_DETECTORS: dict[DetectorName, Detector] = {
     "context_block": detect_context_blocks,
     "datetime": detect_datetimes,
     "weekday": detect_weekdays,

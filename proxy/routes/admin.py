@@ -15,17 +15,17 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from proxy.budget import effective_budget, usage_limits
-from proxy.errors import ProxyError, json_response
+from proxy.app_state import ProxyState, get_state
+from proxy.chat.budget import effective_budget, usage_limits
+from proxy.http.errors import ProxyError, json_response
 from proxy.sessions.model import SessionRecord
 from proxy.sessions.service import StoreUnavailable
-from proxy.state import ProxyState, get_state
 from proxy.tenants import Tenant, bearer_token, unauthorized
 
 router = APIRouter()
 
 
-def _require_admin(state: ProxyState, request: Request) -> None:
+def require_admin(state: ProxyState, request: Request) -> None:
     configured = state.settings.admin_api_key
     if configured is None or not configured.get_secret_value():
         # An empty key (PREFIX_PROXY_ADMIN_API_KEY= from a template) disables the API: it must not
@@ -58,7 +58,7 @@ Action = Callable[[ProxyState, Tenant], Awaitable[Response]]
 
 def _as_admin(request: Request, tenant: str) -> TenantResolver:
     async def resolve(state: ProxyState) -> Tenant:
-        _require_admin(state, request)
+        require_admin(state, request)
         return Tenant(tenant)
 
     return resolve
@@ -102,9 +102,29 @@ async def _delete(state: ProxyState, tenant: Tenant, session_id: str) -> Respons
     return json_response({"id": session_id, "deleted": True})
 
 
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+
+
+def list_limit(request: Request) -> int:
+    """``?limit=``: an integer from 1; more than :data:`MAX_LIMIT` lists that many.
+
+    Read by hand rather than declared as an ``int`` parameter: FastAPI would answer a bad value
+    with its own 422 shape, and 0 or a negative number would reach the store (where Redis reads
+    ``-1`` as "up to the last element").
+    """
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return DEFAULT_LIMIT
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise ProxyError(400, "'limit' must be a positive integer", param="limit", code="invalid_limit")
+    return min(int(text), MAX_LIMIT)
+
+
 @router.get("/admin/tenants/{tenant}/sessions")
-async def admin_list(request: Request, tenant: str, limit: int = 100) -> Response:
-    return await _run(request, _as_admin(request, tenant), lambda state, t: _list(state, t, min(limit, 1000)))
+async def admin_list(request: Request, tenant: str) -> Response:
+    return await _run(request, _as_admin(request, tenant), lambda state, t: _list(state, t, list_limit(request)))
 
 
 @router.get("/admin/tenants/{tenant}/sessions/{session_id}")
@@ -118,8 +138,8 @@ async def admin_delete(request: Request, tenant: str, session_id: str) -> Respon
 
 
 @router.get("/v1/sessions")
-async def own_list(request: Request, limit: int = 100) -> Response:
-    return await _run(request, _as_caller(request), lambda state, t: _list(state, t, min(limit, 1000)))
+async def own_list(request: Request) -> Response:
+    return await _run(request, _as_caller(request), lambda state, t: _list(state, t, list_limit(request)))
 
 
 @router.get("/v1/sessions/{session_id}")

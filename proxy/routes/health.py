@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hmac
+
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
-from proxy.errors import json_response
-from proxy.state import get_state
+from proxy.app_state import ProxyState, get_state
+from proxy.http.errors import ProxyError, json_response
+from proxy.tenants import bearer_token, unauthorized
 
 router = APIRouter()
 
@@ -19,7 +23,7 @@ async def healthz() -> Response:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
-    pool = get_state(request).upstream
+    pool = get_state(request).backends
     if pool.single:
         if await pool.ready():
             return json_response({"status": "ready"})
@@ -34,7 +38,24 @@ async def readyz(request: Request) -> Response:
     return json_response(body, status=200 if ready else 503)
 
 
-@router.get("/metrics")
-async def metrics(request: Request) -> Response:
-    registry = get_state(request).metrics
-    return Response(registry.exposition(), media_type=registry.content_type)
+def metrics_route(state: ProxyState) -> Route:
+    """``GET /metrics`` for ``state``: on the API's own port, or alone on ``metrics_port``."""
+
+    async def metrics(request: Request) -> Response:
+        try:
+            _require_metrics_key(state, request)
+        except ProxyError as error:
+            return error.response()
+        registry = state.metrics
+        return Response(registry.exposition(), media_type=registry.content_type)
+
+    return Route("/metrics", metrics, methods=["GET"])
+
+
+def _require_metrics_key(state: ProxyState, request: Request) -> None:
+    configured = state.settings.metrics_api_key
+    if configured is None or not configured.get_secret_value():
+        return
+    token = bearer_token(request.headers.get("authorization")) or ""
+    if not hmac.compare_digest(token.encode(), configured.get_secret_value().encode()):
+        raise unauthorized("invalid or missing metrics key")

@@ -8,21 +8,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from proxy.body import parse_json_object, read_body, require_model, validate_completion_request
-from proxy.context import RequestContext
-from proxy.errors import upstream_unreachable
-from proxy.forward import (
+from proxy.app_state import ProxyState
+from proxy.http.body import parse_json_object, read_body, require_model, validate_completion_request
+from proxy.http.context import RequestContext
+from proxy.http.errors import upstream_unreachable
+from proxy.openai.jsonio import dumps
+from proxy.routes.forward import (
+    answer_headers,
     api_endpoint,
-    finish,
-    proxy_headers,
     send_json,
     send_stream,
     upstream_error,
     upstream_headers,
     with_upstream_usage,
 )
-from proxy.jsonio import dumps
-from proxy.state import ProxyState
 from proxy.tenants import Tenant
 
 
@@ -45,7 +44,7 @@ async def embeddings(state: ProxyState, request: Request, ctx: RequestContext, t
 
 
 async def models(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
-    if state.upstream.single:
+    if state.backends.single:
         return await send_json(state, request, ctx, "/models", None, method="GET")
     return await merged_models(state, request, ctx)
 
@@ -53,16 +52,14 @@ async def models(state: ProxyState, request: Request, ctx: RequestContext, tenan
 async def merged_models(state: ProxyState, request: Request, ctx: RequestContext) -> Response:
     """Several backends: one list of every model any live backend serves to the caller's credentials."""
     ctx.mark_upstream_sent()
-    listing = await state.upstream.list_models(upstream_headers(state, request, ctx))
-    ctx.upstream_done = time.perf_counter()
+    listing = await state.backends.list_models(upstream_headers(state, request, ctx))
+    ctx.upstream_done_at = time.perf_counter()
     if listing.data is None and listing.refusal is not None:
         return upstream_error(state, ctx, listing.refusal.status_code, listing.refusal.content)
     if listing.data is None:
         raise upstream_unreachable("no backend answered")
-    overhead = finish(state, ctx)
-    headers = {**proxy_headers(ctx), "x-prefix-proxy-overhead-ms": f"{overhead * 1000:.3f}"}
     body = dumps({"object": "list", "data": listing.data})
-    return Response(body, headers=headers, media_type="application/json")
+    return Response(body, headers=answer_headers(state, ctx), media_type="application/json")
 
 
 routes = [

@@ -30,24 +30,9 @@ from typing import Any
 
 import xxhash
 
-from proxy.canon.jsoncanon import canonical_arguments
-from proxy.tokenization.counter import message_text
+from proxy.openai.messages import STABLE_ROLES, message_fingerprint
 
 _START = 0x5EED
-_SKIPPED_ROLES = frozenset({"system", "developer"})
-
-
-def message_fingerprint(message: Mapping[str, Any]) -> int:
-    digest = xxhash.xxh3_64()
-    digest.update(str(message.get("role", "")).encode())
-    digest.update(b"\x00")
-    digest.update(message_text({"content": message.get("content")}).encode("utf-8", "surrogatepass"))
-    for call in message.get("tool_calls") or ():
-        if isinstance(call, dict) and isinstance(call.get("function"), dict):
-            function = call["function"]
-            digest.update(b"\x01" + str(function.get("name", "")).encode())
-            digest.update(canonical_arguments(function.get("arguments", "")).encode("utf-8", "surrogatepass"))
-    return digest.intdigest()
 
 
 def pair_fingerprint(previous: int, current: int) -> int:
@@ -59,7 +44,7 @@ def conversation_fingerprints(messages: Sequence[Mapping[str, Any]]) -> list[int
     previous = _START
     pairs: list[int] = []
     for message in messages:
-        if message.get("role") in _SKIPPED_ROLES:
+        if message.get("role") in STABLE_ROLES:
             continue
         current = message_fingerprint(message)
         pairs.append(pair_fingerprint(previous, current))
@@ -73,13 +58,13 @@ def conversation_root(messages: Sequence[Mapping[str, Any]]) -> int | None:
     Every turn of a conversation re-sends it, so it names the conversation without any state; two
     conversations that open alike share it, and share that much of their prefix too.
     """
-    first = next((m for m in messages if m.get("role") not in _SKIPPED_ROLES), None)
+    first = next((m for m in messages if m.get("role") not in STABLE_ROLES), None)
     return None if first is None else pair_fingerprint(_START, message_fingerprint(first))
 
 
 def reply_fingerprint(messages: Sequence[Mapping[str, Any]], reply: Mapping[str, Any]) -> int | None:
     """The pair the model's reply will form with the last message, once the client re-sends it."""
-    last = next((m for m in reversed(messages) if m.get("role") not in _SKIPPED_ROLES), None)
+    last = next((m for m in reversed(messages) if m.get("role") not in STABLE_ROLES), None)
     if last is None:
         return None
     return pair_fingerprint(message_fingerprint(last), message_fingerprint(reply))
@@ -104,11 +89,17 @@ def explicit_session_id(
     headers: Mapping[str, str],
     body: Mapping[str, Any],
     *,
-    header: str,
+    header_names: Sequence[str],
     use_prompt_cache_key: bool,
     use_user: bool,
 ) -> str | None:
-    value = headers.get(header)
+    """The session the client names: the first of ``header_names`` it sent, else ``prompt_cache_key``,
+    else (``use_user``) ``user``."""
+    value: Any = None
+    for name in header_names:
+        # ``in`` first: on Starlette's headers, ``get`` of a missing one raises and catches a KeyError.
+        if name in headers and (value := headers[name]):
+            break
     if not value and use_prompt_cache_key:
         value = body.get("prompt_cache_key")
     if not value and use_user:

@@ -7,56 +7,120 @@ transactions and Lua.
 
 from __future__ import annotations
 
+import itertools
+import struct
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import fields
 from typing import Any
 
 from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLimit
 from proxy.sessions.store import window_of
 
 
+def _tenant_key(tenant: str, fingerprint: int) -> int:
+    """One int for (tenant, pair): tenants never share an entry (a 64-bit hash collision aside, and
+    a match is only used once the session is found under the same tenant)."""
+    return hash((tenant, fingerprint))
+
+
+# A record's numbers, packed: ~130 bytes instead of ~450 for the record object and its float and
+# int objects (100,000 sessions: -30 MiB). Summaries (rare) are kept beside them. Every number of a
+# record is a float or a non-negative int (counts, 64-bit pair hashes).
+_NUMBERS = [f for f in fields(SessionRecord) if f.type in ("int", "float")]
+_PACKED_FIELDS = tuple(f.name for f in _NUMBERS)
+_PACKED = struct.Struct("<" + "".join("d" if f.type == "float" else "Q" for f in _NUMBERS))
+_LAST_SEEN = struct.Struct("<d")
+_LAST_SEEN_OFFSET = 8 * _PACKED_FIELDS.index("last_seen")
+_CONTEXT_TOKENS = struct.Struct("<Q")
+_CONTEXT_TOKENS_OFFSET = 8 * _PACKED_FIELDS.index("context_tokens")
+
+SessionKey = tuple[str, str]
+
+
+def _pack(record: SessionRecord) -> bytes:
+    return _PACKED.pack(*(getattr(record, name) for name in _PACKED_FIELDS))
+
+
+def _last_seen(packed: bytes) -> float:
+    last_seen: float = _LAST_SEEN.unpack_from(packed, _LAST_SEEN_OFFSET)[0]
+    return last_seen
+
+
 class MemorySessionStore:
     def __init__(self, ttl_s: float, max_sessions: int = 100_000, max_fingerprints: int = 2_000_000) -> None:
         self._ttl = ttl_s
-        self._sessions: OrderedDict[tuple[str, str], SessionRecord] = OrderedDict()
-        self._fingerprints: OrderedDict[tuple[str, int], tuple[str, float]] = OrderedDict()
+        # Packed records (oldest first) and the summaries of those that have one.
+        self._sessions: OrderedDict[SessionKey, bytes] = OrderedDict()
+        self._summaries: dict[SessionKey, dict[str, Any]] = {}
+        # Pair fingerprint (folded with the tenant) -> session id, oldest first. One int key and the
+        # record's own id string per pair: 100,000 sessions of a few pairs each cost ~30 MiB, not ~60.
+        # A pair is live while its session is (the record's last_seen and the TTL decide).
+        self._fingerprints: dict[int, str] = {}
         self._usage: dict[tuple[str, int], int] = {}
         self._locks: dict[str, tuple[str, float]] = {}
+        self._route_headers: OrderedDict[str, tuple[dict[str, str], float]] = OrderedDict()
         self._max_sessions = max_sessions
         self._max_fingerprints = max_fingerprints
+        self._responses: OrderedDict[tuple[str, str], tuple[dict[str, Any], float]] = OrderedDict()
 
     async def ping(self) -> bool:
         return True
 
-    def _live(self, tenant: str, session_id: str, now: float) -> SessionRecord | None:
-        record = self._sessions.get((tenant, session_id))
-        if record is None:
+    def _record(self, key: SessionKey, packed: bytes) -> SessionRecord:
+        numbers = dict(zip(_PACKED_FIELDS, _PACKED.unpack(packed), strict=True))
+        return SessionRecord(key[0], key[1], **numbers, summary=self._summaries.get(key))
+
+    def _live(self, key: SessionKey, now: float) -> bytes | None:
+        packed = self._sessions.get(key)
+        if packed is None:
             return None
-        if now - record.last_seen > self._ttl:
-            del self._sessions[(tenant, session_id)]
+        if now - _last_seen(packed) > self._ttl:
+            self._forget(key)
             return None
-        return record
+        return packed
+
+    def _forget(self, key: SessionKey) -> bool:
+        self._summaries.pop(key, None)
+        return self._sessions.pop(key, None) is not None
+
+    def _keep_summary(self, key: SessionKey, summary: dict[str, Any] | None) -> None:
+        if summary is None:
+            self._summaries.pop(key, None)
+        else:
+            self._summaries[key] = summary
+
+    def _store(self, record: SessionRecord) -> None:
+        key = (record.tenant, record.session_id)
+        self._sessions[key] = _pack(record)
+        self._sessions.move_to_end(key)
+        self._keep_summary(key, record.summary)
+        while len(self._sessions) > self._max_sessions:
+            oldest, _ = self._sessions.popitem(last=False)
+            self._summaries.pop(oldest, None)
 
     async def get(self, tenant: str, session_id: str) -> SessionRecord | None:
-        record = self._live(tenant, session_id, time.time())
-        return replace(record) if record else None
+        key = (tenant, session_id)
+        packed = self._live(key, time.time())
+        return self._record(key, packed) if packed else None
 
     async def lookup(self, tenant: str, fingerprints: list[int]) -> tuple[list[str | None], dict[str, float]]:
         now = time.time()
         matches: list[str | None] = []
         for fingerprint in fingerprints:
-            entry = self._fingerprints.get((tenant, fingerprint))
-            matches.append(entry[0] if entry and entry[1] > now else None)
+            session_id = self._fingerprints.get(_tenant_key(tenant, fingerprint))
+            matches.append(session_id if session_id and self._live((tenant, session_id), now) else None)
         last_seen = {}
         for session_id in {m for m in matches if m}:
-            record = self._live(tenant, session_id, now)
-            last_seen[session_id] = record.last_seen if record else 0.0
+            packed = self._live((tenant, session_id), now)
+            last_seen[session_id] = _last_seen(packed) if packed else 0.0
         return matches, last_seen
 
     async def record_turn(self, tenant: str, session_id: str, turn: TurnRecord, now: float) -> None:
-        record = self._live(tenant, session_id, now) or SessionRecord(tenant, session_id, created=now)
+        key = (tenant, session_id)
+        packed = self._live(key, now)
+        record = self._record(key, packed) if packed else SessionRecord(tenant, session_id, created=now)
         record.last_seen = now
         record.requests += 1
         record.prompt_tokens += turn.prompt_tokens
@@ -67,36 +131,37 @@ class MemorySessionStore:
         record.fingerprints += len(turn.new_fingerprints)
         record.last_pair = turn.reply_pair
         record.last_request_pair = turn.request_pair
-        self._sessions[(tenant, session_id)] = record
-        self._sessions.move_to_end((tenant, session_id))
-        expires = now + self._ttl
+        record.first_pair = turn.first_pair
+        self._store(record)
         for fingerprint in turn.new_fingerprints:
-            self._fingerprints[(tenant, fingerprint)] = (session_id, expires)
-            self._fingerprints.move_to_end((tenant, fingerprint))
-        while len(self._sessions) > self._max_sessions:
-            self._sessions.popitem(last=False)
-        while len(self._fingerprints) > self._max_fingerprints:
-            self._fingerprints.popitem(last=False)
+            fingerprint_key = _tenant_key(tenant, fingerprint)
+            self._fingerprints.pop(fingerprint_key, None)  # re-inserted: the newest again
+            self._fingerprints[fingerprint_key] = session_id
+        if len(self._fingerprints) > self._max_fingerprints:
+            # Forget the oldest tenth at once: a dict has no cheap "pop the oldest" one at a time.
+            excess = len(self._fingerprints) - self._max_fingerprints + self._max_fingerprints // 10
+            for fingerprint_key in list(itertools.islice(self._fingerprints, excess)):
+                del self._fingerprints[fingerprint_key]
 
     async def list_sessions(self, tenant: str, limit: int = 100) -> list[SessionRecord]:
         now = time.time()
-        records = [
-            replace(r)
-            for (t, _), r in reversed(self._sessions.items())
-            if t == tenant and now - r.last_seen <= self._ttl
-        ]
-        return records[:limit]
+        records = []
+        for key, packed in reversed(self._sessions.items()):
+            if key[0] == tenant and now - _last_seen(packed) <= self._ttl:
+                records.append(self._record(key, packed))
+                if len(records) == limit:
+                    break
+        return records
 
     async def delete(self, tenant: str, session_id: str) -> bool:
-        return self._sessions.pop((tenant, session_id), None) is not None
+        return self._forget((tenant, session_id))
 
     async def set_summary(self, tenant: str, session_id: str, summary: dict[str, Any] | None) -> None:
-        now = time.time()
-        record = self._live(tenant, session_id, now)
-        if record is None:
-            record = SessionRecord(tenant, session_id, created=now, last_seen=now)
-            self._sessions[(tenant, session_id)] = record
-        record.summary = summary
+        key, now = (tenant, session_id), time.time()
+        if self._live(key, now) is None:
+            self._store(SessionRecord(tenant, session_id, created=now, last_seen=now, summary=summary))
+        else:
+            self._keep_summary(key, summary)
 
     async def reserve(self, limits: list[UsageLimit], amount: int, window_s: int, now: float) -> Reservation:
         window, retry_after = window_of(now, window_s)
@@ -135,9 +200,45 @@ class MemorySessionStore:
         if held and held[0] == token:
             del self._locks[name]
 
+    async def get_route_headers(self, digest: str) -> dict[str, str] | None:
+        entry = self._route_headers.get(digest)
+        if entry is None or entry[1] < time.time():
+            return None
+        self._route_headers.move_to_end(digest)
+        return dict(entry[0])
+
+    async def set_route_headers(self, digest: str, headers: dict[str, str]) -> None:
+        self._route_headers[digest] = (dict(headers), time.time() + self._ttl)
+        self._route_headers.move_to_end(digest)
+        while len(self._route_headers) > self._max_sessions:
+            self._route_headers.popitem(last=False)
+
     async def stats(self, since: float) -> tuple[int, int]:
-        active = [r for r in self._sessions.values() if r.last_seen >= since]
-        return len(active), sum(r.context_tokens for r in active)
+        # Newest first, stopping at the first record seen before ``since``: records are kept in the
+        # order they were last written, so this reads the active sessions only (the gauge refresh
+        # would otherwise hold the event loop for every session kept, 100,000 by default).
+        active = context_tokens = 0
+        for packed in reversed(self._sessions.values()):
+            if _last_seen(packed) < since:
+                break
+            active += 1
+            context_tokens += _CONTEXT_TOKENS.unpack_from(packed, _CONTEXT_TOKENS_OFFSET)[0]
+        return active, context_tokens
+
+    async def reset(self) -> None:
+        return None
 
     async def aclose(self) -> None:
         return None
+
+    async def put_response(self, tenant: str, response_id: str, info: dict[str, Any], ttl_s: float) -> None:
+        self._responses[(tenant, response_id)] = (dict(info), time.time() + ttl_s)
+        self._responses.move_to_end((tenant, response_id))
+        while len(self._responses) > self._max_sessions:
+            self._responses.popitem(last=False)
+
+    async def get_response(self, tenant: str, response_id: str) -> dict[str, Any] | None:
+        entry = self._responses.get((tenant, response_id))
+        if entry is None or entry[1] < time.time():
+            return None
+        return dict(entry[0])

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
-@dataclass
+@dataclass(slots=True)
 class SessionRecord:
     tenant: str
     session_id: str
@@ -25,6 +25,8 @@ class SessionRecord:
     last_pair: int = 0
     # The newest pair of the latest request (its previous message and the new user turn).
     last_request_pair: int = 0
+    # The first pair of the latest request: a client whose next request starts elsewhere slides a window.
+    first_pair: int = 0
     summary: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -42,6 +44,7 @@ class TurnRecord:
     new_fingerprints: list[int] = field(default_factory=list)
     reply_pair: int = 0
     request_pair: int = 0
+    first_pair: int = 0
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,17 @@ Layout (``p`` = configured key prefix, tenant-namespaced everywhere):
   p active                 zset   "<tenant>\\0<sid>" by last-seen (gauges)
   p u:<scope>:<window>     string tokens used in one budget window
   p lock:<name>            string lock token (SET NX PX)
+  p rt:<digest>            string headers a router asked to be echoed, per routing key (JSON)
+  p canon                  stream the replicas' shared canonicalizer memories (proxy/replicas)
 Every key carries a TTL. Turn recording is one MULTI/EXEC transaction; budget
 admission is one Lua script (check every limit, then reserve on all or none).
+
+On a Redis Cluster (``cluster=True``) a script or transaction may only touch keys of one hash
+slot. The budget keys of one admission share a hash tag (``{tenant}``, set by
+proxy.chat.budget.usage_limits), so the admission script stays one atomic step; a turn's session hash
+is updated in a transaction of its own and its indexes and fingerprints beside it (each of those
+writes is atomic by itself, and none is read together with another); fingerprints are read with
+one GET per slot instead of one MGET.
 """
 
 from __future__ import annotations
@@ -18,10 +27,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.connection import SSLConnection, parse_url
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.cluster import RedisCluster
 
+from proxy.sessions.connect import RedisClient, drop_connections, redis_client
 from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLimit
 from proxy.sessions.store import window_of
 
@@ -39,6 +47,24 @@ end
 return 0
 """
 
+# Settling corrects a reservation that may no longer exist: Redis restarted (or failed over to a
+# replica that never saw it) between reserve and settle. A plain INCRBY would then create the key
+# with a negative count and no TTL: free budget, for ever. Only what exists is corrected, never
+# below zero, and the key always keeps a TTL.
+_SETTLE = """
+local delta = tonumber(ARGV[1])
+local ttl = tonumber(ARGV[2])
+for _, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then
+    if redis.call('INCRBY', key, delta) < 0 then redis.call('SET', key, 0, 'KEEPTTL') end
+    if redis.call('TTL', key) < 0 then redis.call('EXPIRE', key, ttl) end
+  elseif delta > 0 then
+    redis.call('SET', key, delta, 'EX', ttl)
+  end
+end
+return 0
+"""
+
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -51,48 +77,10 @@ _INT_FIELDS = (
     "completion_tokens",
     "context_tokens",
     "fingerprints",
+    "last_pair",
+    "last_request_pair",
+    "first_pair",
 )
-
-
-def _client(
-    url: str, timeout_s: float, sentinels: Sequence[str], service: str, sentinel_password: str | None = None
-) -> aioredis.Redis:
-    options: dict[str, Any] = {
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
-        "health_check_interval": 15,
-        "decode_responses": True,
-    }
-    if not sentinels:
-        return aioredis.Redis.from_url(url, **options)
-    # Sentinel: the sentinels say where the master is, before every new connection and after a
-    # failover; the URL still gives the database, credentials and TLS (its host is not used).
-    parsed: dict[str, Any] = dict(parse_url(url))
-    if "path" in parsed:
-        raise ValueError("a unix:// Redis URL cannot be combined with sentinels")
-    parsed.pop("host", None)
-    parsed.pop("port", None)
-    # The sentinel pool brings its own connection class; rediss:// asks it for the TLS variant.
-    if parsed.pop("connection_class", None) is SSLConnection:
-        parsed["ssl"] = True
-    sentinel_options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-    if sentinel_password:
-        sentinel_options["password"] = sentinel_password
-    sentinel = Sentinel([_host_port(address) for address in sentinels], sentinel_kwargs=sentinel_options, **options)
-    return sentinel.master_for(service, **parsed)
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[ipv6]:port``."""
-    text = address.strip()
-    host, _, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        host = ""  # an IPv6 address needs brackets, or its last group reads as the port
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"a sentinel address is host:port or [ipv6]:port, not {address!r}")
-    return host, int(port)
 
 
 class RedisSessionStore:
@@ -106,15 +94,25 @@ class RedisSessionStore:
         sentinels: Sequence[str] = (),
         sentinel_service: str = "mymaster",
         sentinel_password: str | None = None,
+        cluster: bool = False,
     ) -> None:
-        self._redis = _client(url, timeout_s, sentinels, sentinel_service, sentinel_password)
+        self._redis: RedisClient = redis_client(
+            url,
+            timeout_s,
+            sentinels=sentinels,
+            service=sentinel_service,
+            sentinel_password=sentinel_password,
+            cluster=cluster,
+        )
+        self._cluster = isinstance(self._redis, RedisCluster)
         self._prefix = prefix
         self._ttl = ttl_s
         self._reserve = self._redis.register_script(_RESERVE)
         self._release = self._redis.register_script(_RELEASE)
+        self._settle = self._redis.register_script(_SETTLE)
 
     @property
-    def client(self) -> aioredis.Redis:
+    def client(self) -> RedisClient:
         return self._redis
 
     def _session_key(self, tenant: str, session_id: str) -> str:
@@ -136,7 +134,12 @@ class RedisSessionStore:
     async def lookup(self, tenant: str, fingerprints: list[int]) -> tuple[list[str | None], dict[str, float]]:
         if not fingerprints:
             return [], {}
-        raw = await self._redis.mget([self._fp_key(tenant, f) for f in fingerprints])
+        keys = [self._fp_key(tenant, f) for f in fingerprints]
+        # On a cluster the fingerprints are spread over slots: one GET per slot, not one MGET.
+        if isinstance(self._redis, RedisCluster):
+            raw = await self._redis.mget_nonatomic(keys)
+        else:
+            raw = await self._redis.mget(keys)
         matches: list[str | None] = [str(m) if m else None for m in raw]
         candidates = sorted({m for m in matches if m})
         last_seen: dict[str, float] = {}
@@ -162,14 +165,34 @@ class RedisSessionStore:
             pipe.hincrby(key, "cached_tokens", turn.cached_tokens)
             pipe.hincrby(key, "completion_tokens", turn.completion_tokens)
             pipe.hincrby(key, "fingerprints", len(turn.new_fingerprints))
-            pipe.hset(key, mapping={"last_pair": turn.reply_pair, "last_request_pair": turn.request_pair})
+            pipe.hset(
+                key,
+                mapping={
+                    "last_pair": turn.reply_pair,
+                    "last_request_pair": turn.request_pair,
+                    "first_pair": turn.first_pair,
+                },
+            )
             pipe.expire(key, self._ttl)
-            pipe.zadd(f"{self._prefix}idx:{tenant}", {session_id: now})
-            pipe.expire(f"{self._prefix}idx:{tenant}", self._ttl)
-            pipe.zadd(f"{self._prefix}active", {f"{tenant}\x00{session_id}": now})
-            for fingerprint in turn.new_fingerprints:
-                pipe.set(self._fp_key(tenant, fingerprint), session_id, ex=self._ttl)
+            if self._cluster:
+                # One slot per transaction: the indexes and fingerprints live elsewhere.
+                await pipe.execute()
+                await self._index_turn(tenant, session_id, turn, now)
+                return
+            self._queue_index(pipe, tenant, session_id, turn, now)
             await pipe.execute()
+
+    async def _index_turn(self, tenant: str, session_id: str, turn: TurnRecord, now: float) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            self._queue_index(pipe, tenant, session_id, turn, now)
+            await pipe.execute()
+
+    def _queue_index(self, pipe: Any, tenant: str, session_id: str, turn: TurnRecord, now: float) -> None:
+        pipe.zadd(f"{self._prefix}idx:{tenant}", {session_id: now})
+        pipe.expire(f"{self._prefix}idx:{tenant}", self._ttl)
+        pipe.zadd(f"{self._prefix}active", {f"{tenant}\x00{session_id}": now})
+        for fingerprint in turn.new_fingerprints:
+            pipe.set(self._fp_key(tenant, fingerprint), session_id, ex=self._ttl)
 
     async def list_sessions(self, tenant: str, limit: int = 100) -> list[SessionRecord]:
         index = f"{self._prefix}idx:{tenant}"
@@ -186,7 +209,9 @@ class RedisSessionStore:
         return [_record(tenant, sid, data) for sid, data in zip(session_ids, rows, strict=True) if data]
 
     async def delete(self, tenant: str, session_id: str) -> bool:
-        async with self._redis.pipeline(transaction=True) as pipe:
+        # Three keys in three slots on a cluster: no transaction there (an index entry left behind
+        # for a moment is cleaned up by the listing, which drops ids whose record is gone).
+        async with self._redis.pipeline(transaction=not self._cluster) as pipe:
             pipe.delete(self._session_key(tenant, session_id))
             pipe.zrem(f"{self._prefix}idx:{tenant}", session_id)
             pipe.zrem(f"{self._prefix}active", f"{tenant}\x00{session_id}")
@@ -214,10 +239,7 @@ class RedisSessionStore:
     async def settle(self, reservation: Reservation, delta: int, window_s: int) -> None:
         if delta == 0 or not reservation.keys:
             return
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for key in reservation.keys:
-                pipe.incrby(key, delta)
-            await pipe.execute()
+        await self._settle(keys=list(reservation.keys), args=[delta, window_s + 60])
 
     async def usage(self, key: str, window_s: int, now: float) -> int:
         value = await self._redis.get(self.usage_key(key, window_of(now, window_s)[0]))
@@ -230,6 +252,19 @@ class RedisSessionStore:
 
     async def release_lock(self, name: str, token: str) -> None:
         await self._release(keys=[f"{self._prefix}lock:{name}"], args=[token])
+
+    async def get_route_headers(self, digest: str) -> dict[str, str] | None:
+        raw = await self._redis.get(f"{self._prefix}rt:{digest}")
+        if not raw:
+            return None
+        try:
+            headers = json.loads(raw)
+        except ValueError:
+            return None
+        return {str(k): str(v) for k, v in headers.items()} if isinstance(headers, dict) else None
+
+    async def set_route_headers(self, digest: str, headers: dict[str, str]) -> None:
+        await self._redis.set(f"{self._prefix}rt:{digest}", json.dumps(headers), ex=self._ttl)
 
     async def stats(self, since: float) -> tuple[int, int]:
         active_key = f"{self._prefix}active"
@@ -248,6 +283,26 @@ class RedisSessionStore:
         """A tenant provisioned in Redis: JSON {name, upstream_api_key?, budget?} under its key's SHA-256."""
         value = await self._redis.get(f"{self._prefix}tenant:{digest}")
         return str(value) if value else None
+
+    def _response_key(self, tenant: str, response_id: str) -> str:
+        return f"{self._prefix}r:{tenant}:{response_id}"
+
+    async def put_response(self, tenant: str, response_id: str, info: dict[str, Any], ttl_s: float) -> None:
+        await self._redis.set(self._response_key(tenant, response_id), json.dumps(info), ex=max(1, int(ttl_s)))
+
+    async def get_response(self, tenant: str, response_id: str) -> dict[str, Any] | None:
+        raw = await self._redis.get(self._response_key(tenant, response_id))
+        if not raw:
+            return None
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            return None
+        return info if isinstance(info, dict) else None
+
+    async def reset(self) -> None:
+        """Drop every pooled connection (after a failure: they may all lead to a dead server)."""
+        await drop_connections(self._redis)
 
     async def aclose(self) -> None:
         await self._redis.aclose()

@@ -10,19 +10,20 @@ that the next request probes it again, and recovery is logged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from proxy.config import SessionSettings
-from proxy.metrics import Metrics
+from proxy.ids import unique_id
+from proxy.observability.metrics import Metrics
+from proxy.openai.usage import Usage
 from proxy.sessions.identity import conversation_fingerprints, explicit_session_id, reply_fingerprint, vote
 from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLimit
 from proxy.sessions.store import SessionStore
-from proxy.usage import Usage
 
 logger = logging.getLogger("prefix_proxy.sessions")
 T = TypeVar("T")
@@ -40,6 +41,12 @@ class SessionView:
     fingerprints: list[int] = field(default_factory=list)
     known: set[int] = field(default_factory=set)
     explicit: bool = False
+
+    @property
+    def slid(self) -> bool:
+        """The client's history no longer starts where its previous request's did: a sliding window."""
+        first = self.record.first_pair if self.record else 0
+        return bool(first and self.fingerprints and self.fingerprints[0] != first)
 
     @property
     def tokens_per_byte(self) -> float | None:
@@ -66,9 +73,18 @@ class SessionService:
                 operation.close()
             raise StoreUnavailable()
         try:
-            result = await asyncio.wait_for(operation, timeout=self._settings.operation_timeout_s * 4)
+            # Not asyncio.wait_for: before Python 3.12 it runs the operation as a task of its own,
+            # two more turns of the event loop for every store call on the request path.
+            async with asyncio.timeout(self._settings.operation_timeout_s * 4):
+                result = await operation
         except Exception as exc:
+            first_failure = not self._degraded
             self._mark_down(exc)
+            if first_failure:
+                # Every pooled connection may lead to the dead server: without this, each would
+                # fail once after the store came back, each failure another pass-through pause.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.store.reset(), timeout=self._settings.operation_timeout_s)
             raise StoreUnavailable() from exc
         if self._degraded:
             self._degraded = False
@@ -85,20 +101,26 @@ class SessionService:
             logger.warning("session store unavailable (%s): serving without sessions", type(exc).__name__)
 
     def explicit_id(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-        """The session the client names (header, ``prompt_cache_key``, ``user``), hashed; no I/O."""
+        """The session the client names (a session header, ``prompt_cache_key``, ``user``), hashed; no I/O."""
         return explicit_session_id(
             headers,
             body,
-            header=self._settings.header,
+            header_names=self._settings.headers,
             use_prompt_cache_key=self._settings.use_prompt_cache_key,
             use_user=self._settings.use_user,
         )
 
     async def resolve(
-        self, tenant: str, headers: Mapping[str, str], body: Mapping[str, Any], messages: list[dict[str, Any]]
+        self,
+        tenant: str,
+        headers: Mapping[str, str],
+        body: Mapping[str, Any],
+        messages: list[dict[str, Any]],
+        session_id: str | None = None,
     ) -> SessionView:
+        """``session_id``: a session the proxy itself knows the request belongs to (a Responses chain)."""
         fingerprints = conversation_fingerprints(messages)
-        explicit = self.explicit_id(headers, body)
+        explicit = session_id or self.explicit_id(headers, body)
         if explicit:
             record = await self.call(self.store.get(tenant, explicit))
             return SessionView(tenant, explicit, record, fingerprints, set(), explicit=True)
@@ -106,14 +128,14 @@ class SessionService:
         # so a request without history (a first message) always opens a new session.
         history = fingerprints[:-1]
         if not history:
-            return SessionView(tenant, uuid.uuid4().hex, None, fingerprints)
+            return SessionView(tenant, unique_id(), None, fingerprints)
         matches, last_seen = await self.call(self.store.lookup(tenant, history))
         session_id = vote(matches, last_seen)
         if session_id is None:
-            return SessionView(tenant, uuid.uuid4().hex, None, fingerprints)
+            return SessionView(tenant, unique_id(), None, fingerprints)
         record = await self.call(self.store.get(tenant, session_id))
         if record is not None and _forked(record, history):
-            return SessionView(tenant, uuid.uuid4().hex, None, fingerprints)
+            return SessionView(tenant, unique_id(), None, fingerprints)
         known = {fp for fp, match in zip(history, matches, strict=True) if match == session_id}
         return SessionView(tenant, session_id, record, fingerprints, known)
 
@@ -147,6 +169,7 @@ class SessionService:
             new_fingerprints=new,
             reply_pair=reply_fp or 0,
             request_pair=view.fingerprints[-1] if view.fingerprints else 0,
+            first_pair=view.fingerprints[0] if view.fingerprints else 0,
         )
         try:
             # Settle first: budget accuracy matters more than the session's counters.
@@ -158,14 +181,17 @@ class SessionService:
             pass
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run session bookkeeping in the background (from synchronous code: the end of a stream)."""
+        """Run session bookkeeping in the background (from synchronous code: the end of a stream;
+        compactions), until :meth:`drain`."""
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def drain(self) -> None:
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        """Wait for the background work, including what it starts meanwhile (a finished turn's
+        compaction)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
 
 def _forked(record: SessionRecord, history: list[int]) -> bool:

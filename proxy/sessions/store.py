@@ -41,11 +41,27 @@ class SessionStore(Protocol):
 
     async def release_lock(self, name: str, token: str) -> None: ...
 
+    async def get_route_headers(self, digest: str) -> dict[str, str] | None:
+        """Headers a router asked to be echoed for one routing key (its digest)."""
+        ...
+
+    async def set_route_headers(self, digest: str, headers: dict[str, str]) -> None: ...
+
     async def stats(self, since: float) -> tuple[int, int]:
         """(sessions active since ``since``, their summed context tokens)."""
         ...
 
+    async def reset(self) -> None:
+        """Forget connections after a failure (the next operation opens fresh ones)."""
+        ...
+
     async def aclose(self) -> None: ...
+
+    async def put_response(self, tenant: str, response_id: str, info: dict[str, Any], ttl_s: float) -> None:
+        """Remember where a stored Responses-API response lives (its backend, its chain)."""
+        ...
+
+    async def get_response(self, tenant: str, response_id: str) -> dict[str, Any] | None: ...
 
 
 def window_of(now: float, window_s: int) -> tuple[int, int]:

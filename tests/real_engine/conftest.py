@@ -12,15 +12,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from bench.real_vllm.engine import DEFAULT_PRESET, RealVLLM, unavailable_reason  # noqa: E402
+from bench.real_vllm.engine import DEFAULT_PRESET, RealVLLM, unavailable_reason
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +26,8 @@ def real_vllm() -> Iterator[RealVLLM]:
         if os.environ.get("REAL_VLLM_REQUIRED") == "1":
             pytest.fail(f"real vLLM unavailable: {why}")
         pytest.skip(f"real vLLM unavailable: {why}")
-    with RealVLLM(preset=preset) as engine:
+    # Stored responses (previous_response_id, GET /v1/responses/{id}) need vLLM's in-process store.
+    with RealVLLM(preset=preset, extra_env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"}) as engine:
         print(
             f"\nreal vLLM ({preset}) healthy after {engine.startup_seconds:.1f}s at {engine.base_url}", file=sys.stderr
         )

@@ -1,6 +1,6 @@
 """The proxy in front of a real vLLM: vLLM itself reports more prefix-cache hits through the proxy.
 
-A short Dify-style workload (dify_rag, fc_agent, timestamp_user; 2 sessions each, 3 user turns,
+A short Dify-style workload (dify_rag, fc_agent, timestamp_user; 4 sessions each, 3 user turns,
 streaming, max_tokens 32) is played directly against the session's real vLLM (`real_vllm` fixture)
 and through the proxy (default settings, in-process), each run with its own ``cache_salt`` so
 neither reuses the other's (or an earlier test's) cache. vLLM's /metrics counters are read around
@@ -16,19 +16,14 @@ from __future__ import annotations
 import asyncio
 import secrets
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from bench.real_vllm.compare import EngineCounters, PhaseSpec, ScenarioRun, Workload, merged, play  # noqa: E402
-from bench.real_vllm.engine import RealVLLM  # noqa: E402
-from proxy.app import create_app  # noqa: E402
-from proxy.config import Settings  # noqa: E402
-from proxy.demo import serve_in_thread  # noqa: E402
+from bench.real_vllm.compare import EngineCounters, PhaseSpec, ScenarioRun, Workload, merged, play
+from bench.real_vllm.engine import RealVLLM
+from proxy.app import create_app
+from proxy.config import Settings
+from tests.helpers import LiveServer
 
 SCENARIOS = ["dify_rag", "fc_agent", "timestamp_user"]
 
@@ -36,8 +31,10 @@ Runs = dict[str, dict[str, ScenarioRun]]
 
 
 def workload(engine: RealVLLM) -> Workload:
+    # Four sessions: the proxy leaves a span where the client put it until it has seen the span's
+    # place vary, so each app's first request goes out as sent (timestamp_user has three apps).
     return Workload(
-        scenarios=SCENARIOS, sessions=2, seed=0, max_tokens=32, concurrency=1, max_user_turns=3, model=engine.model
+        scenarios=SCENARIOS, sessions=4, seed=0, max_tokens=32, concurrency=1, max_user_turns=3, model=engine.model
     )
 
 
@@ -46,10 +43,10 @@ def runs(real_vllm: RealVLLM) -> Runs:
     """The workload direct and through the proxy, scenario by scenario, with vLLM's counter deltas."""
     run_id = secrets.token_hex(6)
     metrics = real_vllm.base_url + "/metrics"
-    with serve_in_thread(create_app(Settings(upstream=real_vllm.openai_base_url)), name="prefix-proxy") as proxy:
+    with LiveServer(create_app(Settings(upstream=real_vllm.openai_base_url))) as proxy:
         specs = [
             PhaseSpec("direct", real_vllm.openai_base_url, metrics, f"test-direct-{run_id}"),
-            PhaseSpec("proxied", proxy + "/v1", metrics, f"test-proxied-{run_id}"),
+            PhaseSpec("proxied", proxy.url + "/v1", metrics, f"test-proxied-{run_id}"),
         ]
         return asyncio.run(play(specs, workload(real_vllm), log=lambda line: print(line, file=sys.stderr)))
 
@@ -65,7 +62,7 @@ def test_no_errors_and_every_request_reached_vllm(runs: Runs) -> None:
         for scenario, run in by_scenario.items():
             result = run.result
             assert result.errors == 0, (side, scenario, result.error_samples)
-            assert result.requests >= 2 * 3, (side, scenario)  # 2 sessions x 3 user turns at least
+            assert result.requests >= 4 * 3, (side, scenario)  # 4 sessions x 3 user turns at least
             # Exactly one engine request per client request (nothing retried, nothing added by the proxy).
             assert engine_delta(run).ttft_count == result.requests, (side, scenario)
 
@@ -114,20 +111,20 @@ def test_streaming_client_matches_the_workload_runner_and_reports() -> None:
     """No engine: streamed sessions see what the (non-streaming) workload runner sees, and the report renders."""
     from bench.real_vllm.compare import compare
     from bench.real_vllm.report import markdown
-    from proxy.fakebackend import FakeBackendConfig
-    from proxy.fakebackend import create_app as create_fake
-    from proxy.workload import run_workload
+    from testbed.fakevllm import FakeBackendConfig
+    from testbed.fakevllm import create_app as create_fake
+    from testbed.workload import run_workload
 
     small = Workload(scenarios=["dify_rag", "fc_agent"], sessions=2, max_tokens=32, max_user_turns=2, model="m")
     config = FakeBackendConfig(model="m", block_size=32)
-    with serve_in_thread(create_fake(config)) as fake, serve_in_thread(create_fake(config)) as fake2:
-        with serve_in_thread(create_app(Settings(upstream=fake2 + "/v1"))) as proxy:
+    with LiveServer(create_fake(config)) as fake, LiveServer(create_fake(config)) as fake2:
+        with LiveServer(create_app(Settings(upstream=fake2.url + "/v1"))) as proxy:
             specs = [
-                PhaseSpec("direct", fake + "/v1", fake + "/metrics", "a"),
-                PhaseSpec("proxied", proxy + "/v1", fake2 + "/metrics", "b"),
+                PhaseSpec("direct", fake.url + "/v1", fake.url + "/metrics", "a"),
+                PhaseSpec("proxied", proxy.url + "/v1", fake2.url + "/metrics", "b"),
             ]
             runs = asyncio.run(play(specs, small))
-        reference = run_workload(fake + "/v1", ["fc_agent"], sessions_per_scenario=2, max_tokens=32, model="m")
+        reference = run_workload(fake.url + "/v1", ["fc_agent"], sessions_per_scenario=2, max_tokens=32, model="m")
     streamed = runs["direct"]["fc_agent"].result
     stats = runs["direct"]["fc_agent"].stats
     # The runner plays whole sessions (3-6 turns); the streamed ones stop after 2 user turns.

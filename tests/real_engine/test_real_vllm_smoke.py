@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from bench.real_vllm.engine import PrefixCacheCounters, RealVLLM  # noqa: E402
-from bench.real_vllm.hooks import expected_reply  # noqa: E402
+from bench.real_vllm.engine import PrefixCacheCounters, RealVLLM
+from bench.real_vllm.hooks import expected_reply
+from tests.helpers import chat_ok
 
 pytestmark = pytest.mark.real_engine
 
@@ -71,14 +65,6 @@ def engine(real_vllm: RealVLLM) -> RealVLLM:
     return real_vllm
 
 
-def chat(engine: RealVLLM, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    body = {"model": engine.model, "messages": messages, **extra}
-    resp = httpx.post(engine.openai_base_url + "/chat/completions", json=body, timeout=300)
-    assert resp.status_code == 200, resp.text
-    data: dict[str, Any] = resp.json()
-    return data
-
-
 def cached_tokens(response: dict[str, Any]) -> int:
     details = response["usage"].get("prompt_tokens_details") or {}
     return int(details.get("cached_tokens") or 0)  # missing means a miss
@@ -111,8 +97,8 @@ def test_shared_system_prompt_hits_the_prefix_cache(engine: RealVLLM) -> None:
     assert len(ids1) > 1000
 
     before = engine.metrics()
-    r1 = chat(engine, first, max_tokens=32)
-    r2 = chat(engine, second, max_tokens=32)
+    r1 = chat_ok(engine.base_url, first, model=engine.model, timeout=300, max_tokens=32)
+    r2 = chat_ok(engine.base_url, second, model=engine.model, timeout=300, max_tokens=32)
 
     assert r1["usage"]["prompt_tokens"] == len(ids1)
     assert r2["usage"]["prompt_tokens"] == len(ids2)
@@ -131,8 +117,8 @@ def test_text_reply_is_deterministic_and_forced(engine: RealVLLM) -> None:
         {"role": "system", "content": long_system_prompt("text reply test")},
         {"role": "user", "content": "Explain how the prefix cache decides what to reuse."},
     ]
-    r1 = chat(engine, messages, max_tokens=48, temperature=1.0)
-    r2 = chat(engine, messages, max_tokens=48, temperature=1.0, seed=7)
+    r1 = chat_ok(engine.base_url, messages, model=engine.model, timeout=300, max_tokens=48, temperature=1.0)
+    r2 = chat_ok(engine.base_url, messages, model=engine.model, timeout=300, max_tokens=48, temperature=1.0, seed=7)
     text1, text2 = r1["choices"][0]["message"]["content"], r2["choices"][0]["message"]["content"]
     assert text1 and text1 == text2
     assert cached_tokens(r2) > 0
@@ -147,10 +133,12 @@ def test_tool_call_reply_is_deterministic(engine: RealVLLM) -> None:
         {"role": "system", "content": long_system_prompt("tool call test")},
         {"role": "user", "content": "What is the weather like in Lisbon today?"},
     ]
-    r1 = chat(engine, messages, tools=TOOLS, max_tokens=128)
-    r2 = chat(engine, messages, tools=TOOLS, max_tokens=128)
+    r1 = chat_ok(engine.base_url, messages, model=engine.model, timeout=300, tools=TOOLS, max_tokens=128)
+    r2 = chat_ok(engine.base_url, messages, model=engine.model, timeout=300, tools=TOOLS, max_tokens=128)
     # Under tool_choice="required" a grammar constrains the output; the forced tool call fits it.
-    r3 = chat(engine, messages, tools=TOOLS, max_tokens=128, tool_choice="required")
+    r3 = chat_ok(
+        engine.base_url, messages, model=engine.model, timeout=300, tools=TOOLS, max_tokens=128, tool_choice="required"
+    )
     calls = []
     for r in (r1, r2, r3):
         choice = r["choices"][0]

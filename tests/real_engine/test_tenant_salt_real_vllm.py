@@ -4,21 +4,15 @@ chat and completion requests and shares blocks only within a tenant."""
 from __future__ import annotations
 
 import secrets
-import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from bench.real_vllm.engine import RealVLLM  # noqa: E402
-from proxy.app import create_app  # noqa: E402
-from proxy.config import Settings  # noqa: E402
-from proxy.demo import serve_in_thread  # noqa: E402
+from bench.real_vllm.engine import RealVLLM
+from proxy.app import create_app
+from proxy.config import Settings
+from tests.helpers import LiveServer
 
 pytestmark = pytest.mark.real_engine
 
@@ -27,11 +21,11 @@ def test_tenants_share_cached_blocks_only_among_themselves(real_vllm: RealVLLM) 
     # Unique per run, so blocks cached by earlier tests or runs cannot answer for these.
     system = f"Run {secrets.token_hex(4)}. You are the billing assistant of a retailer. Answer briefly. " * 20
     tenants = [{"name": "acme", "api_key": "sk-acme"}, {"name": "globex", "api_key": "sk-globex"}]
-    with serve_in_thread(create_app(Settings(upstream=real_vllm.openai_base_url, tenants=tenants))) as proxy:
+    with LiveServer(create_app(Settings(upstream=real_vllm.openai_base_url, tenants=tenants))) as proxy:
 
         def post(path: str, key: str, body: dict[str, Any]) -> dict[str, Any]:
             response = httpx.post(
-                f"{proxy}/v1/{path}",
+                f"{proxy.url}/v1/{path}",
                 headers={"authorization": f"Bearer {key}"},
                 json={"model": real_vllm.model, "max_tokens": 4, **body},
                 timeout=120,

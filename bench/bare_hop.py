@@ -1,0 +1,58 @@
+"""The proxy's server and upstream client with none of its logic: the floor of its stack.
+
+uvicorn (as ``prefix-proxy serve`` runs it) and one Starlette route that forwards the body through
+the proxy's own :class:`~proxy.backends.upstream.Upstream` (aiohttp underneath) and relays the
+answer's bytes. ``bench.hop`` runs it next to prefix-proxy: the difference is what the proxy's logic
+(canonicalization, sessions, budgets, metrics, the access log) costs per request.
+
+    python -m bench.bare_hop --upstream http://127.0.0.1:8000/v1 --port 8001
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import AsyncIterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from proxy.backends.upstream import Upstream
+from proxy.serve import SERVER_OPTIONS
+
+
+def create_app(upstream_url: str) -> Starlette:
+    upstream = Upstream(upstream_url)
+
+    async def chat(request: Request) -> Response:
+        headers = {"content-type": "application/json"}
+        response = await upstream.open("POST", "/chat/completions", content=await request.body(), headers=headers)
+        raw = await upstream.read(response)
+        return Response(raw, status_code=response.status_code, media_type="application/json")
+
+    async def health(_: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        await upstream.aclose()
+
+    return Starlette(
+        routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/healthz", health)], lifespan=lifespan
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.bare_hop", description=__doc__)
+    parser.add_argument("--upstream", required=True)
+    parser.add_argument("--port", type=int, default=8001)
+    args = parser.parse_args()
+    uvicorn.run(create_app(args.upstream), host="127.0.0.1", port=args.port, **SERVER_OPTIONS)
+
+
+if __name__ == "__main__":
+    main()

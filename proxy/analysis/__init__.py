@@ -1,0 +1,1 @@
+"""``prefix-proxy analyze``: what each canonicalization mode would save on captured traffic."""

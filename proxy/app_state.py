@@ -1,0 +1,43 @@
+"""The long-lived objects one proxy app shares across requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+
+from proxy.backends import BackendPool
+from proxy.backends.catalog import ModelCatalog
+from proxy.canon.canonicalizer import Canonicalizer, PrefixTracker
+from proxy.chat.compaction import CompactionService
+from proxy.config import Settings
+from proxy.observability.metrics import Metrics
+from proxy.sessions.service import SessionService
+from proxy.tenants import TenantDirectory
+from proxy.tokenization import TokenCounter
+
+if TYPE_CHECKING:
+    from proxy.observability.capture import CaptureWriter
+    from proxy.observability.tracker import CacheBreakTracker
+
+
+@dataclass
+class ProxyState:
+    settings: Settings
+    metrics: Metrics
+    backends: BackendPool
+    canonicalizer: Canonicalizer
+    prefixes: PrefixTracker
+    sessions: SessionService
+    tenants: TenantDirectory
+    models: ModelCatalog
+    token_counter: TokenCounter
+    compaction: CompactionService
+    cache_breaks: CacheBreakTracker = field(init=False)
+    capture: CaptureWriter | None = field(init=False, default=None)
+
+
+def get_state(request: Request) -> ProxyState:
+    state: ProxyState = request.app.state.proxy
+    return state

@@ -1,0 +1,170 @@
+"""The upstream OpenAI-compatible server (vLLM, or anything that speaks its API).
+
+One pooled ``httpx.AsyncClient`` per upstream; transport failures become
+OpenAI-shaped 502/504 errors so no client ever sees a stack trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Mapping
+from typing import Any
+
+import httpx
+
+from proxy.backends.transport import ProxyAiohttpTransport
+from proxy.http.errors import ProxyError, upstream_connection_lost, upstream_timeout, upstream_unreachable
+from proxy.openai.jsonio import loads
+
+MAX_CACHED_URLS = 256
+
+
+class _NoCookies(httpx.Cookies):
+    def extract_cookies(self, response: httpx.Response) -> None:
+        return None
+
+    def set_cookie_header(self, request: httpx.Request) -> None:
+        return None
+
+
+async def read_response(response: httpx.Response) -> bytes:
+    """Read a response body, mapping a mid-body timeout or drop to 504/502."""
+    try:
+        return await response.aread()
+    except httpx.TimeoutException as exc:
+        raise upstream_timeout() from exc
+    except httpx.TransportError as exc:
+        raise upstream_connection_lost(type(exc).__name__) from exc
+    finally:
+        await response.aclose()
+
+
+def model_list(response: httpx.Response) -> list[dict[str, Any]]:
+    """The ``data`` of a ``/models`` answer; ``[]`` for anything else."""
+    try:
+        data = loads(response.content).get("data") if response.status_code == 200 else None
+    except (ValueError, AttributeError):
+        return []
+    return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
+
+
+class Upstream:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        connect_timeout_s: float = 5.0,
+        timeout_s: float = 600.0,
+        max_connections: int = 1000,
+        transport: httpx.AsyncBaseTransport | None = None,
+        use_aiohttp: bool = True,
+    ) -> None:
+        url = httpx.URL(base_url)
+        # Credentials in the URL (http://user:pw@host/v1) are sent as HTTP Basic auth, as httpx does
+        # itself; the URL used for requests carries none (aiohttp refuses a URL with credentials
+        # next to an Authorization header, and a URL is easier to leak than a header).
+        auth = httpx.BasicAuth(url.username, url.password) if url.userinfo else None
+        if url.userinfo:
+            base_url = str(url.copy_with(userinfo=b""))
+        self.base_url = base_url.rstrip("/")
+        # vLLM serves /tokenize, /health and /metrics at the server root, not under /v1.
+        self.root_url = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        self._api_key = api_key
+        self._urls: dict[tuple[str, bool], httpx.URL] = {}
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        # Requests with a whole body go straight to aiohttp (ProxyAiohttpTransport.send_bytes) unless
+        # the client has something to add (Basic auth from the URL).
+        self._direct: ProxyAiohttpTransport | None = None
+        if transport is None and use_aiohttp:
+            # Same httpx client API, aiohttp's connection handling underneath: measured 2 ms less
+            # per proxied request than httpx's own transport (bench/overhead.py).
+            transport = ProxyAiohttpTransport(limits=limits, trust_env=False)
+            self._direct = transport if auth is None else None
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.client = httpx.AsyncClient(timeout=self._timeout, limits=limits, transport=transport, auth=auth)
+        # One client serves every tenant: a cookie the upstream sets for one must never ride along
+        # on another's request. httpx has no switch for its jar, so it gets one that keeps nothing
+        # (which also saves parsing every response for cookies: ~80 us per request).
+        self.client._cookies = _NoCookies()
+
+    def _url(self, path: str, root: bool) -> httpx.URL:
+        # A handful of paths, each parsed once: httpx's URL parser is pure Python.
+        key = (path, root)
+        url = self._urls.get(key)
+        if url is None:
+            url = httpx.URL((self.root_url if root else self.base_url) + path)
+            # Passed-through routes carry any path (and query) a client sends: not all are kept.
+            if len(self._urls) < MAX_CACHED_URLS:
+                self._urls[key] = url
+        return url
+
+    def auth_headers(self, client_authorization: str | None) -> dict[str, str]:
+        """The upstream's own key when configured; else the client's, for transparent set-ups."""
+        if self._api_key:
+            return {"authorization": f"Bearer {self._api_key}"}
+        if client_authorization:
+            return {"authorization": client_authorization}
+        return {}
+
+    async def open(
+        self,
+        method: str,
+        path: str,
+        *,
+        content: bytes | AsyncIterable[bytes] | None = None,
+        headers: Mapping[str, str] | None = None,
+        root: bool = False,
+    ) -> httpx.Response:
+        """Send a request and return the response with its body not yet read (streaming)."""
+        url = self._url(path, root)
+        try:
+            if self._direct is not None and not isinstance(content, AsyncIterable):
+                return await self._direct.send_bytes(method, str(url), content, headers or {}, self._timeout)
+            request = self.client.build_request(method, url, content=content, headers=headers)
+            return await self.client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            # Neither a connect nor a pool timeout ever sent the request: another backend may take it.
+            if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+                raise upstream_unreachable(
+                    "connect timeout" if isinstance(exc, httpx.ConnectTimeout) else "no free connection"
+                ) from exc
+            raise upstream_timeout() from exc
+        except httpx.ConnectError as exc:
+            raise upstream_unreachable(type(exc).__name__) from exc
+        except httpx.TransportError as exc:
+            # The connection broke after the request went out: the upstream may be computing it.
+            raise upstream_connection_lost(type(exc).__name__) from exc
+
+    read = staticmethod(read_response)
+
+    async def get_models(
+        self, headers: Mapping[str, str] | None = None, timeout_s: float = 3.0
+    ) -> httpx.Response | None:
+        """``GET /models`` with the given credentials (default: the proxy's own), body read; None when
+        the upstream cannot be reached."""
+        try:
+            return await self.client.get(
+                self.base_url + "/models",
+                headers=headers if headers is not None else self.auth_headers(None),
+                timeout=timeout_s,
+            )
+        except httpx.HTTPError:
+            return None
+
+    async def probe_models(self, timeout_s: float = 3.0) -> list[dict[str, Any]] | None:
+        """The models listed (``[]`` if the answer lists none), or None when the upstream is
+        unreachable or answers 5xx."""
+        response = await self.get_models(timeout_s=timeout_s)
+        if response is None or response.status_code >= 500:
+            return None
+        return model_list(response)
+
+    async def ready(self) -> bool:
+        return await self.probe_models() is not None
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def upstream_error_kind(exc: ProxyError) -> str:
+    return "timeout" if exc.status == 504 else "unreachable"

@@ -1,0 +1,101 @@
+"""Where each conversation's moved lines went: what the proxy forwarded, as hashes.
+
+Relocation decides, per request, where the volatile lines of the system prompt go. The
+cheapest place is wherever the backend already saw them: a conversation whose lines did
+not change since its last turn must get them at the same position again, or the turn
+recomputes everything after the old position (a direct connection would not). So the
+proxy remembers, as 64-bit hashes (no text):
+
+- each forwarded prompt: a request that extends one beyond its system messages, lines
+  left in the system prompt, continues a conversation that was forwarded that way, and
+  keeps that layout;
+- each inserted block by its position in the conversation (the history before it and
+  the message after it), with the hashes of the lines it held: the next turn moves the
+  same lines there again, if they are all still in its system prompt.
+
+The chains cover the tenant, the model, the tools and every message byte (as JSON), so two
+conversations share an entry only when their histories are the same.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import xxhash
+
+from proxy.openai.jsonio import dumps
+from proxy.recent import RecentSet
+
+# (system message index, text part, line hash) of one moved line.
+MovedLine = tuple[int, int, int]
+Block = tuple[MovedLine, ...]
+
+# Conversations of different apps can open alike ("hi"): a position keeps this many blocks.
+BLOCKS_PER_POSITION = 16
+
+
+class ForwardedLayouts:
+    """Bounded memories (least recently used out) of forwarded prompts and inserted blocks."""
+
+    def __init__(self, max_entries: int = 200_000) -> None:
+        self._prompts: RecentSet[int] = RecentSet(max_entries)
+        self._blocks: OrderedDict[int, tuple[Block, ...]] = OrderedDict()
+        self._max_blocks = max(1, max_entries // 4)
+        # Apps (hashed) that have had a block inserted: only their requests look for one.
+        self._apps: RecentSet[int] = RecentSet(max(1, max_entries // 16))
+
+    def remember_prompt(self, key: int) -> None:
+        self._prompts.add(key)
+
+    def knows_prompt(self, key: int) -> bool:
+        return self._prompts.touch(key)
+
+    def remember_block(self, position: int, block: Block, app: int) -> None:
+        known = self._blocks.get(position, ())
+        self._blocks[position] = (block, *(b for b in known if b != block))[:BLOCKS_PER_POSITION]
+        self._blocks.move_to_end(position)
+        if len(self._blocks) > self._max_blocks:
+            self._blocks.popitem(last=False)
+        self._apps.add(app)
+
+    def blocks_at(self, position: int) -> tuple[Block, ...]:
+        """The blocks inserted at this position, most recent first."""
+        blocks = self._blocks.get(position, ())
+        if blocks:
+            self._blocks.move_to_end(position)
+        return blocks
+
+    def app_had_blocks(self, app: int) -> bool:
+        return app in self._apps
+
+    def __len__(self) -> int:
+        return len(self._prompts) + len(self._blocks)
+
+
+def chain_header(namespace: str, body: dict[str, Any]) -> int:
+    """The start of every chain: what the backend renders ahead of the messages."""
+    digest = xxhash.xxh3_64()
+    digest.update(namespace.encode("utf-8", "surrogatepass"))
+    digest.update(b"\x00")
+    digest.update(str(body.get("model", "")).encode("utf-8", "surrogatepass"))
+    digest.update(b"\x00")
+    digest.update(dumps(body.get("tools") or body.get("functions") or []))
+    return digest.intdigest()
+
+
+def message_digest(message: Any) -> int:
+    return xxhash.xxh3_64_intdigest(dumps(message))
+
+
+def extend(chain: int, digest: int) -> int:
+    return xxhash.xxh3_64_intdigest(chain.to_bytes(8, "little") + digest.to_bytes(8, "little"))
+
+
+def prefix_chain(header: int, digests: Sequence[int]) -> list[int]:
+    """``chain[k]`` names ``messages[:k]`` (``chain[0]`` is the header alone)."""
+    chain = [header]
+    for digest in digests:
+        chain.append(extend(chain[-1], digest))
+    return chain

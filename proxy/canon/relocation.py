@@ -1,0 +1,518 @@
+"""Relocation: the volatile lines of the leading system messages, moved behind the stable part.
+
+Whole lines move, byte for byte (``relocate.partition_lines``). Which lines, and where to:
+
+1. Candidates are the lines of detected spans (dates, ``<context>`` blocks, ids, user rules)
+   and learned lines (seen to vary between an app's requests). A detected span proposes to
+   move only once its place has been seen with another value (``varying``).
+2. The conversation comes first (``layout``): a request that extends a prompt forwarded
+   before with its lines in place keeps them there; a conversation whose block was inserted
+   before a user turn gets the same lines inserted there again, even if what is detected or
+   learned has changed since. Either way the turn extends what its backend already holds.
+3. Otherwise proposed lines go to the default place: one system message just before (or
+   after) the last user turn, or the end of the system message (``system_end``, and for
+   a request with no user turn after the system prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from proxy.canon.actions import Action
+from proxy.canon.fingerprint import leading_system_count
+from proxy.canon.layout import (
+    Block,
+    ForwardedLayouts,
+    MovedLine,
+    chain_header,
+    extend,
+    message_digest,
+    prefix_chain,
+)
+from proxy.canon.learned import LearnedVolatility, line_hash
+from proxy.canon.querytemplate import restore_query_blocks
+from proxy.canon.relocate import (
+    already_at_end,
+    lines_touched,
+    partition_lines,
+    runs,
+    split_lines,
+)
+from proxy.canon.varying import VaryingPlaces
+from proxy.canon.volatile import DetectionCache, Detector, Span, detect_spans
+from proxy.openai.messages import is_text_parts
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where relocation sends what it moves (the engine's options, as relocation needs them)."""
+
+    target: str
+    restore_query_blocks: bool
+    detectors: Sequence[Detector]
+
+
+@dataclass
+class Memories:
+    """What relocation consults and updates; any may be None (then: stateless behaviour)."""
+
+    learned: LearnedVolatility | None = None
+    varying: VaryingPlaces | None = None
+    layouts: ForwardedLayouts | None = None
+    detection_cache: DetectionCache | None = None
+
+
+@dataclass
+class Relocation:
+    actions: list[Action]
+    # Leading system messages that are stable (what a summary goes right after).
+    stable_count: int
+    # Volatile lines moved to the end of the last stable system message (system_end).
+    system_tail: str = ""
+
+
+def relocate(
+    body: dict[str, Any], messages: list[dict[str, Any]], placement: Placement, memories: Memories, namespace: str
+) -> Relocation:
+    """Relocate in place (``messages`` must be copies the caller owns)."""
+    system_count = leading_system_count(messages)
+    if system_count == 0:
+        return Relocation([], 0)
+    app_key = _app_key(namespace, body)
+    splits = [
+        _split_message(messages[index], placement, memories, f"{app_key}\x00{index}", index)
+        for index in range(system_count)
+    ]
+    actions = [Action("learned_volatile_lines", str(s.learned)) for s in splits if s is not None and s.learned]
+    proposed = any(s is not None and s.moved for s in splits)
+    candidates = any(s is not None and s.candidates for s in splits)
+    layouts = memories.layouts
+    layout = _Layout(layouts, chain_header(namespace, body), app_key) if layouts is not None else None
+
+    if layout is not None and (candidates or layout.app_had_blocks()):
+        if layout.continues(messages, system_count):
+            # This conversation was forwarded with these very lines in place: moving them now would
+            # cost the turn everything after them.
+            if proposed:
+                actions.append(Action("volatile_kept", "conversation"))
+            layout.record_forwarded(messages)
+            return Relocation(actions, system_count)
+        # system_end: this model takes one system message (or is configured so): nothing is inserted.
+        inserting = placement.target != "system_end"
+        for position, forced in layout.restorations(messages, system_count, placement, memories) if inserting else ():
+            trial = list(messages)
+            outcome = _insert(trial, forced, position, placement, None, fresh=False)
+            # Worth it only if the turn then extends what was forwarded: when the lines that stay
+            # changed too, the old position saves nothing and the default place is decided afresh.
+            if layout.continues(trial, outcome.stable_count):
+                layout.record_block(messages, system_count, position, _moved_lines(forced))
+                layout.record_forwarded(trial)
+                messages[:] = trial
+                return Relocation(actions + outcome.actions, outcome.stable_count)
+    if not proposed:
+        if layout is not None and candidates:
+            layout.record_forwarded(messages)
+        return Relocation(actions, system_count)
+    if placement.target == "system_end" or not _has_user_after(messages, system_count):
+        moved, system_tail = _move_to_system_end(messages, splits)
+        if layout is not None:
+            layout.record_forwarded(messages)
+        return Relocation(actions + moved, system_count, system_tail)
+    outcome = _insert(messages, splits, _fresh_position(messages, placement), placement, layout, fresh=True)
+    return Relocation(actions + outcome.actions, outcome.stable_count)
+
+
+def _app_key(namespace: str, body: dict[str, Any]) -> str:
+    tools = body.get("tools") or body.get("functions") or []
+    names = ",".join(str((t.get("function") or t).get("name", "")) if isinstance(t, dict) else "" for t in tools)
+    return f"{namespace}\x00{body.get('model', '')}\x00{names}"
+
+
+# -- splitting a system message -----------------------------------------------------------------
+
+
+@dataclass
+class _Split:
+    """A system message's content with its moving lines taken out (``moved``: "" when none)."""
+
+    stable: str | list[Any]
+    moved: str = ""
+    spans: list[Span] = field(default_factory=list)
+    learned: int = 0
+    # Lines that were candidates to move (detected or learned), moved or not.
+    candidates: int = 0
+    # The moving lines already sit behind the stable part (system_end has nothing to do).
+    at_end: bool = False
+    # (text part, line hash) of each moving line: what a later turn of the conversation moves again.
+    lines: list[tuple[int, int]] = field(default_factory=list)
+
+
+# The line hashes to move in one text, or None: decide from detectors and memories.
+Forced = frozenset[int] | None
+
+
+def _split_message(
+    message: dict[str, Any],
+    placement: Placement,
+    memories: Memories,
+    key: str,
+    index: int,
+    forced: dict[int, frozenset[int]] | None = None,
+) -> _Split | None:
+    content = message.get("content")
+    if isinstance(content, str):
+        return _split_text(content, placement, memories, key, (index, 0), _forced(forced, 0))
+    if is_text_parts(content):
+        return _split_parts(content, placement, memories, key, index, forced)
+    return None
+
+
+def _forced(forced: dict[int, frozenset[int]] | None, part: int) -> Forced:
+    if forced is None:
+        return None
+    return forced.get(part, frozenset())
+
+
+def _split_text(
+    text: str, placement: Placement, memories: Memories, key: str, where: tuple[int, int], forced: Forced = None
+) -> _Split:
+    if not text:
+        return _Split(text)
+    lines = split_lines(text)
+    if forced is not None:
+        return _split_forced(text, lines, forced)
+    spans = detect_spans(text, placement.detectors, memories.detection_cache)
+    detected = lines_touched(text, spans)
+    learned_lines: set[int] = set()
+    if memories.learned is not None:
+        learned_lines = _reindex(lines, detected, memories.learned.observe(key, _without(lines, detected)))
+    candidates = detected | learned_lines
+    # The app is the template around the candidates: requests of two apps that share a model, and
+    # text (a context prompt, an instruction), do not vary each other's places.
+    skeleton = _skeleton(lines, detected, learned_lines) if memories.varying is not None and candidates else 0
+    place_key = f"{key}\x00{skeleton:x}"
+    varied = _varied_spans(text, spans, memories.varying, place_key, where)
+    moving = lines_touched(text, varied) | _varied_learned(lines, learned_lines, memories.varying, place_key, where)
+    if not moving:
+        return _Split(text, learned=len(learned_lines), candidates=len(candidates))
+    stable, moved = partition_lines(lines, moving)
+    return _Split(
+        stable,
+        moved,
+        varied,
+        len(learned_lines),
+        len(candidates),
+        already_at_end(lines, moving),
+        _line_ids(lines, moving, where[1]),
+    )
+
+
+def _split_forced(text: str, lines: list[str], forced: frozenset[int]) -> _Split:
+    """Move exactly the lines with these hashes."""
+    moving = {i for i, line in enumerate(lines) if line.strip() and line_hash(line) in forced}
+    if not moving:
+        return _Split(text)
+    stable, moved = partition_lines(lines, moving)
+    return _Split(stable, moved, candidates=len(moving), lines=_line_ids(lines, moving, 0))
+
+
+def _split_parts(
+    parts: list[dict[str, Any]],
+    placement: Placement,
+    memories: Memories,
+    key: str,
+    index: int,
+    forced: dict[int, frozenset[int]] | None,
+) -> _Split:
+    """Content given as text parts (``[{"type": "text", "text": ...}]``): each part is split like a
+    string; parts keep their order, a part left empty is dropped, and the moved lines of all parts
+    form one block, joined as the lines of one text are (so a second pass changes nothing)."""
+    kept: list[Any] = []
+    out = _Split(kept)
+    moved: list[str] = []
+    moved_parts: list[int] = []
+    for number, part in enumerate(parts):
+        where = (index, number)
+        split = _split_text(part["text"], placement, memories, f"{key}\x00{number}", where, _forced(forced, number))
+        out.learned += split.learned
+        out.candidates += split.candidates
+        if not split.moved:
+            kept.append(part)
+            continue
+        moved_parts.append(number)
+        out.at_end = split.at_end
+        moved.append(split.moved)
+        out.spans.extend(split.spans)
+        out.lines.extend((number, line) for _, line in split.lines)
+        if split.stable:
+            kept.append({**part, "text": split.stable})
+    # Already behind the stable part: only the last part moves, and within it only its tail.
+    out.at_end = out.at_end and moved_parts == [len(parts) - 1]
+    out.moved = "\n".join(moved)  # as partition_lines joins the moved lines of one text
+    return out
+
+
+def _line_ids(lines: list[str], moving: set[int], part: int) -> list[tuple[int, int]]:
+    return [(part, line_hash(lines[i])) for i in sorted(moving) if lines[i].strip()]
+
+
+def _skeleton(lines: list[str], detected: set[int], learned: set[int]) -> int:
+    """The text around the candidates, each run of candidate lines standing as one mark of its kind
+    (blank lines left out: a question with paragraphs is one run)."""
+    digest = xxhash.xxh3_64()
+    previous = b""
+    for index, line in enumerate(lines):
+        if not line.strip():
+            continue
+        mark = b"\x00d" if index in detected else b"\x00l" if index in learned else b""
+        if mark and mark == previous:
+            continue
+        digest.update(mark or line.encode("utf-8", "surrogatepass"))
+        digest.update(b"\n")
+        previous = mark
+    return digest.intdigest()
+
+
+def _varied_learned(
+    lines: list[str], learned: set[int], varying: VaryingPlaces | None, key: str, where: tuple[int, int]
+) -> set[int]:
+    """The learned lines whose run's place has been seen with other text (all of them, without a memory).
+
+    Learned volatility knows the lines differ from the app's other prompts; an app built on the same
+    text (another header over a shared instruction) looks the same to it at first. The place's own
+    history tells the two apart."""
+    if varying is None or not learned:
+        return learned
+    moving: set[int] = set()
+    for ordinal, (first, last) in enumerate(runs(lines, sorted(learned), bridge_blank=True)):
+        run = "\n".join(lines[first : last + 1])
+        if varying.observe(key, (*where, "learned", ordinal), run):
+            moving.update(range(first, last + 1))
+    return moving
+
+
+def _varied_spans(
+    text: str, spans: list[Span], varying: VaryingPlaces | None, key: str, where: tuple[int, int]
+) -> list[Span]:
+    """The spans whose place has been seen with another value (all of them, without a memory)."""
+    if varying is None:
+        return spans
+    ordinals: dict[str, int] = {}
+    varied = []
+    for span in spans:
+        ordinal = ordinals[span.kind] = ordinals.get(span.kind, -1) + 1
+        if varying.observe(key, (*where, span.kind, ordinal), text[span.start : span.end]):
+            varied.append(span)
+    return varied
+
+
+def _without(lines: list[str], excluded: set[int]) -> list[str]:
+    return [line for i, line in enumerate(lines) if i not in excluded]
+
+
+def _reindex(lines: list[str], excluded: set[int], learned: set[int]) -> set[int]:
+    """Map indices into the reduced line list back to indices into ``lines``."""
+    kept = [i for i in range(len(lines)) if i not in excluded]
+    return {kept[i] for i in learned}
+
+
+# -- placing what moves -------------------------------------------------------------------------
+
+
+def _move_to_system_end(messages: list[dict[str, Any]], splits: list[_Split | None]) -> tuple[list[Action], str]:
+    actions: list[Action] = []
+    system_tail = ""
+    for index, split in enumerate(splits):
+        if split is None or not split.moved or split.at_end:
+            continue  # at_end: already behind the stable part, nothing to move
+        messages[index] = {**messages[index], "content": _append_text(split.stable, split.moved)}
+        actions.extend(_span_actions(split.spans))
+        actions.append(Action("volatile_moved", "system_end"))
+        if index == len(splits) - 1 and split.stable:
+            system_tail = split.moved
+    return actions, system_tail
+
+
+def _append_text(stable: str | list[Any], moved: str) -> str | list[Any]:
+    if isinstance(stable, list):
+        return [*stable, {"type": "text", "text": moved}]
+    return f"{stable}\n\n{moved}" if stable else moved
+
+
+@dataclass
+class _Inserted:
+    actions: list[Action]
+    stable_count: int
+
+
+def _insert(
+    messages: list[dict[str, Any]],
+    splits: Sequence[_Split | None],
+    position: int,
+    placement: Placement,
+    layout: _Layout | None,
+    *,
+    fresh: bool,
+) -> _Inserted:
+    """Take the moved lines out of the system messages and insert them as one system message at
+    ``position`` (an index into ``messages`` as the client sent them)."""
+    system_count = len(splits)
+    actions: list[Action] = []
+    moved_blocks: list[str] = []
+    emptied: list[int] = []
+    for index, split in enumerate(splits):
+        if split is None or not split.moved:
+            continue
+        if not split.stable and index == system_count - 1 and position == system_count:
+            # A wholly volatile last system message right before its insertion point is already in place.
+            continue
+        actions.extend(_span_actions(split.spans))
+        moved_blocks.append(split.moved)
+        if split.stable:
+            messages[index] = {**messages[index], "content": split.stable}
+        else:
+            emptied.append(index)
+    if not moved_blocks:
+        if layout is not None:
+            layout.record_forwarded(messages)
+        return _Inserted(actions, system_count - 1)
+    if layout is not None:
+        layout.record_block(messages, system_count, position, _moved_lines(splits))
+    for index in reversed(emptied):
+        del messages[index]
+    stable_count = system_count - len(emptied)
+    block = "\n\n".join(moved_blocks)
+    position -= len(emptied)
+    messages.insert(position, {"role": "system", "content": block})
+    actions.append(Action("volatile_moved", placement.target if fresh else "restored"))
+    detected = any(split is not None and split.spans for split in splits)
+    if fresh and placement.restore_query_blocks and not detected:
+        # Only learned lines: detected spans (dates, retrieved context) are not a restatement.
+        count = restore_query_blocks(messages, block, stable_count, _last_user_index(messages))
+        if count:
+            actions.append(Action("query_blocks_restored", str(count)))
+    if layout is not None:
+        layout.record_forwarded(messages)
+    return _Inserted(actions, stable_count)
+
+
+def _system_lines(messages: list[dict[str, Any]]) -> set[MovedLine]:
+    """(message index, text part, line hash) of every non-blank line of these system messages."""
+    lines: set[MovedLine] = set()
+    for index, message in enumerate(messages):
+        for part, text in enumerate(_texts(message.get("content"))):
+            lines.update((index, part, line_hash(line)) for line in split_lines(text) if line.strip())
+    return lines
+
+
+def _texts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if is_text_parts(content):
+        return [part["text"] for part in content]
+    return []
+
+
+def _moved_lines(splits: Sequence[_Split | None]) -> Block:
+    return tuple(
+        (index, part, line) for index, split in enumerate(splits) if split is not None for part, line in split.lines
+    )
+
+
+def _fresh_position(messages: list[dict[str, Any]], placement: Placement) -> int:
+    last_user = _last_user_index(messages)
+    if placement.target == "after_last_user" and last_user < len(messages):
+        return last_user + 1
+    return last_user
+
+
+def _span_actions(spans: Iterable[Span]) -> list[Action]:
+    counts: dict[str, int] = {}
+    for span in spans:
+        counts[span.kind] = counts.get(span.kind, 0) + 1
+    return [Action(f"volatile_{kind}", str(n)) for kind, n in sorted(counts.items())]
+
+
+def _has_user_after(messages: list[dict[str, Any]], start: int) -> bool:
+    return any(m.get("role") == "user" for m in messages[start:])
+
+
+def _last_user_index(messages: list[dict[str, Any]]) -> int:
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].get("role") == "user":
+            return index
+    return len(messages)
+
+
+# -- the conversation's memory ------------------------------------------------------------------
+
+
+class _Layout:
+    """One request's view of the forwarded-layout memory (chains of message digests)."""
+
+    def __init__(self, layouts: ForwardedLayouts, header: int, app_key: str) -> None:
+        self._layouts = layouts
+        self._header = header
+        self._app = xxhash.xxh3_64_intdigest(app_key.encode("utf-8", "surrogatepass"))
+
+    def app_had_blocks(self) -> bool:
+        return self._layouts.app_had_blocks(self._app)
+
+    def continues(self, messages: list[dict[str, Any]], system_count: int) -> bool:
+        """Whether the request, as laid out, extends a prompt forwarded before at least as far as its
+        system messages: an earlier turn of this conversation went out this way, or another request
+        of the app sent this very system prompt (its lines did not differ from what was sent there)."""
+        chain = prefix_chain(self._header, [message_digest(m) for m in messages])
+        return any(self._layouts.knows_prompt(chain[k]) for k in range(len(messages) - 1, system_count - 1, -1))
+
+    def restorations(
+        self, messages: list[dict[str, Any]], system_count: int, placement: Placement, memories: Memories
+    ) -> Iterator[tuple[int, list[_Split | None]]]:
+        """Where blocks were inserted in this conversation before, each with the same lines split out
+        again (earliest position first; blocks whose lines are not all in the system prompt skipped)."""
+        history = messages[system_count:]
+        chain = prefix_chain(self._header, [message_digest(m) for m in history])
+        present: set[MovedLine] | None = None
+        for offset, message in enumerate(history):
+            for block in self._layouts.blocks_at(extend(chain[offset], message_digest(message))):
+                if present is None:
+                    present = _system_lines(messages[:system_count])
+                if present.issuperset(block):
+                    yield system_count + offset, self._split_again(messages, system_count, block, placement, memories)
+
+    @staticmethod
+    def _split_again(
+        messages: list[dict[str, Any]], system_count: int, block: Block, placement: Placement, memories: Memories
+    ) -> list[_Split | None]:
+        forced: dict[int, dict[int, set[int]]] = {}
+        for index, part, line in block:
+            forced.setdefault(index, {}).setdefault(part, set()).add(line)
+        return [
+            _split_message(
+                messages[index],
+                placement,
+                memories,
+                "",
+                index,
+                {part: frozenset(hashes) for part, hashes in forced.get(index, {}).items()},
+            )
+            for index in range(system_count)
+        ]
+
+    def record_block(self, messages: list[dict[str, Any]], system_count: int, position: int, lines: Block) -> None:
+        """Remember ``lines`` inserted before ``messages[position]`` (the client's layout)."""
+        if position >= len(messages):
+            return
+        history = messages[system_count:position]
+        chain = prefix_chain(self._header, [message_digest(m) for m in history])
+        self._layouts.remember_block(extend(chain[-1], message_digest(messages[position])), lines, self._app)
+
+    def record_forwarded(self, messages: list[dict[str, Any]]) -> None:
+        """Remember the forwarded prompt, and its leading system messages on their own."""
+        chain = prefix_chain(self._header, [message_digest(m) for m in messages])
+        self._layouts.remember_prompt(chain[-1])
+        self._layouts.remember_prompt(chain[leading_system_count(messages)])

@@ -1,0 +1,1 @@
+"""KV pressure: how many tokens the KV pool holds, and where a backend's context length knees."""

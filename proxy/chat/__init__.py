@@ -1,0 +1,1 @@
+"""One conversation turn through the proxy: session, budget, summary (compaction), accounting."""

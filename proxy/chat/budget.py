@@ -1,0 +1,152 @@
+"""Token budgets: pure decisions, no I/O (the store applies them atomically).
+
+Context budget (per request): the tokens a session may send. Hard limit =
+``context_limit_tokens`` if configured, else the model's ``max_model_len`` minus
+the request's ``max_tokens``. Crossing ``soft_ratio`` of it marks the session
+due for compaction; crossing the limit is a 400 ``context_length_exceeded``
+answered by the proxy instead of an upstream failure.
+
+Usage budget (per session and per tenant, over a fixed time window): a request
+is admitted only if its reservation (estimated prompt tokens + ``max_tokens``,
+or ``completion_reserve_tokens`` without it) fits under every limit; the
+reservation is corrected to the real usage when the request ends. Admission is
+atomic, so concurrent requests never reserve past a limit. The limit can be
+exceeded only by requests that use more than they reserved: at most the sum,
+over the requests in flight, of (actual tokens - reserved tokens), which is
+zero when clients set ``max_tokens`` and the prompt estimate is not low.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.config import BudgetOverrides, BudgetSettings
+from proxy.openai.jsonio import dumps
+from proxy.openai.messages import message_text
+from proxy.sessions.keys import slot_tag
+from proxy.sessions.model import UsageLimit
+from proxy.tokenization import TokenCounter
+from proxy.tokenization.counter import CAUTIOUS_TOKENS_PER_BYTE
+
+_Layers = tuple[BudgetSettings, BudgetOverrides | None, BudgetOverrides | None]
+# Budgets by the settings objects they come from, which are kept with them (an id is not reused
+# while cached). Settings do not change while the proxy runs, and copying pydantic models on every
+# request cost more than the rest of the budget decision. A handful of entries: models x tenants.
+_effective: dict[tuple[int, int, int], tuple[_Layers, BudgetSettings]] = {}
+MAX_CACHED_BUDGETS = 1024
+
+
+def effective_budget(
+    base: BudgetSettings, model_overrides: BudgetOverrides | None, tenant_overrides: BudgetOverrides | None
+) -> BudgetSettings:
+    """Global settings, then the model's overrides, then the tenant's (most specific wins)."""
+    layers = (base, model_overrides, tenant_overrides)
+    key = (id(base), id(model_overrides), id(tenant_overrides))
+    cached = _effective.get(key)
+    if cached is not None and all(a is b for a, b in zip(cached[0], layers, strict=True)):
+        return cached[1]
+    budget = base
+    for overrides in (model_overrides, tenant_overrides):
+        if overrides is not None:
+            budget = overrides.apply_to(budget)
+    if len(_effective) >= MAX_CACHED_BUDGETS:
+        _effective.clear()
+    _effective[key] = (layers, budget)
+    return budget
+
+
+def requested_completion_tokens(body: dict[str, Any]) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and value >= 0:
+            return value
+    return None
+
+
+def context_limit(budget: BudgetSettings, max_model_len: int | None, body: dict[str, Any]) -> int | None:
+    if budget.context_limit_tokens is not None:
+        return budget.context_limit_tokens
+    if max_model_len is None:
+        return None
+    return max_model_len - (requested_completion_tokens(body) or 0)
+
+
+# Before a session has ground truth the fast estimate uses CAUTIOUS_TOKENS_PER_BYTE: 2 bytes a token
+# over-estimates English (about 4 bytes a token) and is close for CJK text (about 2-3), so it errs high.
+# Below this share of a limit the fast estimate is trusted; above it the text is tokenized.
+EXACT_COUNT_MARGIN = 0.85
+
+
+def request_bytes(body: dict[str, Any]) -> int:
+    """UTF-8 size of everything a chat template renders from the request (text and tools)."""
+    size = sum(len(message_text(m).encode("utf-8", "surrogatepass")) + 8 for m in body.get("messages") or [])
+    tools = body.get("tools") or body.get("functions")
+    if tools:
+        size += len(dumps(tools))  # not orjson.dumps: it refuses lone surrogates, which clients may send
+    return size
+
+
+def fast_estimate(size_bytes: int, tokens_per_byte: float | None) -> int:
+    return math.ceil(size_bytes * (tokens_per_byte or CAUTIOUS_TOKENS_PER_BYTE))
+
+
+def near_limit(estimate: int, limit: int | None) -> bool:
+    return limit is not None and estimate > limit * EXACT_COUNT_MARGIN
+
+
+def estimate_prompt_tokens(
+    counter: TokenCounter, body: dict[str, Any], size_bytes: int, tokens_per_byte: float | None, limit: int | None
+) -> int:
+    """Prompt tokens of a request, as cheaply as the decision allows.
+
+    Tokenizing 8k tokens costs about 10 ms, far more than the proxy may add, so the
+    byte size (scaled by the session's measured tokens per byte, the upstream's
+    usage being ground truth) decides alone unless it comes near ``limit``; only
+    then is the text tokenized (tiktoken, offline, memoized per message).
+    """
+    estimate = fast_estimate(size_bytes, tokens_per_byte)
+    if not near_limit(estimate, limit):
+        return estimate
+    messages = body.get("messages") or []
+    exact = counter.count_messages(messages) + counter.count_tools(body.get("tools") or body.get("functions"))
+    # The local tokenizer is not the model's: a calibrated byte estimate that is higher wins.
+    return max(exact, estimate) if tokens_per_byte else exact
+
+
+@dataclass(frozen=True)
+class ContextCheck:
+    estimate: int
+    limit: int | None
+    soft_limit: int | None
+
+    @property
+    def over_hard(self) -> bool:
+        return self.limit is not None and self.estimate > self.limit
+
+    @property
+    def over_soft(self) -> bool:
+        return self.soft_limit is not None and self.estimate > self.soft_limit
+
+
+def check_context(estimate: int, limit: int | None, soft_ratio: float) -> ContextCheck:
+    soft = None if limit is None else int(limit * soft_ratio)
+    return ContextCheck(estimate, limit, soft)
+
+
+def usage_limits(budget: BudgetSettings, tenant: str, session_id: str | None) -> list[UsageLimit]:
+    limits = []
+    # One admission checks both counters in one atomic step: on a Redis Cluster they must share a
+    # hash slot, hence the tenant's tag in both keys.
+    scope = slot_tag(tenant)
+    if budget.tenant_tokens_per_window is not None:
+        limits.append(UsageLimit(f"t:{scope}", budget.tenant_tokens_per_window, "tenant"))
+    if budget.session_tokens_per_window is not None and session_id:
+        limits.append(UsageLimit(f"s:{scope}:{session_id}", budget.session_tokens_per_window, "session"))
+    return limits
+
+
+def reservation_amount(prompt_estimate: int, body: dict[str, Any], budget: BudgetSettings) -> int:
+    completion = requested_completion_tokens(body)
+    return prompt_estimate + (completion if completion is not None else budget.completion_reserve_tokens)

@@ -1,0 +1,217 @@
+"""The summarizer at the proxy's edge: locks, the store, the upstream call, metrics.
+
+A compaction runs in the background once a session passes its soft threshold,
+so no request waits for it; only a request over the hard limit waits for a
+synchronous one. One compaction at a time per session across all replicas (a
+store lock with expiry, and a version check after taking it). A failed or
+timed-out compaction changes nothing: the original history is forwarded, the
+failure is counted, and the session is retried after a back-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from proxy.backends import BackendPool
+from proxy.config import SummarizerSettings
+from proxy.http.errors import ProxyError
+from proxy.observability.metrics import Metrics
+from proxy.openai.jsonio import dumps
+from proxy.protocols.channel import SummaryChannel
+from proxy.sessions.service import SessionService, StoreUnavailable
+from proxy.tenants import Tenant, TenantDirectory
+from proxy.tokenization.counter import TYPICAL_TOKENS_PER_BYTE
+from summarizer import Compaction, CompactionFailed, Compactor, CompactorOptions, SummaryPolicy, SummaryState
+from summarizer.prompt import DEFAULT_INSTRUCTION
+
+logger = logging.getLogger("prefix_proxy.summarizer")
+WAIT_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class CompactionJob:
+    """What a compaction needs from the turn that asks for it, taken when it asks: the service never
+    sees the turn, and a background compaction works on this snapshot while the turn moves on."""
+
+    tenant: Tenant
+    session_id: str
+    # The summary the turn saw: a compaction applies only if the stored one is still this version.
+    summary: SummaryState
+    forwarded: Mapping[str, Any]
+    # The conversation to fold: as forwarded, plus the reply once there is one.
+    messages: list[dict[str, Any]]
+    history_start: int
+    # How the summary is asked for (the conversation's protocol) and how it authenticates upstream.
+    channel: SummaryChannel
+    upstream_auth: Mapping[str, str]
+    routing_key: str
+    prefix_hash: str | None
+    # The client slides a window: the uncovered tail is kept for its repair.
+    slides_window: bool
+    tokens_per_byte: float | None
+
+
+class CompactionService:
+    def __init__(
+        self,
+        settings: SummarizerSettings,
+        sessions: SessionService,
+        backends: BackendPool,
+        tenants: TenantDirectory,
+        metrics: Metrics,
+    ) -> None:
+        self.settings = settings
+        self._sessions = sessions
+        self._backends = backends
+        self._tenants = tenants
+        self._metrics = metrics
+        self._backoff: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._options = CompactorOptions(
+            max_summary_tokens=settings.max_summary_tokens,
+            timeout_s=settings.timeout_s,
+            instruction=settings.instruction or DEFAULT_INSTRUCTION,
+            model=settings.model,
+        )
+        self._policy = SummaryPolicy(keep_last_turns=settings.keep_last_turns)
+
+    def _compactor(self, job: CompactionJob) -> Compactor:
+        async def complete(body: dict[str, Any]) -> tuple[str, int]:
+            return await self._complete(job, body)
+
+        # The uncovered tail is kept only for sessions whose client slides a window.
+        return Compactor(complete, self._policy, replace(self._options, repair=job.slides_window))
+
+    async def _complete(self, job: CompactionJob, body: dict[str, Any]) -> tuple[str, int]:
+        channel = job.channel  # the conversation's own protocol: rendered as it was, its prefix hits
+        payload = self._tenants.cache_salted(job.tenant, channel.request(body))  # its cache namespace
+        headers = {"content-type": "application/json", **job.upstream_auth}
+        try:
+            # Same backend as the conversation: the summary request starts with its cached prefix.
+            response = await self._backends.open(
+                "POST",
+                channel.path,
+                content=dumps(payload),
+                headers=headers,
+                key=job.routing_key,
+                model=str(body.get("model")),
+            )
+            raw = await self._backends.read(response)
+        except ProxyError as exc:
+            raise CompactionFailed(exc.message) from exc
+        if response.status_code >= 400:
+            raise CompactionFailed(f"upstream answered {response.status_code}")
+        try:
+            text, usage = channel.reply(json.loads(raw))
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise CompactionFailed("unreadable summary response") from exc
+        if usage is not None:
+            self._metrics.record_usage(str(body.get("model")), job.tenant.name, usage)
+        return str(text), usage.completion_tokens if usage else 0
+
+    # -- entry points ----------------------------------------------------------------------------
+
+    async def after_answer(self, job: CompactionJob, *, due: bool) -> None:
+        """Once a request has been answered: keep the repair tail, start a compaction if ``due``.
+
+        The tail is saved before the answer is released, so the client's next request (which
+        may follow at once) finds it; the compaction itself runs in the background.
+        """
+        # The tail is kept for clients seen to slide a window: every other session stores none.
+        if job.slides_window:
+            await self._save_tail(job, job.messages[job.history_start :])
+        if due and not self._backing_off(job):
+            self._sessions.spawn(self._run_locked(job, wait=False))
+
+    async def compact_now(self, job: CompactionJob) -> SummaryState | None:
+        """Synchronous compaction for a request over the hard limit: the session's new summary (also
+        one another request or replica just wrote), or None when it is unchanged."""
+        return await self._run_locked(job, wait=True)
+
+    # -- work -----------------------------------------------------------------------------------
+
+    async def _run_locked(self, job: CompactionJob, *, wait: bool) -> SummaryState | None:
+        sessions = self._sessions
+        store = sessions.store
+        tenant, session_id = job.tenant.name, job.session_id
+        lock = f"compact:{tenant}:{session_id}"
+        try:
+            token = await sessions.call(store.acquire_lock(lock, self.settings.lock_ttl_s))
+            if token is None:
+                return await self._wait_for_other(job) if wait else None
+            try:
+                current = await self._stored_summary(job)
+                if current.version != job.summary.version:
+                    return current  # another request or replica compacted meanwhile
+                compaction = await self._compact(job, current)
+                if compaction is None:
+                    return None
+                if compaction.state.tail:
+                    compaction.state.tail_prefix = job.prefix_hash or ""
+                await sessions.call(store.set_summary(tenant, session_id, compaction.state.to_json()))
+                return compaction.state
+            finally:
+                await sessions.call(store.release_lock(lock, token))
+        except StoreUnavailable:
+            return None
+
+    async def _stored_summary(self, job: CompactionJob) -> SummaryState:
+        record = await self._sessions.call(self._sessions.store.get(job.tenant.name, job.session_id))
+        return SummaryState.from_json(record.summary if record else None)
+
+    async def _compact(self, job: CompactionJob, current: SummaryState) -> Compaction | None:
+        compactor = self._compactor(job)
+        if not compactor.plan(job.messages, job.history_start):
+            return None
+        metrics = self._metrics
+        metrics.compactions.labels("started").inc()
+        started = time.perf_counter()
+        try:
+            compaction = await compactor.compact(current, dict(job.forwarded), job.messages, job.history_start)
+        except CompactionFailed as exc:
+            metrics.compactions.labels("failed").inc()
+            self._backoff[(job.tenant.name, job.session_id)] = time.monotonic() + self.settings.retry_backoff_s
+            while len(self._backoff) > 10_000:
+                self._backoff.popitem(last=False)
+            logger.warning("compaction failed, history forwarded unchanged: %s", exc)
+            return None
+        if compaction is None:
+            return None
+        metrics.compactions.labels("succeeded").inc()
+        metrics.compaction_seconds.observe(time.perf_counter() - started)
+        removed = int(compaction.folded_bytes * (job.tokens_per_byte or TYPICAL_TOKENS_PER_BYTE))
+        metrics.compaction_tokens_removed.inc(removed)
+        metrics.summary_tokens.inc(compaction.state.tokens)
+        return compaction
+
+    async def _wait_for_other(self, job: CompactionJob) -> SummaryState | None:
+        deadline = time.monotonic() + self.settings.timeout_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(WAIT_POLL_S)
+            current = await self._stored_summary(job)
+            if current.version != job.summary.version:
+                return current
+        return None
+
+    async def _save_tail(self, job: CompactionJob, tail: list[dict[str, Any]]) -> None:
+        try:
+            current = await self._stored_summary(job)
+            if current.version != job.summary.version:
+                return  # a compaction wrote a fresher tail
+            current.tail = tail[-200:]
+            current.tail_prefix = job.prefix_hash or ""
+            await self._sessions.call(
+                self._sessions.store.set_summary(job.tenant.name, job.session_id, current.to_json())
+            )
+        except StoreUnavailable:
+            return
+
+    def _backing_off(self, job: CompactionJob) -> bool:
+        until = self._backoff.get((job.tenant.name, job.session_id))
+        return until is not None and time.monotonic() < until

@@ -1,0 +1,353 @@
+"""One chat request's session side: identity, summary anchoring, budgets, accounting."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from proxy.canon import CanonResult
+from proxy.chat.budget import (
+    ContextCheck,
+    check_context,
+    context_limit,
+    effective_budget,
+    estimate_prompt_tokens,
+    fast_estimate,
+    near_limit,
+    request_bytes,
+    reservation_amount,
+    usage_limits,
+)
+from proxy.chat.compaction import CompactionJob
+from proxy.config import BudgetSettings
+from proxy.http.errors import ProxyError
+from proxy.openai.usage import Usage
+from proxy.protocols.channel import CHAT, SummaryChannel
+from proxy.sessions.identity import conversation_root
+from proxy.sessions.model import Reservation
+from proxy.sessions.service import SessionView, StoreUnavailable
+from proxy.tenants import Tenant
+from proxy.tokenization.counter import CAUTIOUS_TOKENS_PER_BYTE, TYPICAL_TOKENS_PER_BYTE
+from summarizer import Anchored, SummaryState, anchor, is_due
+
+if TYPE_CHECKING:
+    # Annotations only: the state holds the compaction service, which imports this package.
+    from proxy.app_state import ProxyState
+
+
+def context_length_exceeded(estimate: int, limit: int) -> ProxyError:
+    return ProxyError(
+        400,
+        f"This conversation needs about {estimate} tokens, over its context budget of {limit} tokens "
+        "(the model's context length minus max_tokens). Shorten the history or lower max_tokens.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+def budget_exhausted(kind: str, retry_after_s: int) -> ProxyError:
+    return ProxyError(
+        429,
+        f"The {kind} token budget for this window is spent; retry after {retry_after_s} s.",
+        type="rate_limit_error",
+        code=f"{kind}_budget_exceeded",
+        headers={"retry-after": str(retry_after_s)},
+    )
+
+
+@dataclass
+class ChatTurn:
+    """Created before the upstream call; :meth:`finish` accounts the result."""
+
+    state: ProxyState
+    tenant: Tenant
+    budget: BudgetSettings
+    canonical: dict[str, Any]
+    stable_count: int
+    session: SessionView | None
+    summary: SummaryState = field(default_factory=SummaryState)
+    anchored: Anchored | None = None
+    limit: int | None = None
+    request_bytes: int = 0
+    reservation: Reservation | None = None
+    actions: list[str] = field(default_factory=list)
+    prefix_hash: str | None = None
+    system_tail: str = ""
+    prompt_estimate: int = 0
+    # The session id the client gave (hashed), known even when the store is down.
+    named_session: str | None = None
+    # A summary is ready, but the conversation still fits well without it (summarizer.apply_ratio).
+    summary_deferred: bool = False
+    # How a summary of this conversation is requested: in the protocol the client speaks.
+    channel: SummaryChannel = CHAT
+    # False when the history is not in the request (a Responses chain held by the backend): no
+    # summary can stand in for it.
+    summarize: bool = True
+    # Tokens of that history, which the request does not show but the backend renders.
+    history_tokens: int = 0
+
+    @property
+    def routing_key(self) -> str:
+        """Which backend's cache this request belongs in (docs/routing.md).
+
+        A client-named session is its own key. Otherwise the key is the stable prefix and the
+        conversation's first message. Neither needs the session store (both hold while it is down,
+        and on every replica), and an inferred session that forks keeps its key (conversations that
+        opened alike share a backend, and the prefix cached there).
+        """
+        if self.named_session:
+            return f"{self.tenant.name}\x1fs:{self.named_session}"
+        if self.session is not None and self.session.fingerprints:
+            root: int | None = self.session.fingerprints[0]
+        else:
+            root = conversation_root(self.canonical["messages"])
+        return f"{self.tenant.name}\x1fp:{self.prefix_hash}:{root or 0:x}"
+
+    @property
+    def forwarded(self) -> dict[str, Any]:
+        if self.anchored is None:
+            return self.canonical
+        return {**self.canonical, "messages": self.anchored.messages}
+
+    @property
+    def session_id(self) -> str | None:
+        return self.session.session_id if self.session else None
+
+    @classmethod
+    async def begin(
+        cls,
+        state: ProxyState,
+        tenant: Tenant,
+        headers: Mapping[str, str],
+        body: dict[str, Any],
+        canon: CanonResult,
+        *,
+        channel: SummaryChannel = CHAT,
+        summarize: bool = True,
+        history_tokens: int = 0,
+        session_id: str | None = None,
+    ) -> ChatTurn:
+        canonical = canon.body
+        model = str(canonical.get("model"))
+        budget = effective_budget(state.settings.budget, state.settings.model_budgets.get(model), tenant.budget)
+        try:
+            session = await state.sessions.resolve(tenant.name, headers, body, canonical["messages"], session_id)
+        except StoreUnavailable:
+            session = None
+        turn = cls(
+            state,
+            tenant,
+            budget,
+            canonical,
+            canon.stable_count,
+            session,
+            prefix_hash=canon.prefix_hash,
+            system_tail=canon.system_tail,
+            named_session=session_id or state.sessions.explicit_id(headers, body),
+            channel=channel,
+            summarize=summarize,
+            history_tokens=history_tokens,
+        )
+        if session is not None and session.record is not None:
+            turn.summary = SummaryState.from_json(session.record.summary)
+        turn._anchor()
+        turn.limit = context_limit(budget, await state.models.max_model_len(model), canonical)
+        if turn._defers_summary():
+            turn.summary_deferred = True
+            turn._anchor()
+        check = await turn._check()
+        if check.over_hard and (job := turn._compaction_job(list(turn.forwarded["messages"]))) is not None:
+            summary = await state.compaction.compact_now(job)
+            if summary is not None:
+                turn.summary = summary
+                turn._anchor()
+                check = await turn._check()
+        if check.over_hard and check.limit is not None:
+            state.metrics.budget_rejections.labels("context", state.metrics.tenant_label(tenant.name)).inc()
+            raise context_length_exceeded(check.estimate, check.limit)
+        await turn._reserve(check.estimate)
+        return turn
+
+    def _anchor(self) -> None:
+        """Apply the session's summary (and window repair) to the canonical request."""
+        settings = self.state.settings.summarizer
+        if not settings.enabled or self.session is None or not self.summarize:
+            return
+        model = self.canonical.get("model")
+        self.anchored = anchor(
+            self.canonical["messages"],
+            SummaryState() if self.summary_deferred else self.summary,
+            self.stable_count,
+            repair=self.repairs_window,
+            repair_needs_reply=self.session is not None and not self.session.explicit,
+            # A model whose template takes one system message only (found out by a refusal, or
+            # configured with relocate_target system_end) gets the summary inside it.
+            into_system=self.state.canonicalizer.one_system_message(model),
+            system_tail=self.system_tail,
+        )
+        self.actions = self.anchored.actions
+
+    def _defers_summary(self) -> bool:
+        """Whether to forward the client's whole history although a summary could replace part of it.
+
+        Swapping the summary in makes the backend recompute every turn after it once, which a
+        direct connection never pays; it is worth that only once the conversation nears its
+        context budget. Until then the history goes as sent and keeps hitting the cache. Sessions
+        that repair a sliding window need the summary for what their client no longer sends.
+        """
+        ratio = self.state.settings.summarizer.apply_ratio
+        if self.anchored is None or not self.anchored.removed or self.limit is None or self.slides_window:
+            return False
+        tokens_per_byte = self.session.tokens_per_byte if self.session else None
+        whole = fast_estimate(request_bytes(self.canonical), tokens_per_byte)
+        return whole <= self.limit * ratio
+
+    @property
+    def repairs_window(self) -> bool:
+        """Restore what a sliding window dropped (``summarizer.sliding_window_repair``). A session the
+        client names is certain. An inferred one (mode "inferred") only where the window re-sends
+        replies the backend generated for the conversation (``anchor``); with deterministic replies a
+        conversation whose history equals the end of another's cannot be told from a slide of it,
+        which is why that mode is not the default. Either way the tail must have been forwarded after
+        this request's system prompt and tools."""
+        mode = self.state.settings.summarizer.sliding_window_repair
+        if mode == "off" or self.session is None or (mode == "named" and not self.session.explicit):
+            return False
+        return not self.summary.tail_prefix or self.summary.tail_prefix == self.prefix_hash
+
+    @property
+    def slides_window(self) -> bool:
+        """A session whose client slides a window (seen now, or earlier: it has a repair tail)."""
+        return self.repairs_window and self.session is not None and (bool(self.summary.tail) or self.session.slid)
+
+    def upstream_auth_headers(self) -> dict[str, str]:
+        """How the proxy's own requests for this tenant (summaries, token counts) authenticate upstream."""
+        return self.state.backends.credentials(self.tenant.upstream_api_key)
+
+    async def _check(self) -> ContextCheck:
+        forwarded = self.forwarded
+        self.request_bytes = request_bytes(forwarded)
+        tokens_per_byte = self.session.tokens_per_byte if self.session else None
+        if self.budget.exact_counts_via_tokenize and near_limit(
+            fast_estimate(self.request_bytes, tokens_per_byte), self.limit
+        ):
+            exact = await self.state.models.count_prompt_tokens(forwarded, self.upstream_auth_headers())
+            if exact is not None:
+                return check_context(exact + self.history_tokens, self.limit, self.budget.soft_ratio)
+        estimate = estimate_prompt_tokens(
+            self.state.token_counter, forwarded, self.request_bytes, tokens_per_byte, self.limit
+        )
+        return check_context(estimate + self.history_tokens, self.limit, self.budget.soft_ratio)
+
+    async def _reserve(self, prompt_estimate: int) -> None:
+        limits = usage_limits(self.budget, self.tenant.name, self.session_id)
+        if not limits:
+            return
+        amount = reservation_amount(prompt_estimate, self.forwarded, self.budget)
+        self.prompt_estimate = prompt_estimate
+        try:
+            reservation = await self.state.sessions.reserve(limits, amount, self.budget.window_s)
+        except StoreUnavailable:
+            return
+        if not reservation.admitted:
+            kind = reservation.rejected_kind or "usage"
+            self.state.metrics.budget_rejections.labels(kind, self.state.metrics.tenant_label(self.tenant.name)).inc()
+            raise budget_exhausted(kind, reservation.retry_after_s)
+        self.reservation = reservation
+
+    async def finish(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
+        """Account the answered request: session counters, budget settlement, summary upkeep."""
+        if self.session is None:
+            return
+        await self.state.sessions.record(
+            self.session,
+            usage,
+            reply,
+            self.forwarded["messages"],
+            self.request_bytes,
+            self.reservation,
+            self.budget.window_s,
+        )
+        if self.state.settings.summarizer.enabled and reply is not None:
+            messages = [*self.forwarded["messages"], reply]
+            job = self._compaction_job(messages)
+            if job is not None:
+                await self.state.compaction.after_answer(job, due=self._compaction_due(usage, messages))
+        self._count_summary_savings()
+
+    def _compaction_job(self, messages: list[dict[str, Any]]) -> CompactionJob | None:
+        """What a compaction of this conversation needs, as it stands now; None without a session
+        or a summary anchor."""
+        if self.session is None or self.anchored is None:
+            return None
+        return CompactionJob(
+            tenant=self.tenant,
+            session_id=self.session.session_id,
+            summary=self.summary,
+            forwarded=self.forwarded,
+            messages=messages,
+            history_start=self.anchored.history_start,
+            channel=self.channel,
+            upstream_auth=self.upstream_auth_headers(),
+            routing_key=self.routing_key,
+            prefix_hash=self.prefix_hash,
+            slides_window=self.slides_window,
+            tokens_per_byte=self.session.tokens_per_byte,
+        )
+
+    def _compaction_due(self, usage: Usage | None, messages: list[dict[str, Any]]) -> bool:
+        """Whether the answered conversation should be folded now: past the soft threshold, or (for
+        a repaired window) restoring more than ``repair_max_tokens``; never while a summary waits."""
+        if self.summary_deferred:
+            return False  # a summary is ready and waits until the conversation needs it
+        context = usage.prompt_tokens + usage.completion_tokens if usage else 0
+        if is_due(context, self.limit, self.budget.soft_ratio):
+            return True
+        if self.repairs_window and self.anchored is not None and self.anchored.restored:
+            restored = messages[self.anchored.history_start :]
+            restored_bytes = sum(len(str(m.get("content") or "")) for m in restored)
+            tokens_per_byte = CAUTIOUS_TOKENS_PER_BYTE
+            if usage and self.request_bytes:
+                tokens_per_byte = usage.prompt_tokens / self.request_bytes
+            return restored_bytes * tokens_per_byte > self.state.settings.summarizer.repair_max_tokens
+        return False
+
+    def finish_later(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
+        """:meth:`finish` from synchronous code (the end of a stream), as a background task."""
+        if self.session is not None:
+            self.state.sessions.spawn(self.finish(usage, reply))
+
+    def _count_summary_savings(self) -> None:
+        if self.anchored is None or not self.anchored.removed_bytes:
+            return
+        # Tokens of the history the summary stands in for, less the summary itself.
+        tokens_per_byte = (self.session.tokens_per_byte if self.session else None) or TYPICAL_TOKENS_PER_BYTE
+        saved = int(self.anchored.removed_bytes * tokens_per_byte) - self.summary.tokens
+        if saved > 0:
+            self.state.metrics.record_saved(str(self.canonical.get("model")), self.tenant.name, "summary", saved)
+
+    async def abandon(self) -> None:
+        """The upstream failed: give the reserved tokens back."""
+        await self._settle_early(0)
+
+    async def settle_unfinished(self, usage: Usage | None, events_relayed: int) -> None:
+        """A stream ended early (the client left, the upstream broke off): charge what was spent and
+        give the rest of the reservation back. Without the usage chunk, the prompt and one token per
+        event relayed (vLLM streams about one per event), never more than was reserved."""
+        if usage is not None:
+            spent = usage.prompt_tokens + usage.completion_tokens
+        else:
+            spent = self.prompt_estimate + events_relayed
+            if self.reservation is not None:
+                spent = min(spent, self.reservation.amount)
+        await self._settle_early(spent)
+
+    async def _settle_early(self, spent: int) -> None:
+        if self.reservation is not None and self.reservation.keys:
+            store = self.state.sessions.store
+            with contextlib.suppress(StoreUnavailable):
+                await self.state.sessions.call(
+                    store.settle(self.reservation, spent - self.reservation.amount, self.budget.window_s)
+                )

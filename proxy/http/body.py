@@ -1,0 +1,179 @@
+"""Reading and validating request bodies before anything is sent upstream.
+
+Validation checks types, not semantics: whatever the proxy itself reads from a
+request (roles, content, tool calls, tools) must have the type OpenAI's API
+gives it, so that a malformed request is answered 400 naming the parameter
+instead of failing somewhere inside canonicalization or session inference.
+What the proxy does not read is left for the backend to judge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from proxy.http.errors import ProxyError, bad_request
+from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
+
+VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# Longer than any served model name (Hugging Face ids and local paths included); a model name ends
+# up in log lines and metrics, so it is kept short.
+MAX_MODEL_CHARS = 256
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """Read the raw body, refusing it with 413 as soon as it passes ``limit`` bytes."""
+    require_json_content_type(request)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client hung up mid-upload: nobody reads the answer, but the access log records it
+        # (499, nginx's "client closed request") instead of an ERROR traceback.
+        raise ProxyError(
+            499, "the client closed the connection before sending the whole body", code="client_disconnected"
+        ) from None
+    return b"".join(chunks)
+
+
+def require_json_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON.
+
+    ``text/plain``, form and multipart bodies (and bodies with no type at all) are what a browser
+    sends cross-site without a CORS preflight: refusing them keeps a web page from spending an open
+    proxy's GPUs through its visitors' browsers. Every OpenAI client sends ``application/json``.
+    """
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json")):
+        return
+    raise ProxyError(
+        415,
+        "the request body must be JSON, sent with content-type: application/json",
+        code="unsupported_media_type",
+    )
+
+
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        body = loads(raw, max_depth=MAX_DEPTH)
+    except TooDeep:
+        raise bad_request(f"request body nests deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+def is_text(value: Any) -> bool:
+    """A string that is valid Unicode (JSON's ``\\ud800`` escapes decode to lone surrogates, which
+    cannot be written as UTF-8: not in a log line, a metric label or a header)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def require_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", param="model")
+    if len(model) > MAX_MODEL_CHARS or not is_text(model):
+        raise bad_request(f"'model' must be valid Unicode text of at most {MAX_MODEL_CHARS} characters", param="model")
+    return model
+
+
+def _optional(value: Any, kind: type | tuple[type, ...], param: str, what: str) -> None:
+    if value is not None and not isinstance(value, kind):
+        raise bad_request(f"{param} must be {what}", param=param)
+
+
+def validate_chat_request(body: dict[str, Any]) -> None:
+    """Reject what no backend could answer, with the offending parameter named."""
+    require_model(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array", param="messages")
+    for index, message in enumerate(messages):
+        _validate_message(message, f"messages[{index}]")
+    for key in ("tools", "functions"):
+        value = body.get(key)
+        _optional(value, list, key, "an array")
+        for index, tool in enumerate(value or ()):
+            _validate_tool(tool, f"{key}[{index}]")
+    stream_options = body.get("stream_options")
+    _optional(stream_options, dict, "stream_options", "an object")
+    _optional(body.get("tool_choice"), (str, dict), "tool_choice", "a string or an object")
+    _optional(body.get("response_format"), dict, "response_format", "an object")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        # bool is an int to Python; to JSON (and to the budget arithmetic) it is not a number.
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise bad_request(f"'{key}' must be an integer", param=key)
+
+
+def _validate_message(message: Any, param: str) -> None:
+    if not isinstance(message, dict):
+        raise bad_request(f"{param} must be an object", param=param)
+    role = message.get("role")
+    if not isinstance(role, str) or role not in VALID_ROLES:
+        shown = role if isinstance(role, str) and is_text(role) else type(role).__name__
+        raise bad_request(f"{param}.role {shown!r} is not a valid role"[:300], param=f"{param}.role")
+    content = message.get("content")
+    _optional(content, (str, list), f"{param}.content", "a string or an array")
+    if isinstance(content, list):
+        for index, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise bad_request(
+                    f"{param}.content[{index}] must be an object (a content part)", param=f"{param}.content[{index}]"
+                )
+    for key in ("name", "tool_call_id"):
+        _optional(message.get(key), str, f"{param}.{key}", "a string")
+    calls = message.get("tool_calls")
+    _optional(calls, list, f"{param}.tool_calls", "an array")
+    for index, call in enumerate(calls or ()):
+        call_param = f"{param}.tool_calls[{index}]"
+        if not isinstance(call, dict):
+            raise bad_request(f"{call_param} must be an object", param=call_param)
+        _optional(call.get("id"), str, f"{call_param}.id", "a string")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise bad_request(f"{call_param}.function must be an object", param=f"{call_param}.function")
+        _optional(function.get("name"), str, f"{call_param}.function.name", "a string")
+    _optional(message.get("function_call"), dict, f"{param}.function_call", "an object")
+
+
+def _validate_tool(tool: Any, param: str) -> None:
+    if not isinstance(tool, dict):
+        raise bad_request(f"{param} must be an object", param=param)
+    function = tool.get("function", tool if "name" in tool else None)
+    _optional(function, dict, f"{param}.function", "an object")
+    if isinstance(function, dict):
+        _optional(function.get("name"), str, f"{param}.function.name", "a string")
+        _optional(function.get("parameters"), dict, f"{param}.function.parameters", "an object")
+
+
+def validate_completion_request(body: dict[str, Any]) -> None:
+    require_model(body)
+    if "prompt" not in body:
+        raise bad_request("'prompt' is required", param="prompt")
+    stream_options = body.get("stream_options")
+    _optional(stream_options, dict, "stream_options", "an object")

@@ -1,0 +1,97 @@
+"""A streaming response that notices a client disconnect immediately, and ends at a deadline.
+
+Starlette's StreamingResponse (ASGI spec >= 2.4) only learns of a disconnect
+when its next write fails, which during a long prefill can be many seconds. The
+upstream must be closed at once so vLLM frees the request's KV blocks, so this
+response always races the body against ``http.disconnect``.
+
+Read timeouts bound each wait for the upstream, not the whole answer: an
+upstream that drips a byte now and then would hold the stream forever. The
+``deadline`` bounds the whole response; past it the client gets an error event
+and the upstream is closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import Literal
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
+
+from proxy.http.relay import error_event
+
+# How a relayed stream ended, for ``on_end``: the body was sent to the end (which includes an
+# upstream that failed and got its error event), the client left, or the deadline passed.
+StreamEnd = Literal["sent", "disconnected", "deadline"]
+
+DEADLINE_EVENT = error_event("the request exceeded its deadline", "request_deadline_exceeded")
+
+
+class RelayResponse(StreamingResponse):
+    def __init__(
+        self,
+        content: AsyncIterable[bytes],
+        *,
+        headers: dict[str, str],
+        on_end: Callable[[StreamEnd], None],
+        close: Callable[[], Awaitable[None]] | None = None,
+        status_code: int = 200,
+        deadline_s: float | None = None,
+        deadline_event: bytes = DEADLINE_EVENT,
+    ) -> None:
+        super().__init__(content, status_code=status_code, headers=headers, media_type="text/event-stream")
+        self._on_end = on_end
+        self._close = close
+        # Seconds the body may take from the moment the response starts being sent.
+        self._deadline_s = deadline_s
+        self._deadline_event = deadline_event
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        end: StreamEnd = "sent"
+        started = False
+
+        async def watch_disconnect(cancel: anyio.CancelScope) -> None:
+            nonlocal end
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    end = "disconnected"
+                    cancel.cancel()
+                    return
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        deadline = anyio.current_time() + self._deadline_s if self._deadline_s is not None else float("inf")
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(watch_disconnect, group.cancel_scope)
+                with anyio.CancelScope(deadline=deadline) as budget:
+                    try:
+                        await self.stream_response(tracked_send)
+                    except OSError:
+                        end = "disconnected"
+                if budget.cancelled_caught:
+                    end = "deadline"
+                    await self._send_deadline_event(send, started)
+                group.cancel_scope.cancel()
+        except OSError:
+            end = "disconnected"
+        finally:
+            try:
+                if self._close is not None:
+                    # The body may never have been iterated (the client left before the headers went
+                    # out), and then nothing else would close the upstream response.
+                    with anyio.CancelScope(shield=True):
+                        await self._close()
+            finally:
+                self._on_end(end)
+
+    async def _send_deadline_event(self, send: Send, started: bool) -> None:
+        if not started:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self._deadline_event, "more_body": False})

@@ -1,0 +1,203 @@
+"""A forwarded prompt as 64-bit hashes: what the miss explanation compares, never the text.
+
+Each message is hashed on what a chat template renders from it: the role, the content text
+(list content joined as vLLM's string format joins it), and for tool calls the function name
+and the arguments as the template re-serializes them (parsed, then ``json.dumps``). Tool-call
+ids and key order inside a message are left out: common templates (Qwen, Hermes, Llama 3)
+never render them, so a client that changes them costs nothing, and hashing them would report
+breaks the backend never sees. The leading system messages are also hashed line by line, so a
+break there can name the line.
+
+Sizes are kept in bytes; tokens are estimated from them (``tokens_per_byte``) and calibrated
+on the request's own reported ``prompt_tokens``: no tokenization on the hot path.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import xxhash
+
+from proxy.canon.fingerprint import leading_system_count
+from proxy.openai.jsonio import dumps
+
+ROLE_CODES = {"system": 1, "developer": 1, "user": 2, "assistant": 3, "tool": 4, "function": 4}
+SYSTEM, USER, ASSISTANT, TOOL = 1, 2, 3, 4
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+def content_text(content: Any) -> str:
+    """The text a string-format template renders: parts joined by newlines, None as ""."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                texts.append(dumps(part).decode("utf-8", "replace"))
+        return "\n".join(texts)
+    return dumps(content).decode("utf-8", "replace")
+
+
+def _arguments(arguments: Any) -> bytes:
+    """Arguments in one form per rendering: the template parses them and re-serializes (json.dumps,
+    keys in their order), so spacing and escapes do not count and key order does. orjson's compact
+    form of the parsed value is equal exactly when that rendering is."""
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return _utf8(arguments)
+    try:
+        return orjson.dumps(arguments)
+    except TypeError:
+        return dumps(arguments)
+
+
+_ROLE_PREFIX: dict[Any, bytes] = {}
+
+
+def message_hash(message: Any) -> tuple[int, int]:
+    """(hash, rendered bytes) of one message. On every request, for every message: kept lean."""
+    if not isinstance(message, dict):
+        raw = dumps(message)
+        return xxhash.xxh3_64_intdigest(raw), len(raw)
+    content = message.get("content")
+    text = _utf8(content if isinstance(content, str) else content_text(content))
+    role = message.get("role")
+    prefix = _ROLE_PREFIX.get(role) if isinstance(role, str) else None
+    if prefix is None:
+        prefix = _utf8(str(role)) + b"\x00"
+        if isinstance(role, str) and len(_ROLE_PREFIX) < 64:
+            _ROLE_PREFIX[role] = prefix
+    calls = message.get("tool_calls")
+    if not calls or not isinstance(calls, list):
+        return xxhash.xxh3_64_intdigest(prefix + text), len(text)
+    digest = xxhash.xxh3_64(prefix)
+    digest.update(text)
+    size = len(text)
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            function = {}
+        name = _utf8(str(function.get("name", "")))
+        arguments = _arguments(function.get("arguments"))
+        digest.update(b"\x01" + name + b"\x00" + arguments)
+        size += len(name) + len(arguments)
+    return digest.intdigest(), size
+
+
+def line_hashes(text: str) -> tuple[int, ...]:
+    return tuple(xxhash.xxh3_64_intdigest(_utf8(line)) for line in text.split("\n"))
+
+
+class _LineMemo:
+    """Line hashes of recent system prompts, by message hash: a conversation re-sends the same one."""
+
+    def __init__(self, max_entries: int = 1024) -> None:
+        self._items: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._max = max_entries
+
+    def get(self, digest: int, message: dict[str, Any]) -> tuple[int, ...]:
+        lines = self._items.get(digest)
+        if lines is None:
+            lines = self._items[digest] = line_hashes(content_text(message.get("content")))
+            if len(self._items) > self._max:
+                self._items.popitem(last=False)
+        return lines
+
+
+_SYSTEM_LINES = _LineMemo()
+
+
+@dataclass(slots=True)
+class PromptDigest:
+    """One prompt, hashed. ``ends[i]`` is the rendered bytes of the tools and ``messages[:i]``."""
+
+    namespace: str
+    model: str
+    tools: int
+    digests: array[int]
+    roles: bytes
+    ends: array[int]
+    system_count: int
+    system_lines: tuple[tuple[int, ...], ...]
+    # Index of the proxy's summary message, -1 without one.
+    summary_at: int = -1
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.ends[-1]
+
+    def bytes_at(self, count: int) -> int:
+        """Rendered bytes of the tools and the first ``count`` messages."""
+        return self.ends[max(0, min(count, len(self.digests)))]
+
+    def role(self, index: int) -> int:
+        return self.roles[index] if 0 <= index < len(self.roles) else 0
+
+
+def digest_prompt(
+    body: dict[str, Any], namespace: str = "", summary_at: int = -1, system_count: int | None = None
+) -> PromptDigest:
+    messages: Sequence[Any] = body.get("messages") or []
+    tools = body.get("tools") or body.get("functions") or []
+    tools_raw = dumps(tools) if tools else b""
+    digests: array[int] = array("Q")
+    ends: array[int] = array("Q", [len(tools_raw)])
+    roles = bytearray()
+    for message in messages:
+        digest, size = message_hash(message)
+        digests.append(digest)
+        ends.append(ends[-1] + size)
+        role = message.get("role") if isinstance(message, dict) else None
+        roles.append(ROLE_CODES.get(str(role), 0))
+    if system_count is None:
+        system_count = leading_system_count([m if isinstance(m, dict) else {} for m in messages])
+    system_lines = tuple(
+        _SYSTEM_LINES.get(digests[index], message)
+        for index, message in enumerate(messages[:system_count])
+        if isinstance(message, dict)
+    )
+    return PromptDigest(
+        namespace=namespace,
+        model=str(body.get("model", "")),
+        tools=xxhash.xxh3_64_intdigest(tools_raw),
+        digests=digests,
+        roles=bytes(roles),
+        ends=ends,
+        system_count=system_count,
+        system_lines=system_lines,
+        summary_at=summary_at,
+    )
+
+
+def header_key(prompt: PromptDigest) -> int:
+    """What the backend renders ahead of the messages, and what scopes its cache: tenant, model, tools."""
+    digest = xxhash.xxh3_64()
+    digest.update(_utf8(prompt.namespace) + b"\x00" + _utf8(prompt.model) + b"\x00")
+    digest.update(prompt.tools.to_bytes(8, "little"))
+    return digest.intdigest()
+
+
+def chain(prompt: PromptDigest) -> list[int]:
+    """``chain[k]`` names the header and ``messages[:k]``."""
+    links = [header_key(prompt)]
+    for digest in prompt.digests:
+        links.append(xxhash.xxh3_64_intdigest(links[-1].to_bytes(8, "little") + digest.to_bytes(8, "little")))
+    return links

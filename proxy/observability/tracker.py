@@ -1,0 +1,94 @@
+"""The proxy's side of miss explanation: one :class:`PendingBreak` per chat request.
+
+``CacheBreakTracker.observe`` runs once the forwarded prompt is final (canonicalized, summary
+applied) and before it is sent: it explains the request against what was forwarded before and
+remembers it. The answer then settles it (usage: calibrated tokens, ``cache_evicted``) and
+records the generated reply, which vLLM caches too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.config import CacheBreakSettings
+from proxy.observability.breaks import CAUSES, NONE, BreakMemory, CacheBreak
+from proxy.observability.digests import digest_prompt, message_hash
+from proxy.observability.metrics import Metrics
+from proxy.openai.usage import Usage
+
+HEADER = "x-prefix-proxy-cache-break"
+
+
+@dataclass
+class PendingBreak:
+    """One request's explanation until its answer settles it."""
+
+    explanation: CacheBreak
+    prompt_id: int
+    memory: BreakMemory
+
+    def header(self) -> str:
+        return self.explanation.header()
+
+    def settle(self, usage: Usage | None) -> bool:
+        """Apply the reported usage; True the first time (then count it)."""
+        if usage is None or self.explanation.settled:
+            return False
+        self.explanation.settle(usage.prompt_tokens, usage.cached_tokens)
+        self.memory.calibrate(self.prompt_id, usage.prompt_tokens)
+        return self.explanation.settled
+
+    def record_reply(self, message: dict[str, Any] | None) -> None:
+        if message:
+            digest, size = message_hash(message)
+            self.memory.record_reply(self.prompt_id, digest, size)
+
+
+class CacheBreakTracker:
+    def __init__(self, settings: CacheBreakSettings, metrics: Metrics) -> None:
+        self.enabled = settings.enabled
+        self.memory = BreakMemory(settings.memory_prompts, settings.block_size)
+        self._metrics = metrics
+        for cause in CAUSES:
+            metrics.cache_break_tokens.labels(cause)
+            metrics.cache_breaks.labels(cause)
+
+    def observe(
+        self,
+        tenant: str,
+        conversation: str | None,
+        forwarded: dict[str, Any],
+        actions: Iterable[str],
+        *,
+        summary_at: int = -1,
+        system_count: int | None = None,
+        tokens_per_byte: float | None = None,
+    ) -> PendingBreak | None:
+        """``system_count``: the stable leading system messages (a block of moved volatile lines
+        inserted right after them is history, not system prompt)."""
+        if not self.enabled:
+            return None
+        prompt = digest_prompt(forwarded, tenant, summary_at, system_count)
+        moved = any(action.startswith("volatile_moved") for action in actions)
+        key = f"{tenant}\x1f{conversation}" if conversation else None
+        explanation, prompt_id = self.memory.observe(prompt, key, moved_volatile=moved, tokens_per_byte=tokens_per_byte)
+        return PendingBreak(explanation, prompt_id, self.memory)
+
+    def count(self, pending: PendingBreak) -> None:
+        """Counters for a settled request (label values: :data:`CAUSES` only, never text)."""
+        explanation = pending.explanation
+        if explanation.cause == NONE:
+            return
+        self._metrics.cache_breaks.labels(explanation.cause).inc()
+        if explanation.tokens_lost > 0:
+            self._metrics.cache_break_tokens.labels(explanation.cause).inc(explanation.tokens_lost)
+
+
+def summary_index(anchored: Any) -> int:
+    """Where the proxy's summary message sits in the forwarded messages (-1: none)."""
+    if anchored is None or not getattr(anchored, "removed", 0):
+        return -1
+    start = int(getattr(anchored, "history_start", 0))
+    return start - 1 if start > 0 else -1

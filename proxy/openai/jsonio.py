@@ -1,0 +1,70 @@
+"""Fast JSON on the hot path: orjson, with the standard library where orjson is stricter.
+
+orjson refuses a few things a client may send (lone surrogate escapes, and the
+``NaN``/``Infinity`` literals Python's json accepts); those fall back to ``json``
+so no request is refused that the upstream would take. (orjson reads an integer
+beyond 64 bits as a float; no OpenAI parameter carries one.)
+
+Nesting is bounded: orjson refuses to parse past 1024 levels and to serialize
+past 254, and the standard library recurses once per level, so a document a
+few hundred levels deep would otherwise fail somewhere deep inside the proxy
+(a ``RecursionError``) instead of at the door.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+# Far deeper than any real request (JSON schemas of tools nest a dozen levels), far below the
+# 254 levels orjson serializes and the interpreter's recursion limit.
+MAX_DEPTH = 64
+
+
+class TooDeep(ValueError):
+    """A JSON document nests deeper than :data:`MAX_DEPTH`."""
+
+
+def loads(raw: bytes | str, max_depth: int | None = None) -> Any:
+    """Parse JSON; raises ``ValueError`` (``json``'s own message) when it is not JSON, and
+    :class:`TooDeep` when ``max_depth`` is given and the document nests deeper."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        try:
+            value = json.loads(raw)
+        except RecursionError:
+            raise TooDeep(f"JSON nests deeper than {max_depth or MAX_DEPTH} levels") from None
+    if max_depth is not None:
+        check_depth(value, max_depth)
+    return value
+
+
+def check_depth(value: Any, max_depth: int = MAX_DEPTH) -> None:
+    """Raise :class:`TooDeep` if ``value`` nests arrays or objects more than ``max_depth`` levels.
+
+    Iterative (an explicit stack), so the check itself cannot overflow the interpreter's stack.
+    """
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > max_depth:
+            raise TooDeep(f"JSON nests deeper than {max_depth} levels")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+
+
+def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
+    """Compact JSON bytes (UTF-8; where orjson refuses a value, ASCII with ``\\u`` escapes)."""
+    try:
+        return orjson.dumps(value, default=default)
+    except TypeError:
+        return json.dumps(value, separators=(",", ":"), default=default).encode()

@@ -1,0 +1,55 @@
+"""Chat messages as the protocol defines them: their text, their roles, their identity."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeGuard
+
+import xxhash
+
+from proxy.openai.jsoncanon import canonical_arguments
+
+# The roles of the instructions ahead of a conversation (OpenAI's newer models say "developer").
+STABLE_ROLES = frozenset({"system", "developer"})
+
+
+def message_text(message: Mapping[str, Any]) -> str:
+    """All text a chat template would render for one message, concatenated."""
+    parts: list[str] = []
+    content = message.get("content")
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+    for call in message.get("tool_calls") or ():
+        if isinstance(call, dict):
+            fn = call.get("function") or {}
+            parts.append(str(fn.get("name", "")))
+            parts.append(str(fn.get("arguments", "")))
+    return "\n".join(parts)
+
+
+def is_text_parts(content: Any) -> TypeGuard[list[dict[str, Any]]]:
+    """Content given as text parts only (``[{"type": "text", "text": ...}, ...]``)."""
+    return (
+        isinstance(content, list)
+        and bool(content)
+        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+    )
+
+
+def message_fingerprint(message: Mapping[str, Any]) -> int:
+    """A 64-bit identity of what a message says (role, text, tool calls with canonical arguments),
+    blind to tool-call ids and the key order of arguments."""
+    digest = xxhash.xxh3_64()
+    digest.update(str(message.get("role", "")).encode())
+    digest.update(b"\x00")
+    digest.update(message_text({"content": message.get("content")}).encode("utf-8", "surrogatepass"))
+    for call in message.get("tool_calls") or ():
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            function = call["function"]
+            digest.update(b"\x01" + str(function.get("name", "")).encode("utf-8", "surrogatepass"))
+            digest.update(canonical_arguments(function.get("arguments", "")).encode("utf-8", "surrogatepass"))
+    return digest.intdigest()

@@ -1,0 +1,61 @@
+"""Which forwarded chat message stands for which message of the view it was made from.
+
+The chat pipeline (canonicalization, summary anchoring) copies messages, so identity is lost;
+what it does to a conversation is known, though: messages are rewritten in place (volatile
+lines moved out of a system prompt, tool-call ids restored), system messages are inserted
+(moved lines, a summary) or removed (a system prompt left empty), a run of old turns is
+removed (folded into a summary) and, for repaired windows, messages are inserted. A diff of
+the two message lists recovers that: equal runs are unchanged messages, and inside a replaced
+run messages pair up in order by role (a rewrite never changes a role).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from difflib import SequenceMatcher
+from typing import Any
+
+import xxhash
+
+from proxy.openai.jsonio import dumps
+
+
+@dataclass(frozen=True, slots=True)
+class Aligned:
+    """One forwarded message: the view message it stands for (None: inserted), and whether it
+    differs from it."""
+
+    view: int | None
+    changed: bool
+
+
+def digest(message: Any) -> int:
+    return xxhash.xxh3_64_intdigest(dumps(message))
+
+
+def align(view: Sequence[Any], forwarded: Sequence[Any]) -> list[Aligned]:
+    a = [digest(m) for m in view]
+    b = [digest(m) for m in forwarded]
+    out: list[Aligned] = [Aligned(None, True)] * len(b)
+    if a == b:
+        return [Aligned(i, False) for i in range(len(b))]
+    for tag, i1, i2, j1, j2 in SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "equal":
+            for k in range(j2 - j1):
+                out[j1 + k] = Aligned(i1 + k, False)
+        elif tag == "replace":
+            i = i1
+            for j in range(j1, j2):
+                role = _role(forwarded[j])
+                k = i
+                while k < i2 and _role(view[k]) != role:
+                    k += 1
+                if k < i2:
+                    out[j] = Aligned(k, a[k] != b[j])
+                    i = k + 1
+    return out
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None

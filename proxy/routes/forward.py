@@ -1,0 +1,336 @@
+"""Sending a request upstream and turning the answer into the client's response."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.app_state import ProxyState, get_state
+from proxy.backends.pool import BACKEND_EXTENSION
+from proxy.backends.upstream import upstream_error_kind
+from proxy.http.context import RequestContext, overhead_header
+from proxy.http.dialect import OPENAI, ErrorDialect
+from proxy.http.errors import ProxyError, invalid_upstream_response, json_response
+from proxy.http.relay import SSERelay
+from proxy.http.streaming import RelayResponse, StreamEnd
+from proxy.observability.access_log import log_request
+from proxy.openai.jsonio import loads
+from proxy.openai.usage import Usage
+from proxy.tenants import Tenant
+
+REQUEST_ID_HEADER = "x-request-id"
+# How a protocol's ``usage`` object reads (chat completions' by default).
+UsageReader = Callable[[Any], Usage | None]
+
+
+def new_context(request: Request, route: str) -> RequestContext:
+    ctx = RequestContext(route=route)
+    incoming = request.headers.get(REQUEST_ID_HEADER)
+    # Sent upstream as a header again: printable ASCII only (a header may carry any byte, which
+    # httpx would refuse to send).
+    if incoming and len(incoming) <= 128 and incoming.isascii() and incoming.isprintable():
+        ctx.request_id = incoming
+    return ctx
+
+
+def client_authorization(request: Request) -> str | None:
+    """The caller's credentials: ``Authorization``, or Anthropic's ``x-api-key`` (its SDKs send only
+    that) as the bearer token it stands for."""
+    authorization = request.headers.get("authorization")
+    if authorization is None and (api_key := request.headers.get("x-api-key")):
+        authorization = f"Bearer {api_key}"
+    return authorization
+
+
+async def authenticate(state: ProxyState, request: Request, ctx: RequestContext) -> Tenant:
+    """The caller's tenant (401 when keys are configured and none matches), recorded on ``ctx``."""
+    tenant = await state.tenants.authenticate(client_authorization(request))
+    ctx.tenant = tenant.name
+    ctx.upstream_api_key = tenant.upstream_api_key
+    return tenant
+
+
+Handler = Callable[[ProxyState, Request, RequestContext, Tenant], Awaitable[Response]]
+
+
+def api_endpoint(
+    route: str, handler: Handler, dialect: ErrorDialect = OPENAI
+) -> Callable[[Request], Awaitable[Response]]:
+    """An endpoint of the forwarded API: ``handler`` gets a request context and the caller's tenant,
+    and any :class:`ProxyError` it raises is answered (and counted) in the protocol's error shape."""
+
+    async def endpoint(request: Request) -> Response:
+        state = get_state(request)
+        ctx = new_context(request, route)
+        ctx.dialect = dialect
+        ctx.deadline = ctx.started + state.settings.request_timeout_s
+        try:
+            tenant = await authenticate(state, request, ctx)
+            return await handler(state, request, ctx, tenant)
+        except ProxyError as error:
+            return error_response(state, ctx, error)
+
+    return endpoint
+
+
+def upstream_headers(state: ProxyState, request: Request, ctx: RequestContext) -> dict[str, str]:
+    # Only an open proxy passes the client's credentials on: otherwise they carry its proxy key,
+    # which the upstream must never see.
+    passed_on = client_authorization(request) if state.tenants.open else None
+    return {
+        "content-type": "application/json",
+        REQUEST_ID_HEADER: ctx.request_id,
+        **state.backends.credentials(ctx.upstream_api_key, passed_on),
+    }
+
+
+def proxy_headers(ctx: RequestContext) -> dict[str, str]:
+    headers = {REQUEST_ID_HEADER: ctx.request_id}
+    if ctx.actions:
+        headers["x-prefix-proxy-actions"] = ",".join(ctx.actions)[:4000]
+    if ctx.prefix_hash:
+        headers["x-prefix-proxy-prefix"] = ctx.prefix_hash
+    if ctx.session_id:
+        headers["x-prefix-proxy-session"] = ctx.session_id
+    if ctx.cache_break is not None:
+        ctx.cache_break.settle(ctx.usage)
+        headers["x-prefix-proxy-cache-break"] = ctx.cache_break.header()
+    return headers
+
+
+def account(state: ProxyState, ctx: RequestContext, overhead: float | None = None) -> float:
+    """Record metrics and the access-log line of an answered request; returns the proxy overhead in
+    seconds."""
+    if overhead is None:
+        overhead = ctx.overhead_seconds()
+    metrics = state.metrics
+    if ctx.status < 400 and ctx.upstream_sent_at is not None:
+        metrics.confirm_model(ctx.model)
+    metrics.record_request(ctx.route, ctx.status, ctx.model, ctx.tenant)
+    metrics.overhead.labels(ctx.route).observe(overhead)
+    upstream = ctx.upstream_seconds()
+    if upstream is not None:
+        metrics.upstream_latency.labels(ctx.route).observe(upstream)
+    if ctx.usage is not None:
+        metrics.record_usage(ctx.model or "", ctx.tenant, ctx.usage)
+        if ctx.saved_by_canonicalization and ctx.usage.cached_tokens:
+            metrics.record_saved(ctx.model or "", ctx.tenant, "canonicalization", ctx.usage.cached_tokens)
+        if ctx.cache_break is not None and ctx.status < 400:
+            ctx.cache_break.settle(ctx.usage)
+            state.cache_breaks.count(ctx.cache_break)
+    log_request(ctx, overhead * 1000)
+    return overhead
+
+
+def answer_headers(state: ProxyState, ctx: RequestContext) -> dict[str, str]:
+    """Account for a whole answer about to be sent; the proxy's headers for it, overhead included."""
+    overhead = account(state, ctx)
+    return {**proxy_headers(ctx), **overhead_header(overhead)}
+
+
+def error_response(state: ProxyState, ctx: RequestContext, error: ProxyError) -> Response:
+    ctx.status = error.status
+    ctx.error_code = error.code or error.type
+    if ctx.upstream_sent_at is not None and ctx.upstream_done_at is None:
+        # Waiting for an upstream that failed (timeout, connection refused) is upstream time, not overhead.
+        ctx.upstream_done_at = time.perf_counter()
+    if error.type == "upstream_error" and error.status in (502, 504):
+        state.metrics.upstream_errors.labels(ctx.route, upstream_error_kind(error)).inc()
+    return json_response(ctx.dialect.body(error), error.status, {**error.headers, **answer_headers(state, ctx)})
+
+
+async def send_json(
+    state: ProxyState,
+    request: Request,
+    ctx: RequestContext,
+    path: str,
+    payload: bytes | None,
+    *,
+    on_reply: Callable[[dict[str, Any]], None] | None = None,
+    method: str = "POST",
+    read_usage: UsageReader = Usage.from_openai,
+    backend: str | None = None,
+) -> Response:
+    """Forward a non-streaming request; the upstream's bytes reach the client unchanged.
+    ``backend``: only that backend may answer (it holds state the request refers to)."""
+    async with within_deadline(ctx):
+        response = await open_upstream(state, request, ctx, method, path, payload, backend=backend)
+        ctx.upstream_headers_at = time.perf_counter()
+        raw = await state.backends.read(response)
+    ctx.upstream_done_at = time.perf_counter()
+    ctx.status = response.status_code
+    if response.status_code >= 400:
+        return upstream_error(state, ctx, response.status_code, raw)
+    return json_answer(state, ctx, response.status_code, raw, on_reply, read_usage)
+
+
+def json_answer(
+    state: ProxyState,
+    ctx: RequestContext,
+    status: int,
+    raw: bytes,
+    on_reply: Callable[[dict[str, Any]], None] | None = None,
+    read_usage: UsageReader = Usage.from_openai,
+) -> Response:
+    """The upstream's successful JSON answer, bytes unchanged; 502 when it is not JSON at all (it
+    would otherwise reach the client labelled ``application/json``)."""
+    try:
+        parsed: Any = loads(raw)
+    except ValueError:
+        ctx.status = 502
+        raise invalid_upstream_response("its answer is not JSON") from None
+    if isinstance(parsed, dict):
+        ctx.usage = read_usage(parsed.get("usage"))
+        if on_reply is not None:
+            on_reply(parsed)
+    headers = answer_headers(state, ctx)
+    if ctx.usage is not None:
+        headers["x-prefix-proxy-prompt-tokens"] = str(ctx.usage.prompt_tokens)
+        headers["x-prefix-proxy-cached-tokens"] = str(ctx.usage.cached_tokens)
+    return Response(raw, status_code=status, headers=headers, media_type="application/json")
+
+
+async def send_stream(
+    state: ProxyState,
+    request: Request,
+    ctx: RequestContext,
+    path: str,
+    payload: bytes,
+    *,
+    client_wants_usage: bool,
+    on_complete: Callable[[SSERelay], None] | None = None,
+    on_incomplete: Callable[[SSERelay], None] | None = None,
+    record_content: bool = False,
+    on_reply: Callable[[dict[str, Any]], None] | None = None,
+    relay_class: Callable[..., SSERelay] = SSERelay,
+    read_usage: UsageReader = Usage.from_openai,
+    backend: str | None = None,
+) -> Response:
+    """Forward a streaming request; each SSE event reaches the client as soon as it is complete.
+    ``relay_class`` reads the protocol's events (chat completions' by default)."""
+    async with within_deadline(ctx):
+        response = await open_upstream(state, request, ctx, "POST", path, payload, backend=backend)
+        ctx.upstream_headers_at = time.perf_counter()
+        ctx.status = response.status_code
+        if response.status_code >= 400 or not _is_event_stream(response):
+            # An error, or an upstream that answered a stream request with one JSON body (some
+            # servers ignore "stream"): that body, labelled for what it is.
+            raw = await state.backends.read(response)
+            ctx.upstream_done_at = time.perf_counter()
+            if response.status_code >= 400:
+                return upstream_error(state, ctx, response.status_code, raw)
+            ctx.stream = False
+            return json_answer(state, ctx, response.status_code, raw, on_reply, read_usage)
+
+    def first_chunk() -> None:
+        ctx.first_chunk_at = time.perf_counter()
+        state.metrics.ttft.labels(state.metrics.model_label(ctx.model)).observe(ctx.first_chunk_at - ctx.started)
+
+    relay = relay_class(
+        response,
+        client_wants_usage=client_wants_usage,
+        on_first_chunk=first_chunk,
+        record_content=record_content,
+        max_event_bytes=state.settings.max_sse_event_bytes,
+        dialect=ctx.dialect,
+    )
+
+    def on_end(end: StreamEnd) -> None:
+        ctx.upstream_done_at = time.perf_counter()
+        ctx.usage = relay.usage
+        # A disconnect noticed after the last event was relayed is just the client hanging up.
+        if not relay.completed:
+            if end == "disconnected":
+                state.metrics.streams_cancelled.inc()
+                ctx.error_code = "client_disconnected"
+            elif end == "deadline":
+                state.metrics.upstream_errors.labels(ctx.route, "timeout").inc()
+                ctx.error_code = "request_deadline_exceeded"
+            else:
+                state.metrics.streams_cancelled.inc()
+                ctx.error_code = f"stream_{relay.failure or 'interrupted'}"
+            if on_incomplete is not None:
+                on_incomplete(relay)
+        elif on_complete is not None:
+            on_complete(relay)
+        account(state, ctx, ctx.relay_start_overhead(headers_ready))
+
+    headers = proxy_headers(ctx)
+    headers["cache-control"] = "no-cache"
+    headers["x-accel-buffering"] = "no"
+    headers_ready = time.perf_counter()
+    headers.update(overhead_header(ctx.relay_start_overhead(headers_ready)))
+    return RelayResponse(
+        relay,
+        headers=headers,
+        on_end=on_end,
+        close=relay.aclose,
+        deadline_s=max(0.0, ctx.deadline - time.perf_counter()),
+        deadline_event=ctx.dialect.stream_event("the request exceeded its deadline", "request_deadline_exceeded"),
+    )
+
+
+def _is_event_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").lower().startswith("text/event-stream")
+
+
+@asynccontextmanager
+async def within_deadline(ctx: RequestContext) -> AsyncIterator[None]:
+    """Bound the upstream work of a request by its overall deadline (``request_timeout_s``):
+    per-read timeouts alone let an upstream that drips a byte at a time hold a request forever."""
+    try:
+        async with asyncio.timeout(max(0.0, ctx.deadline - time.perf_counter())):
+            yield
+    except TimeoutError:
+        raise ProxyError(
+            504, "the request exceeded its deadline", type="upstream_error", code="request_deadline_exceeded"
+        ) from None
+
+
+async def open_upstream(
+    state: ProxyState,
+    request: Request,
+    ctx: RequestContext,
+    method: str,
+    path: str,
+    payload: bytes | None,
+    *,
+    backend: str | None = None,
+) -> httpx.Response:
+    ctx.mark_upstream_sent()
+    response = await state.backends.open(
+        method,
+        path,
+        content=payload,
+        headers=upstream_headers(state, request, ctx),
+        key=ctx.route_key,
+        model=ctx.model,
+        pinned_to=backend,
+    )
+    ctx.backend = response.extensions.get(BACKEND_EXTENSION)
+    return response
+
+
+def upstream_error(state: ProxyState, ctx: RequestContext, status: int, raw: bytes) -> Response:
+    state.metrics.upstream_errors.labels(ctx.route, "http_4xx" if status < 500 else "http_5xx").inc()
+    ctx.error_code = f"upstream_{status}"
+    return Response(
+        ctx.dialect.upstream_body(status, raw),
+        status_code=status,
+        headers=answer_headers(state, ctx),
+        media_type="application/json",
+    )
+
+
+def with_upstream_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The body asking the upstream for the usage chunk, and whether the client asked for it itself."""
+    options = body.get("stream_options")
+    options = options if isinstance(options, dict) else {}
+    return {**body, "stream_options": {**options, "include_usage": True}}, bool(options.get("include_usage"))

@@ -1,0 +1,307 @@
+"""Every other route the backend serves, passed through: tokenize, rerank, score, pooling, classify,
+audio, version, and whatever vLLM adds later.
+
+Bodies are not buffered: a JSON body (bounded by ``max_body_bytes``) is read to learn its model
+(routing and metrics), anything else (multipart audio) streams to the backend as it arrives, and
+the answer streams back as the backend sends it. Each request gets the caller's tenant, metrics
+under the route's name and the overhead header, like the rest of the API. Routes that change or
+expose the engine (``routes.admin_routes``: reset_prefix_cache, sleep, collective_rpc, weight
+updates, LoRA loading...) need the admin key and reach the backend with the proxy's own key.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from collections.abc import AsyncIterator, Sequence
+from urllib.parse import quote
+
+import httpx
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Match, Route
+from starlette.types import Scope
+
+from proxy.app_state import ProxyState, get_state
+from proxy.http.body import MAX_MODEL_CHARS, is_text
+from proxy.http.context import RequestContext, overhead_header
+from proxy.http.errors import ProxyError
+from proxy.http.streaming import RelayResponse, StreamEnd
+from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
+from proxy.routes.admin import require_admin
+from proxy.routes.forward import (
+    REQUEST_ID_HEADER,
+    account,
+    authenticate,
+    error_response,
+    new_context,
+    proxy_headers,
+    upstream_error,
+    upstream_headers,
+    within_deadline,
+)
+
+# Paths the proxy answers itself (or, for /metrics on its own port, must not answer): never
+# forwarded, whatever the method.
+RESERVED = ("/metrics", "/healthz", "/readyz", "/admin", "/v1/sessions")
+
+# vLLM 0.32's routes by metric label (docs/protocols.md); any other forwarded path counts as
+# "other", so clients cannot grow the label set.
+KNOWN_ROUTES = {
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/tokenizer_info": "tokenizer_info",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/score": "score",
+    "/v1/score": "score",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/v2/embed": "embed",
+    "/v1/audio/transcriptions": "audio_transcriptions",
+    "/v1/audio/translations": "audio_translations",
+    "/version": "version",
+    "/health": "health",
+    "/load": "load",
+    "/ping": "ping",
+    "/invocations": "invocations",
+    "/generative_scoring": "generative_scoring",
+    "/v1/chat/completions/batch": "chat_batch",
+    "/v1/chat/completions/render": "render",
+    "/v1/completions/render": "render",
+    "/v1/messages/render": "render",
+    "/v1/responses/render": "render",
+    "/v1/chat/completions/derender": "render",
+    "/v1/completions/derender": "render",
+    "/inference/v1/generate": "generate_tokens",
+    "/cohere/v2/chat": "cohere_chat",
+}
+_FORWARDED_RESPONSE_HEADERS = ("content-type", "content-encoding", "content-disposition")
+_BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+# RFC 3986 path characters other than unreserved ones, kept as they are.
+_PATH_SAFE = "/:@!$&'()*+,;="
+
+
+def normalize_path(path: str) -> str | None:
+    """One spelling per route (``//a/b/`` is ``/a/b``), so no spelling slips past a pattern; None for
+    a path with ``.`` or ``..`` segments, which an upstream may resolve to another route."""
+    segments = [segment for segment in path.split("/") if segment]
+    if any(segment in (".", "..") for segment in segments):
+        return None
+    return "/" + "/".join(segments)
+
+
+def matches(path: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(path, pattern.rstrip("/") or "/") for pattern in patterns)
+
+
+def route_label(path: str, admin: bool) -> str:
+    return "admin_passthrough" if admin else KNOWN_ROUTES.get(path, "other")
+
+
+async def passthrough(request: Request) -> Response:
+    state = get_state(request)
+    path = normalize_path(request.url.path)
+    settings = state.settings.routes
+    admin = path is not None and matches(path, settings.admin_routes)
+    ctx = new_context(request, route_label(path or "", admin))
+    ctx.deadline = ctx.started + state.settings.request_timeout_s
+    try:
+        if path is None:
+            raise ProxyError(400, "the path has '.' or '..' segments", code="invalid_path")
+        reserved = any(path == r or path.startswith(r + "/") for r in RESERVED)
+        allowed = settings.allowed_routes is None or admin or matches(path, settings.allowed_routes)
+        if reserved or not settings.passthrough or not allowed or matches(path, settings.denied_routes):
+            raise ProxyError(404, f"no route {path}", type="not_found_error", code="not_found")
+        if admin:
+            require_admin(state, request)
+            ctx.tenant = "admin"
+        else:
+            await authenticate(state, request, ctx)
+        return await forward_raw(state, request, ctx, path, admin=admin)
+    except ProxyError as error:
+        return error_response(state, ctx, error)
+
+
+async def forward_raw(
+    state: ProxyState,
+    request: Request,
+    ctx: RequestContext,
+    path: str,
+    *,
+    admin: bool = False,
+    backend: str | None = None,
+) -> Response:
+    """Forward ``request`` to ``path`` (``/v1/...`` under the API base, anything else at the server
+    root), its body streamed or (JSON) read for its model, the answer streamed back."""
+    body, replayable, upload = await _request_body(state, request, ctx)
+    headers = (
+        {REQUEST_ID_HEADER: ctx.request_id, **state.backends.credentials(None)}
+        if admin
+        else {k: v for k, v in upstream_headers(state, request, ctx).items() if k != "content-type"}
+    )
+    for name in ("content-type", "accept"):
+        if (value := request.headers.get(name)) is not None and value.isascii():
+            headers[name] = value
+    under_api = path.startswith("/v1/")
+    # Sent as the upstream will decode it to the path matched here (a %00 or a space included).
+    target = quote(path[3:] if under_api else path, safe=_PATH_SAFE)
+    if request.url.query:
+        target += "?" + request.url.query
+    ctx.mark_upstream_sent()
+    try:
+        async with within_deadline(ctx):
+            response = await state.backends.open(
+                request.method,
+                target,
+                content=body,
+                headers=headers,
+                root=not under_api,
+                key=ctx.route_key,
+                model=ctx.model,
+                pinned_to=backend,
+                replayable=replayable,
+            )
+    except ProxyError:
+        if upload is not None and upload.failure is not None:
+            raise upload.failure from None
+        raise
+    ctx.backend = response.extensions.get("prefix_proxy_backend")
+    ctx.upstream_headers_at = time.perf_counter()
+    ctx.status = response.status_code
+    if response.status_code >= 400:
+        async with within_deadline(ctx):
+            raw = await state.backends.read(response)
+        ctx.upstream_done_at = time.perf_counter()
+        return upstream_error(state, ctx, response.status_code, raw)
+    return _streamed(state, ctx, response)
+
+
+class _Upload:
+    """The client's body on its way upstream, bounded, without buffering it."""
+
+    def __init__(self, request: Request, limit: int) -> None:
+        self._request = request
+        self._limit = limit
+        self.failure: ProxyError | None = None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        size = 0
+        try:
+            async for chunk in self._request.stream():
+                size += len(chunk)
+                if size > self._limit:
+                    self.failure = ProxyError(
+                        413, f"request body exceeds the limit of {self._limit} bytes", code="request_too_large"
+                    )
+                    raise self.failure
+                yield chunk
+        except ClientDisconnect:
+            self.failure = ProxyError(
+                499, "the client closed the connection before sending the whole body", code="client_disconnected"
+            )
+            raise self.failure from None
+
+
+async def _request_body(
+    state: ProxyState, request: Request, ctx: RequestContext
+) -> tuple[bytes | _Upload | None, bool, _Upload | None]:
+    """(body, replayable, upload): a JSON body read (for its model), anything else streamed."""
+    limit = state.settings.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProxyError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    if request.method in _BODYLESS and declared in (None, "0") and "transfer-encoding" not in request.headers:
+        return None, True, None
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        upload = _Upload(request, limit)
+        return upload, False, upload
+    chunks = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ProxyError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ProxyError(499, "the client closed the connection before sending the whole body") from None
+    raw = b"".join(chunks)
+    try:
+        parsed = loads(raw, max_depth=MAX_DEPTH) if raw else None
+    except TooDeep:
+        # As on the proxy's own routes: no backend needs it, and a parser may not survive it.
+        raise ProxyError(400, f"request body nests deeper than {MAX_DEPTH} levels", code="too_deep") from None
+    except (ValueError, UnicodeDecodeError):
+        parsed = None  # the backend judges its own input
+    model = parsed.get("model") if isinstance(parsed, dict) else None
+    if isinstance(model, str) and model and len(model) <= MAX_MODEL_CHARS and is_text(model):
+        ctx.model = model
+    return raw, True, None
+
+
+def _streamed(state: ProxyState, ctx: RequestContext, response: httpx.Response) -> Response:
+    headers = proxy_headers(ctx)
+    headers["content-type"] = "application/octet-stream"  # unless the backend says what it is
+    for name in _FORWARDED_RESPONSE_HEADERS:
+        if (value := response.headers.get(name)) is not None:
+            headers[name] = value
+    event_stream = response.headers.get("content-type", "").startswith("text/event-stream")
+    ctx.stream = event_stream
+    overhead = ctx.relay_start_overhead(time.perf_counter())
+    headers.update(overhead_header(overhead))
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        except (httpx.TransportError, httpx.TimeoutException):
+            # Headers are out: the answer can only stop short; the access log says why.
+            ctx.error_code = "upstream_stream_interrupted"
+        finally:
+            await response.aclose()
+
+    def on_end(end: StreamEnd) -> None:
+        ctx.upstream_done_at = time.perf_counter()
+        if end != "sent":
+            ctx.error_code = "client_disconnected" if end == "disconnected" else "request_deadline_exceeded"
+        account(state, ctx, overhead)
+
+    deadline_event = (
+        ctx.dialect.stream_event("the request exceeded its deadline", "request_deadline_exceeded")
+        if event_stream
+        else b""
+    )
+    return RelayResponse(
+        body(),
+        headers=headers,
+        on_end=on_end,
+        close=response.aclose,
+        status_code=response.status_code,
+        deadline_s=max(0.0, ctx.deadline - time.perf_counter()),
+        deadline_event=deadline_event,
+    )
+
+
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+class PassthroughRoute(Route):
+    """Matches every path but those of the proxy's own routes: a wrong method on those is the
+    proxy's 405 (with ``Allow``), not a request for the backend."""
+
+    def __init__(self, owned: Sequence[BaseRoute]) -> None:
+        super().__init__("/{path:path}", passthrough, methods=METHODS)
+        self._owned = [r for r in owned if isinstance(r, Route)]
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http" and any(r.path_regex.match(scope["path"]) for r in self._owned):
+            return Match.NONE, {}
+        return super().matches(scope)
+
+
+def routes(owned: Sequence[BaseRoute]) -> list[BaseRoute]:
+    """The pass-through route, to be placed after ``owned`` (the app's own routes)."""
+    return [PassthroughRoute(owned)]

@@ -1,0 +1,159 @@
+"""OpenAI Responses: ``POST /v1/responses`` through the pipeline, stored responses where they live.
+
+vLLM keeps stored responses (``store``, with ``VLLM_ENABLE_RESPONSES_API_STORE=1``) in its own
+process, so a ``previous_response_id`` chain can only continue on the backend that answered its
+last turn. The proxy remembers, per tenant and in the session store (shared by replicas), which
+backend holds each response it relayed and which chain it belongs to; a chain is one session
+(its root response names it), pinned to that backend. A response another tenant created is not
+found; one the proxy does not know of (relayed before a restart with the in-memory store) is
+looked for on each backend, when the proxy is open.
+
+A chain's history is the backend's, not in the request: the view holds the new turn only, so
+canonicalization covers instructions, tools and the new input, the context budget counts the
+previous turn's tokens, and no summary is anchored (the summarizer folds stateless Responses
+conversations, those that re-send their whole input).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any
+
+import xxhash
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from proxy.app_state import ProxyState
+from proxy.http.body import parse_json_object, read_body
+from proxy.http.context import RequestContext
+from proxy.http.errors import ProxyError
+from proxy.protocols import responses
+from proxy.routes.forward import api_endpoint, upstream_headers
+from proxy.routes.generic import forward_raw
+from proxy.routes.pipeline import ProtocolRoute, TurnOptions, forward_turn
+from proxy.sessions.service import StoreUnavailable
+from proxy.tenants import Tenant
+
+RESPONSES = ProtocolRoute(
+    path="/responses",
+    relay_class=responses.ResponsesRelay,
+    read_usage=responses.read_usage,
+    reply_of=responses.reply_message,
+    channel=responses.ResponsesChannel,
+)
+
+
+# vLLM's ids are resp_<hex>; anything else is not one (and must not reach a URL unescaped).
+_RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,256}")
+
+
+def not_found(response_id: str, param: str) -> ProxyError:
+    return ProxyError(
+        404, f"Response with id '{response_id}' not found.", type="invalid_request_error", param=param, code="404"
+    )
+
+
+async def create(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
+    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+    responses.validate_request(body)
+    view = responses.ResponsesView.of(body)
+    options = TurnOptions()
+    chain: str | None = None
+    previous = view.previous_response_id
+    if previous is not None and not _RESPONSE_ID.fullmatch(previous):
+        raise not_found(previous[:64], "previous_response_id")
+    if previous is not None:
+        info = await _lookup(state, tenant, previous)
+        if info is None and not state.tenants.open:
+            raise not_found(previous, "previous_response_id")
+        chain = str(info.get("chain") or previous) if info else previous
+        options.backend = str(info["backend"]) if info and info.get("backend") else None
+        if info is None:
+            options.backend = await _locate(state, request, ctx, previous)
+        options.history_tokens = int(info.get("tokens") or 0) if info else 0
+        options.summarize = False
+        # The chain is the session its first response opened, whatever else the client sends.
+        session = info.get("session") if info else None
+        options.session_id = str(session) if session else _chain_session(chain)
+    if body.get("store") is not False:
+
+        async def remember(answer: dict[str, Any], backend: str | None) -> None:
+            await _remember(state, tenant, answer, backend, chain, ctx.session_id)
+
+        options.on_answer = remember
+    return await forward_turn(state, request, ctx, tenant, view, RESPONSES, options)
+
+
+async def retrieve(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
+    """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: from the backend holding it."""
+    response_id = str(request.path_params["response_id"])
+    if not _RESPONSE_ID.fullmatch(response_id):
+        raise not_found(response_id[:64], "response_id")
+    info = await _lookup(state, tenant, response_id)
+    if info is None and not state.tenants.open:
+        raise not_found(response_id, "response_id")
+    backend = str(info["backend"]) if info and info.get("backend") else None
+    if backend is None:
+        backend = await _locate(state, request, ctx, response_id)
+    return await forward_raw(state, request, ctx, request.url.path, backend=backend)
+
+
+async def _lookup(state: ProxyState, tenant: Tenant, response_id: str) -> dict[str, Any] | None:
+    try:
+        return await state.sessions.call(state.sessions.store.get_response(tenant.name, response_id))
+    except StoreUnavailable:
+        return None
+
+
+def _chain_session(chain: str) -> str:
+    """The session of a chain whose opening the proxy did not see (its record is gone)."""
+    return "r" + xxhash.xxh3_128_hexdigest(chain.encode())[:31]
+
+
+async def _remember(
+    state: ProxyState,
+    tenant: Tenant,
+    answer: dict[str, Any],
+    backend: str | None,
+    chain: str | None,
+    session: str | None,
+) -> None:
+    response_id = answer.get("id")
+    if not isinstance(response_id, str) or not response_id:
+        return
+    usage = responses.read_usage(answer.get("usage"))
+    info = {
+        "backend": backend,
+        "chain": chain or response_id,
+        "session": session,
+        "tokens": usage.prompt_tokens + usage.completion_tokens if usage else 0,
+    }
+    store = state.sessions.store
+    with contextlib.suppress(StoreUnavailable):
+        await state.sessions.call(
+            store.put_response(tenant.name, response_id, info, state.settings.responses.chain_ttl_s)
+        )
+
+
+async def _locate(state: ProxyState, request: Request, ctx: RequestContext, response_id: str) -> str | None:
+    """The backend holding a response the proxy has no record of: the first that finds it."""
+    pool = state.backends
+    if pool.single:
+        return None
+    headers = upstream_headers(state, request, ctx)
+    for backend in pool.backends:
+        with contextlib.suppress(ProxyError):
+            response = await backend.upstream.open("GET", f"/responses/{response_id}", headers=headers)
+            await backend.upstream.read(response)
+            if response.status_code == 200:
+                return backend.name
+    return None
+
+
+routes = [
+    Route("/v1/responses", api_endpoint("responses", create), methods=["POST"]),
+    Route("/v1/responses/{response_id}", api_endpoint("responses_retrieve", retrieve), methods=["GET"]),
+    Route("/v1/responses/{response_id}/cancel", api_endpoint("responses_cancel", retrieve), methods=["POST"]),
+]

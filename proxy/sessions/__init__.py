@@ -1,0 +1,1 @@
+"""Sessions: which conversation a request belongs to, and its record in the store (memory or Redis)."""

@@ -1,0 +1,55 @@
+"""bench.overhead's instant-backend mode end to end at a small size, and bench.stacks on a known profile."""
+
+from __future__ import annotations
+
+import xml.dom.minidom
+from collections import Counter
+from pathlib import Path
+
+from bench import stacks
+from bench.overhead import instant_mode, parser
+
+PROFILE = """\
+main (app.py:1);serve (app.py:5);handle (app.py:9);parse (app.py:20) 6
+main (app.py:1);serve (app.py:5);handle (app.py:9) 2
+main (app.py:1);serve (app.py:5);write (libc.so.6) 2
+"""
+
+
+async def test_instant_mode_prints_the_hop_table_for_prefix_proxy() -> None:
+    args = parser().parse_args(["--instant", "--requests", "50", "--tokens", "500", "--no-peers", "--sessions", "20"])
+    report = await instant_mode(args)
+    lines = report.splitlines()
+    assert lines[0] == "500-token chat, instant backend, 50 requests per measurement"
+    assert lines[1] == "| added to direct | prefix-proxy |"
+    cpu = next(line for line in lines if line.startswith("| CPU per request in the proxy (ms) |"))
+    assert float(cpu.split("|")[2]) > 0
+    assert "prefix-proxy: RSS after 20 more sessions:" in report
+
+
+async def test_instant_mode_runs_the_bare_stack_beside_prefix_proxy() -> None:
+    args = parser().parse_args(["--instant", "--requests", "50", "--tokens", "500"])
+    report = await instant_mode(args)
+    header = report.splitlines()[1]
+    assert header.startswith("| added to direct | prefix-proxy | bare stack (no logic) |")
+    cpu = next(line for line in report.splitlines() if line.startswith("| CPU per request in the proxy (ms) |"))
+    assert all(float(cell) > 0 for cell in cpu.split("|")[2:-1])
+
+
+def test_top_entries_by_own_and_total_samples(tmp_path: Path) -> None:
+    path = tmp_path / "profile.txt"
+    path.write_text(PROFILE)
+    profile = stacks.read(path)
+    assert sum(profile.values()) == 10
+    own, total = stacks.top(profile, 3)
+    assert own == [("parse (app.py:20)", 0.6), ("handle (app.py:9)", 0.2), ("write (libc.so.6)", 0.2)]
+    # main and serve are on every stack: left out of the totals.
+    assert total == [("handle (app.py:9)", 0.8), ("parse (app.py:20)", 0.6), ("write (libc.so.6)", 0.2)]
+    assert "| 60.0% | `parse (app.py:20)` | | 80.0% | `handle (app.py:9)` |" in stacks.markdown(profile, 3)
+
+
+def test_flame_graph_is_valid_svg_with_one_box_per_frame() -> None:
+    profile: Counter[tuple[str, ...]] = Counter({("a", "b<c>"): 3, ("a", "d"): 1})
+    document = xml.dom.minidom.parseString(stacks.svg(profile, "t&t"))
+    titles = [node.firstChild.data for node in document.getElementsByTagName("title")]  # type: ignore[union-attr]
+    assert titles == ["a (4 samples, 100.0%)", "b<c> (3 samples, 75.0%)", "d (1 samples, 25.0%)"]

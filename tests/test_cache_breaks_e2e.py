@@ -1,0 +1,103 @@
+"""Miss explanation end to end: header, counters and access log through the proxy and the fake backend."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.app import create_app
+from proxy.config import Settings
+from proxy.observability.access_log import ACCESS_LOGGER
+from testbed.fakevllm import FakeBackendConfig
+from testbed.fakevllm import create_app as create_fake_app
+from tests.helpers import LiveServer, chat, stream_chat
+from tests.test_access_log import Capture
+
+SESSION: dict[str, Any] = {"max_tokens": 30, "headers": {"x-session-id": "conv-1"}}
+SYSTEM = "You are the booking assistant.\nNow: 2024-05-01 10:00:00\n" + "Be precise and friendly. " * 30
+
+
+@pytest.fixture
+def servers() -> Iterator[tuple[LiveServer, LiveServer]]:
+    backend = LiveServer(create_fake_app(FakeBackendConfig())).start()
+    settings = Settings(upstream=backend.url + "/v1")
+    settings = settings.model_copy(update={"canon": settings.canon.model_copy(update={"mode": "off"})})
+    proxy = LiveServer(create_app(settings)).start()
+    yield backend, proxy
+    proxy.stop()
+    backend.stop()
+
+
+@pytest.fixture
+def access_lines() -> Iterator[list[str]]:
+    handler = Capture()
+    logger = logging.getLogger(ACCESS_LOGGER)
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    yield handler.lines
+    logger.removeHandler(handler)
+    logger.setLevel(previous)
+
+
+def counter(proxy: LiveServer, cause: str, name: str = "prefix_proxy_cache_breaks_total") -> float:
+    text = httpx.get(proxy.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{cause="{cause}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name} series for {cause}")
+
+
+def test_causes_reach_header_counter_and_access_log(
+    servers: tuple[LiveServer, LiveServer], access_lines: list[str]
+) -> None:
+    backend, proxy = servers
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Book a room."},
+    ]
+    response = chat(proxy, messages, **SESSION)
+    reply = response.json()["choices"][0]["message"]
+    assert response.headers["x-prefix-proxy-cache-break"].startswith("new_conversation; message=0; tokens=")
+
+    # Appending a turn (streamed) costs nothing: the reply the backend generated is cached too.
+    messages += [reply, {"role": "user", "content": "For two nights."}]
+    response, text = stream_chat(proxy, messages, **SESSION)
+    reply = {"role": "assistant", "content": text}
+    assert response.headers["x-prefix-proxy-cache-break"] == "none"
+    messages += [reply, {"role": "user", "content": "With breakfast."}]
+    response = chat(proxy, messages, **SESSION)
+    reply = response.json()["choices"][0]["message"]
+    assert response.headers["x-prefix-proxy-cache-break"] == "none"
+    assert int(response.headers["x-prefix-proxy-cached-tokens"]) > 0
+
+    # A Dify-style timestamp in the system prompt moves on: line 2 of message 0.
+    messages[0] = {"role": "system", "content": SYSTEM.replace("10:00:00", "10:00:09")}
+    messages += [reply, {"role": "user", "content": "And parking."}]
+    response = chat(proxy, messages, **SESSION)
+    reply = response.json()["choices"][0]["message"]
+    header = response.headers["x-prefix-proxy-cache-break"]
+    assert header.startswith("system_changed; message=0; line=2; tokens=")
+    lost = int(header.rsplit("=", 1)[1])
+    prompt_tokens = int(response.headers["x-prefix-proxy-prompt-tokens"])
+    assert 0.8 * prompt_tokens < lost <= prompt_tokens  # almost the whole previous prompt
+    assert counter(proxy, "system_changed") == 1
+    assert counter(proxy, "system_changed", "prefix_proxy_cache_break_tokens_total") == lost
+
+    # The backend loses its cache (a restart, a too-small KV pool): the proxy expected a hit.
+    assert httpx.post(backend.url + "/fake/reset").status_code == 200
+    messages += [reply, {"role": "user", "content": "Thanks."}]
+    response = chat(proxy, messages, **SESSION)
+    header = response.headers["x-prefix-proxy-cache-break"]
+    assert header.startswith("cache_evicted; tokens=") and int(header.rsplit("=", 1)[1]) > 100
+    assert counter(proxy, "cache_evicted") == 1
+
+    logged = [json.loads(line) for line in access_lines]
+    causes = [line["cache_break"]["cause"] for line in logged if "cache_break" in line]
+    assert causes == ["new_conversation", "none", "none", "system_changed", "cache_evicted"]
+    assert not any("booking assistant" in line for line in access_lines)

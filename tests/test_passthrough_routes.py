@@ -1,0 +1,185 @@
+"""The backend's other routes through the proxy: forwarded unbuffered, tenant-authenticated,
+counted per route; operator routes only with the admin key."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from proxy.app import create_app
+from proxy.config import Settings
+from tests.helpers import LiveServer
+
+
+class Recorder:
+    """An upstream that records how each request arrived."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    async def handle(self, request: Request) -> Response:
+        chunks = [chunk async for chunk in request.stream()]
+        self.seen.append(
+            {
+                "method": request.method,
+                "path": request.url.path,
+                "query": request.url.query,
+                "headers": dict(request.headers),
+                "chunks": len([c for c in chunks if c]),
+                "body": b"".join(chunks),
+            }
+        )
+        if request.url.path == "/v1/models":
+            return JSONResponse({"object": "list", "data": [{"id": "m"}]})
+        if request.url.path == "/slow-stream":
+
+            async def drip() -> Any:
+                for index in range(3):
+                    yield f"data: {index}\n\n".encode()
+                    await asyncio.sleep(0.05)
+
+            return StreamingResponse(drip(), media_type="text/event-stream")
+        if request.url.path == "/missing":
+            return Response("<html>nope</html>", status_code=404, media_type="text/html")
+        return JSONResponse({"path": request.url.path, "bytes": sum(len(c) for c in chunks)})
+
+
+@pytest.fixture
+def recorder() -> Iterator[tuple[Recorder, LiveServer]]:
+    rec = Recorder()
+    app = Starlette(routes=[Route("/{path:path}", rec.handle, methods=["GET", "POST", "PUT", "DELETE"])])
+    server = LiveServer(app).start()
+    yield rec, server
+    server.stop()
+
+
+def proxy_for(upstream: LiveServer, **settings: Any) -> LiveServer:
+    return LiveServer(create_app(Settings(upstream=upstream.url + "/v1", **settings))).start()
+
+
+def test_known_routes_reach_the_backend_root_or_api(proxy: LiveServer) -> None:
+    tokenized = httpx.post(proxy.url + "/tokenize", json={"model": "fake-model", "prompt": "hello world"})
+    assert tokenized.status_code == 200 and tokenized.json()["count"] == 2
+    assert "x-prefix-proxy-overhead-ms" in tokenized.headers
+    assert httpx.post(proxy.url + "/detokenize", json={"tokens": tokenized.json()["tokens"]}).json() == {
+        "prompt": "hello world"
+    }
+    assert httpx.get(proxy.url + "/version").json()["version"]
+    metrics = httpx.get(proxy.url + "/metrics").text
+    assert 'route="tokenize"' in metrics and 'route="version"' in metrics
+
+
+def test_multipart_upload_streams_through(recorder: tuple[Recorder, LiveServer]) -> None:
+    rec, upstream = recorder
+    proxy = proxy_for(upstream)
+    try:
+
+        def audio() -> Iterator[bytes]:
+            for _ in range(16):
+                yield b"\x00" * 65536
+
+        boundary = "b0undary"
+        head = f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n'.encode()
+        tail = f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n--{boundary}--\r\n'
+
+        def body() -> Iterator[bytes]:
+            yield head
+            yield from audio()
+            yield tail.encode()
+
+        response = httpx.post(
+            proxy.url + "/v1/audio/transcriptions?language=en",
+            content=body(),
+            headers={"content-type": f"multipart/form-data; boundary={boundary}"},
+        )
+        assert response.status_code == 200, response.text
+        seen = rec.seen[-1]
+        assert seen["path"] == "/v1/audio/transcriptions" and seen["query"] == "language=en"
+        assert seen["headers"]["content-type"] == f"multipart/form-data; boundary={boundary}"
+        assert seen["body"].startswith(head) and len(seen["body"]) == len(head) + 16 * 65536 + len(tail)
+        assert seen["chunks"] > 1  # arrived in pieces: not buffered into one
+        assert 'route="audio_transcriptions"' in httpx.get(proxy.url + "/metrics").text
+    finally:
+        proxy.stop()
+
+
+def test_streamed_answer_and_unknown_route(recorder: tuple[Recorder, LiveServer]) -> None:
+    _, upstream = recorder
+    proxy = proxy_for(upstream)
+    try:
+        with httpx.stream("GET", proxy.url + "/slow-stream") as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            assert list(response.iter_lines())[:1] == ["data: 0"]
+        missing = httpx.get(proxy.url + "/missing")
+        assert missing.status_code == 404 and "html" not in missing.text
+        assert missing.json()["error"]["message"]
+        assert 'route="other"' in httpx.get(proxy.url + "/metrics").text
+    finally:
+        proxy.stop()
+
+
+def test_operator_routes_need_the_admin_key(recorder: tuple[Recorder, LiveServer]) -> None:
+    rec, upstream = recorder
+    tenants = [{"name": "acme", "api_key": "sk-acme"}]
+    proxy = proxy_for(upstream, tenants=tenants, admin_api_key="adm", upstream_api_key="up-key")
+    try:
+        as_tenant = {"authorization": "Bearer sk-acme"}
+        for path in ("/reset_prefix_cache", "//reset_prefix_cache/", "/collective_rpc", "/v1/load_lora_adapter"):
+            assert httpx.post(proxy.url + path, headers=as_tenant, json={}).status_code == 401
+        assert httpx.post(proxy.url + "/sleep", json={}).status_code == 401
+        assert not rec.seen  # none of them reached the backend
+        response = httpx.post(proxy.url + "/reset_prefix_cache", headers={"authorization": "Bearer adm"})
+        assert response.status_code == 200
+        seen = rec.seen[-1]
+        assert seen["path"] == "/reset_prefix_cache"
+        assert seen["headers"]["authorization"] == "Bearer up-key"  # never the admin key
+        # A tenant reaches the other routes with its key only; the upstream gets the proxy's key.
+        assert httpx.post(proxy.url + "/tokenize", json={"model": "m"}).status_code == 401
+        assert httpx.post(proxy.url + "/tokenize", json={"model": "m"}, headers=as_tenant).status_code == 200
+        assert rec.seen[-1]["headers"]["authorization"] == "Bearer up-key"
+        assert httpx.post(proxy.url + "/a/../reset_prefix_cache", headers=as_tenant).status_code in (400, 401, 404)
+    finally:
+        proxy.stop()
+
+
+def test_operator_routes_without_admin_key_are_403(proxy: LiveServer) -> None:
+    response = httpx.post(proxy.url + "/reset_prefix_cache")
+    assert response.status_code == 403 and response.json()["error"]["type"] == "permission_error"
+
+
+def test_allow_and_deny_lists(recorder: tuple[Recorder, LiveServer]) -> None:
+    _, upstream = recorder
+    proxy = proxy_for(upstream, routes={"allowed_routes": ["/tokenize", "/v1/*"], "denied_routes": ["/v1/score"]})
+    try:
+        assert httpx.post(proxy.url + "/tokenize", json={}).status_code == 200
+        assert httpx.post(proxy.url + "/v1/rerank", json={}).status_code == 200
+        assert httpx.post(proxy.url + "/v1/score", json={}).status_code == 404
+        assert httpx.post(proxy.url + "/pooling", json={}).status_code == 404
+    finally:
+        proxy.stop()
+
+
+def test_proxy_paths_are_never_forwarded(recorder: tuple[Recorder, LiveServer]) -> None:
+    rec, upstream = recorder
+    proxy = proxy_for(upstream, metrics_port=0)
+    try:
+        before = len(rec.seen)
+        assert httpx.get(proxy.url + "/metrics").status_code == 404
+        assert httpx.get(proxy.url + "/admin/whatever").status_code == 404
+        assert httpx.put(proxy.url + "/v1/chat/completions").status_code == 405
+        assert len(rec.seen) == before
+    finally:
+        proxy.stop()
+
+
+def test_passthrough_can_be_switched_off(proxy: LiveServer, make_proxy: Any) -> None:
+    closed = make_proxy(routes={"passthrough": False})
+    assert httpx.post(closed.url + "/tokenize", json={"model": "fake-model", "prompt": "x"}).status_code == 404

@@ -1,0 +1,206 @@
+"""The chat views of Anthropic Messages and Responses requests, and the way back (no I/O)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from proxy.canon.canonicalizer import Canonicalizer
+from proxy.config import CanonSettings
+from proxy.protocols.anthropic import AnthropicView
+from proxy.protocols.responses import ResponsesView
+from testbed.fakevllm import anthropic as fake_anthropic
+from testbed.fakevllm import openai_responses as fake_responses
+
+TOOLS = [
+    {"name": "write_file", "description": "Write", "input_schema": {"type": "object", "properties": {"path": {}}}},
+    {
+        "name": "bash",
+        "description": "Run",
+        "input_schema": {"properties": {"cmd": {"type": "string"}}, "type": "object"},
+    },
+]
+SYSTEM = [
+    {"type": "text", "text": "x-anthropic-billing-header: cc_version=1.0; cch=abc123;"},
+    {"type": "text", "text": "You are a coding agent."},
+    {
+        "type": "text",
+        "text": "Be careful.\n\n<env>\nWorking directory: /repo\nToday's date: 2025-06-01\n</env>\n",
+        "cache_control": {"type": "ephemeral"},
+    },
+]
+
+
+def conversation(date: str = "2025-06-01") -> dict[str, Any]:
+    system = copy.deepcopy(SYSTEM)
+    system[2]["text"] = system[2]["text"].replace("2025-06-01", date)
+    return {
+        "model": "m",
+        "max_tokens": 64,
+        "system": system,
+        "tools": copy.deepcopy(TOOLS),
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Fix the bug", "cache_control": {"type": "ephemeral"}}],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Looking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "bash", "input": {"cmd": "ls"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.py\nb.py", "is_error": False},
+                    {"type": "text", "text": "go on"},
+                ],
+            },
+        ],
+    }
+
+
+def test_anthropic_view_renders_what_vllm_renders() -> None:
+    body = conversation()
+    view = AnthropicView.of(body)
+    # The view's text is what vLLM's own conversion (mirrored by the fake backend) renders.
+    converted = fake_anthropic.to_chat(view.body, merge_inline_system=False)
+    roles = [m["role"] for m in view.chat["messages"]]
+    assert roles == [m["role"] for m in converted["messages"]] == ["system", "user", "assistant", "tool", "user"]
+    system_text = "".join(p["text"] for p in view.chat["messages"][0]["content"])
+    assert system_text == converted["messages"][0]["content"]
+    assert "billing" not in system_text
+    assert view.chat["messages"][2]["tool_calls"][0]["function"]["arguments"] == json.dumps({"cmd": "ls"})
+    assert view.chat["messages"][3] == {"role": "tool", "tool_call_id": "toolu_1", "content": "a.py\nb.py"}
+    assert [t["function"]["name"] for t in view.chat["tools"]] == ["bash", "write_file"]
+
+
+def test_anthropic_unchanged_view_restores_the_same_objects() -> None:
+    body = conversation()
+    body["tools"] = sorted(body["tools"], key=lambda t: t["name"])
+    body["tools"] = json.loads(json.dumps(body["tools"], sort_keys=True))
+    view = AnthropicView.of(body)
+    restored = view.restore(view.chat)
+    assert restored == body
+    assert all(a is b for a, b in zip(restored["messages"], body["messages"], strict=True))
+    assert restored["system"] is body["system"]
+
+
+def test_anthropic_tools_canonicalized_on_the_body() -> None:
+    view = AnthropicView.of(conversation())
+    restored = view.restore(view.chat)
+    assert [t["name"] for t in restored["tools"]] == ["bash", "write_file"]
+    assert list(restored["tools"][0]) == ["description", "input_schema", "name"]
+    assert view.actions == ["tools_canonicalized:2"]
+
+
+def test_anthropic_moved_lines_become_an_inline_system_message_byte_exact() -> None:
+    canonicalizer = Canonicalizer(CanonSettings())
+    for date in ("2025-06-01", "2025-06-02"):
+        view = AnthropicView.of(conversation(date))
+        canon = canonicalizer.apply(view.chat, "t")
+        out = view.restore(canon.body)
+    assert any(str(a).startswith("volatile_moved") for a in canon.actions)
+    # The billing block and cache_control breakpoints stay; the date left the system prompt.
+    assert out["system"][0] == SYSTEM[0]
+    assert out["system"][1] is view.body["system"][1]
+    assert out["system"][2]["cache_control"] == {"type": "ephemeral"}
+    assert "2025-06-02" not in out["system"][2]["text"]
+    inserted = [m for m in out["messages"] if m["role"] == "system"]
+    assert inserted == [{"role": "system", "content": "Today's date: 2025-06-02"}]
+    # Where vLLM renders it: before the last user message, which is after the tool result of the
+    # same client message (vLLM renders tool results first): that message is split around it, its
+    # blocks the client's own objects. The messages before are the client's own objects.
+    original = view.body["messages"]
+    assert out["messages"][0] is original[0] and out["messages"][1] is original[1]
+    assert [m["role"] for m in out["messages"][2:]] == ["user", "system", "user"]
+    assert out["messages"][2]["content"][0] is original[2]["content"][0]
+    assert out["messages"][4]["content"][0] is original[2]["content"][1]
+    # Moved, not dropped: every byte the model was told is still sent.
+    text = "".join(b["text"] for b in out["system"][1:]) + inserted[0]["content"]
+    assert sorted(text.replace("\n", "")) == sorted(
+        "".join(b["text"] for b in conversation("2025-06-02")["system"][1:]).replace("\n", "")
+    )
+
+
+def test_anthropic_restored_tool_ids_reach_blocks_and_results() -> None:
+    view = AnthropicView.of(conversation())
+    chat = copy.deepcopy(view.chat)
+    chat["messages"][2]["tool_calls"][0]["id"] = "call_original"
+    chat["messages"][2]["tool_calls"][0]["function"]["arguments"] = '{"cmd":"ls"}'
+    chat["messages"][3]["tool_call_id"] = "call_original"
+    out = view.restore(chat)
+    tool_use = out["messages"][1]["content"][1]
+    assert tool_use == {"type": "tool_use", "id": "call_original", "name": "bash", "input": {"cmd": "ls"}}
+    result = out["messages"][2]["content"]
+    assert result[0] == {
+        "type": "tool_result",
+        "tool_use_id": "call_original",
+        "content": "a.py\nb.py",
+        "is_error": False,
+    }
+    assert result[1] is view.body["messages"][2]["content"][1]
+
+
+def test_anthropic_summary_folds_whole_messages() -> None:
+    view = AnthropicView.of(conversation())
+    summary = {"role": "system", "content": "Summary of the earlier part of this conversation:\nfixed"}
+    forwarded = [view.chat["messages"][0], summary, view.chat["messages"][4]]
+    system, messages = view.restore_messages(forwarded)
+    assert system is view.body["system"]
+    assert messages[0] == summary
+    # Only the text block of the last message stays: its tool result went into the summary.
+    assert messages[1] == {"role": "user", "content": [{"type": "text", "text": "go on"}]}
+
+
+def responses_body(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "instructions": "You are an agent.\nCurrent time: 2025-06-01T10:00:00Z",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "List the files"}]},
+            {"type": "function_call", "call_id": "call_1", "name": "ls", "arguments": '{"dir": "."}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "a.py"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]},
+            {"role": "user", "content": "Thanks"},
+        ],
+        "tools": [{"type": "function", "name": "ls", "parameters": {"type": "object", "properties": {}}}],
+        **extra,
+    }
+
+
+def test_responses_view_renders_what_vllm_renders() -> None:
+    view = ResponsesView.of(responses_body())
+    vllm = fake_responses.input_messages(view.body, None)
+    assert [m["role"] for m in view.chat["messages"]] == [m["role"] for m in vllm]
+    assert view.chat["messages"][2]["tool_calls"][0]["id"] == "call_1"
+    assert view.chat["messages"][3] == {"role": "tool", "tool_call_id": "call_1", "content": "a.py"}
+
+
+def test_responses_unchanged_and_moved() -> None:
+    body = responses_body()
+    view = ResponsesView.of(body)
+    assert view.restore(view.chat) == {**body, "tools": view.body["tools"]}
+    canonicalizer = Canonicalizer(CanonSettings())
+    for time in ("10:00:00", "10:05:00"):
+        body = responses_body(instructions=f"You are an agent.\nCurrent time: 2025-06-01T{time}Z")
+        view = ResponsesView.of(body)
+        out = view.restore(canonicalizer.apply(view.chat, "t").body)
+    assert out["instructions"] == "You are an agent."
+    assert {"role": "system", "content": "Current time: 2025-06-01T10:05:00Z"} in out["input"]
+    assert out["input"][:4] == body["input"][:4]
+
+
+def test_responses_string_input_stays_a_string() -> None:
+    body = {"model": "m", "input": "hello", "instructions": "Be brief."}
+    view = ResponsesView.of(body)
+    assert view.restore(view.chat)["input"] == "hello"
+
+
+def test_responses_chain_keeps_instructions_out_of_the_view() -> None:
+    view = ResponsesView.of(responses_body(previous_response_id="resp_1"))
+    assert view.chat["messages"][0]["role"] == "user"
+    assert view.restore(view.chat)["instructions"] == responses_body()["instructions"]
