@@ -61,6 +61,7 @@ FILLER = (
     "Each section lists the figures, the change against last quarter and the reasons given by managers. "
 )
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+CPU_ROUNDS = 4
 LITELLM_KEY = "sk-bench-hop-0000000000000000"  # a local benchmark process, not a credential
 BARE_HOP = "bare stack (no logic)"
 T = TypeVar("T")
@@ -375,7 +376,7 @@ async def measure(direct: str, hops: list[Hop], prompt: str, requests: int) -> l
             result.throughput_c16 = (len(samples) / wall) / (len(latencies[0]) / walls[0])
         # CPU per request: sequential requests through each hop, in four rounds of turns.
         cpu = [0.0 for _ in hops]
-        rounds = 4
+        rounds = CPU_ROUNDS
         for r in range(rounds):
             for k in rotated(list(range(len(hops))), r):
                 hop = hops[k]
@@ -419,6 +420,12 @@ async def rss_after_sessions(hop: Hop, sessions: int, concurrency: int = 16) -> 
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return rss_mib(hop.pid)
+
+
+def cpu_resolution_note(requests: int) -> str:
+    """/proc counts CPU time in clock ticks: a cheap hop over few requests can read as 0."""
+    bound = CPU_ROUNDS / CLOCK_TICKS / requests * 1e3
+    return f"CPU is read from /proc in 1/{CLOCK_TICKS} s ticks over {CPU_ROUNDS} rounds: +-{bound:.2f} ms per request."
 
 
 def hop_table(results: list[HopResult]) -> str:
@@ -474,6 +481,7 @@ async def instant_mode(args: argparse.Namespace) -> str:
                 after = await rss_after_sessions(hop, args.sessions)
                 result.notes.append(f"RSS after {args.sessions:,} more sessions: {after:.0f} MiB")
     lines = [f"{args.tokens}-token chat, instant backend, {requests} requests per measurement", hop_table(results)]
+    lines.append(cpu_resolution_note(requests))
     lines += [f"{result.name}: {note}" for result in results for note in result.notes]
     return "\n".join([*lines, *notes])
 

@@ -33,7 +33,11 @@ async def test_instant_mode_runs_the_bare_stack_beside_prefix_proxy() -> None:
     header = report.splitlines()[1]
     assert header.startswith("| added to direct | prefix-proxy | bare stack (no logic) |")
     cpu = next(line for line in report.splitlines() if line.startswith("| CPU per request in the proxy (ms) |"))
-    assert all(float(cell) > 0 for cell in cpu.split("|")[2:-1])
+    cells = [float(cell) for cell in cpu.split("|")[2:-1]]
+    # 50 requests through a peer costing 0.2 ms each fit in one /proc clock tick: only
+    # prefix-proxy's figure is sure to be above zero at this size, and the report says how coarse it is.
+    assert cells[0] > 0 and all(cell >= 0 for cell in cells)
+    assert "CPU is read from /proc in 1/" in report
 
 
 def test_top_entries_by_own_and_total_samples(tmp_path: Path) -> None:
