@@ -28,21 +28,25 @@ _COMPLETION = json.dumps(
         "object": "chat.completion",
         "created": 0,
         "model": MODEL,
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "OK, done."}, "finish_reason": "stop"}
-        ],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "OK, done."}, "finish_reason": "stop"}],
         "usage": _USAGE,
     }
 ).encode()
 _CHUNK = {"id": "chatcmpl-instant", "object": "chat.completion.chunk", "created": 0, "model": MODEL}
-_STREAM = b"".join(
-    b"data: " + json.dumps(event).encode() + b"\n\n"
-    for event in (
-        {**_CHUNK, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "OK"}, "finish_reason": None}]},
-        {**_CHUNK, "choices": [{"index": 0, "delta": {"content": ", done."}, "finish_reason": "stop"}]},
-        {**_CHUNK, "choices": [], "usage": _USAGE},
+_STREAM = (
+    b"".join(
+        b"data: " + json.dumps(event).encode() + b"\n\n"
+        for event in (
+            {
+                **_CHUNK,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": "OK"}, "finish_reason": None}],
+            },
+            {**_CHUNK, "choices": [{"index": 0, "delta": {"content": ", done."}, "finish_reason": "stop"}]},
+            {**_CHUNK, "choices": [], "usage": _USAGE},
+        )
     )
-) + b"data: [DONE]\n\n"
+    + b"data: [DONE]\n\n"
+)
 _MODELS = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 131072}]}).encode()
 
 

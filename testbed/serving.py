@@ -29,9 +29,7 @@ class LiveServer:
     ``LiveServer(app).start()`` ... ``.stop()``, or ``with LiveServer(app) as server:``.
     """
 
-    def __init__(
-        self, app: Any, port: int | None = None, *, host: str = "127.0.0.1", name: str = "server"
-    ) -> None:
+    def __init__(self, app: Any, port: int | None = None, *, host: str = "127.0.0.1", name: str = "server") -> None:
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.name = name

@@ -116,6 +116,7 @@ def assert_byte_exact(sent: dict[str, Any], forwarded: dict[str, Any]) -> None:
         for each in texts(message):
             for span in detect_spans(each, BUILTIN_DETECTORS.values()):
                 assert each[span.start : span.end] in forwarded_text
+
     # Everything but system messages arrives untouched and in order.
     def others(body: dict[str, Any]) -> list[str]:
         return [json.dumps(m) for m in body["messages"] if m.get("role") != "system"]

@@ -511,8 +511,10 @@ def merged(override: dict[str, Any]) -> dict[str, Any]:
 
     def merge(base: Any, top: Any) -> Any:
         if isinstance(base, dict) and isinstance(top, dict):
-            return {key: merge(base[key], top[key]) if key in base and key in top else top.get(key, base.get(key))
-                    for key in {**base, **top}}
+            return {
+                key: merge(base[key], top[key]) if key in base and key in top else top.get(key, base.get(key))
+                for key in {**base, **top}
+            }
         return top
 
     return {key: value for key, value in merge(compose(), override).items() if not key.startswith("x-")}
@@ -531,9 +533,7 @@ def test_compose_topologies_validate_against_the_compose_spec(name: str) -> None
 
 
 @pytest.mark.parametrize("name", ["redis-cluster.yml", "router.yml"])
-def test_compose_topologies_configure_the_proxy_with_known_settings(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_compose_topologies_configure_the_proxy_with_known_settings(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     environment = interpolate(merged(compose_override(name)), {})["services"]["proxy"]["environment"]
     for key in [k for k in os.environ if k.startswith("PREFIX_PROXY_")]:
         monkeypatch.delenv(key)

@@ -170,7 +170,9 @@ class SessionTokenRouter:
             pod, self._next = self._next, (self._next + 1) % len(self.pods)
         async with httpx.AsyncClient(base_url=self.pods[pod].url, timeout=30) as client:
             answer = await client.request(
-                request.method, request.url.path, content=await request.body(),
+                request.method,
+                request.url.path,
+                content=await request.body(),
                 headers={"content-type": "application/json"},
             )
         response = Response(answer.content, answer.status_code, media_type="application/json")

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 OVERHEAD_HEADER = "x-prefix-proxy-overhead-ms"
 
+
 @dataclass
 class RequestContext:
     route: str
