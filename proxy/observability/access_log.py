@@ -11,6 +11,7 @@ from proxy.http.context import RequestContext
 from proxy.openai.jsonio import dumps
 
 ACCESS_LOGGER = "prefix_proxy.access"
+_access = logging.getLogger(ACCESS_LOGGER)
 
 
 class JsonFormatter(logging.Formatter):
@@ -54,8 +55,7 @@ def configure_logging(level: str) -> None:
 
 
 def log_request(ctx: RequestContext, overhead_ms: float, extra: dict[str, Any] | None = None) -> None:
-    logger = logging.getLogger(ACCESS_LOGGER)
-    if not logger.isEnabledFor(logging.INFO):
+    if not _access.isEnabledFor(logging.INFO):
         return
     usage = ctx.usage
     fields: dict[str, Any] = {
@@ -86,4 +86,6 @@ def log_request(ctx: RequestContext, overhead_ms: float, extra: dict[str, Any] |
         fields["messages"] = ctx.logged_messages
     if extra:
         fields.update(extra)
-    logger.info("request", extra={"fields": fields})
+    # The record made directly: Logger.info would walk the stack for a caller no access line shows.
+    record = _access.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields})
+    _access.handle(record)

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -129,10 +130,21 @@ def account(state: ProxyState, ctx: RequestContext, overhead: float | None = Non
     return overhead
 
 
-def answer_headers(state: ProxyState, ctx: RequestContext) -> dict[str, str]:
-    """Account for a whole answer about to be sent; the proxy's headers for it, overhead included."""
-    overhead = account(state, ctx)
-    return {**proxy_headers(ctx), **overhead_header(overhead)}
+def whole_answer(state: ProxyState, ctx: RequestContext, response: Response) -> Response:
+    """A whole (not streamed) answer with the proxy's headers, overhead included.
+
+    Its metrics and access-log line are recorded once it is sent: not on the client's time. They
+    run inline after the body (no await in between), so nothing the proxy serves next (a scrape
+    of ``/metrics``, the conversation's next turn) can come before them.
+    """
+    overhead = ctx.overhead_seconds()
+    response.headers.update({**proxy_headers(ctx), **overhead_header(overhead)})
+
+    async def record() -> None:
+        account(state, ctx, overhead)
+
+    response.background = BackgroundTask(record)
+    return response
 
 
 def error_response(state: ProxyState, ctx: RequestContext, error: ProxyError) -> Response:
@@ -143,7 +155,7 @@ def error_response(state: ProxyState, ctx: RequestContext, error: ProxyError) ->
         ctx.upstream_done_at = time.perf_counter()
     if error.type == "upstream_error" and error.status in (502, 504):
         state.metrics.upstream_errors.labels(ctx.route, upstream_error_kind(error)).inc()
-    return json_response(ctx.dialect.body(error), error.status, {**error.headers, **answer_headers(state, ctx)})
+    return whole_answer(state, ctx, json_response(ctx.dialect.body(error), error.status, error.headers))
 
 
 async def send_json(
@@ -190,11 +202,11 @@ def json_answer(
         ctx.usage = read_usage(parsed.get("usage"))
         if on_reply is not None:
             on_reply(parsed)
-    headers = answer_headers(state, ctx)
+    headers = {}
     if ctx.usage is not None:
         headers["x-prefix-proxy-prompt-tokens"] = str(ctx.usage.prompt_tokens)
         headers["x-prefix-proxy-cached-tokens"] = str(ctx.usage.cached_tokens)
-    return Response(raw, status_code=status, headers=headers, media_type="application/json")
+    return whole_answer(state, ctx, Response(raw, status_code=status, headers=headers, media_type="application/json"))
 
 
 async def send_stream(
@@ -321,11 +333,8 @@ async def open_upstream(
 def upstream_error(state: ProxyState, ctx: RequestContext, status: int, raw: bytes) -> Response:
     state.metrics.upstream_errors.labels(ctx.route, "http_4xx" if status < 500 else "http_5xx").inc()
     ctx.error_code = f"upstream_{status}"
-    return Response(
-        ctx.dialect.upstream_body(status, raw),
-        status_code=status,
-        headers=answer_headers(state, ctx),
-        media_type="application/json",
+    return whole_answer(
+        state, ctx, Response(ctx.dialect.upstream_body(status, raw), status_code=status, media_type="application/json")
     )
 
 

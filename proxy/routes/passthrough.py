@@ -14,12 +14,12 @@ from proxy.http.context import RequestContext
 from proxy.http.errors import upstream_unreachable
 from proxy.openai.jsonio import dumps
 from proxy.routes.forward import (
-    answer_headers,
     api_endpoint,
     send_json,
     send_stream,
     upstream_error,
     upstream_headers,
+    whole_answer,
     with_upstream_usage,
 )
 from proxy.tenants import Tenant
@@ -59,7 +59,7 @@ async def merged_models(state: ProxyState, request: Request, ctx: RequestContext
     if listing.data is None:
         raise upstream_unreachable("no backend answered")
     body = dumps({"object": "list", "data": listing.data})
-    return Response(body, headers=answer_headers(state, ctx), media_type="application/json")
+    return whole_answer(state, ctx, Response(body, media_type="application/json"))
 
 
 routes = [

@@ -49,6 +49,8 @@ def _last_seen(packed: bytes) -> float:
 
 
 class MemorySessionStore:
+    in_process = True
+
     def __init__(self, ttl_s: float, max_sessions: int = 100_000, max_fingerprints: int = 2_000_000) -> None:
         self._ttl = ttl_s
         # Packed records (oldest first) and the summaries of those that have one.

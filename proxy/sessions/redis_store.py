@@ -84,6 +84,8 @@ _INT_FIELDS = (
 
 
 class RedisSessionStore:
+    in_process = False
+
     def __init__(
         self,
         url: str,

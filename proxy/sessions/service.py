@@ -73,10 +73,14 @@ class SessionService:
                 operation.close()
             raise StoreUnavailable()
         try:
-            # Not asyncio.wait_for: before Python 3.12 it runs the operation as a task of its own,
-            # two more turns of the event loop for every store call on the request path.
-            async with asyncio.timeout(self._settings.operation_timeout_s * 4):
+            if self.store.in_process:
+                # A coroutine that never waits cannot be timed out: a timer would only cost.
                 result = await operation
+            else:
+                # Not asyncio.wait_for: before Python 3.12 it runs the operation as a task of its
+                # own, two more turns of the event loop for every store call on the request path.
+                async with asyncio.timeout(self._settings.operation_timeout_s * 4):
+                    result = await operation
         except Exception as exc:
             first_failure = not self._degraded
             self._mark_down(exc)

@@ -9,6 +9,9 @@ from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLi
 
 
 class SessionStore(Protocol):
+    # Operations that never wait on I/O (they cannot stall, so no timeout can fire on them).
+    in_process: bool
+
     async def ping(self) -> bool: ...
 
     async def get(self, tenant: str, session_id: str) -> SessionRecord | None: ...
