@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import httpx
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from starlette.applications import Starlette
@@ -13,11 +15,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from proxy.app import create_app
 from proxy.backends.upstream import Upstream
 from proxy.canon.normalize import MEMO_MIN_CHARS, NormalTextMemo, normalize_text
+from proxy.config import Settings
+from proxy.ids import unique_id
 from proxy.openai.jsonio import dumps, loads
 from proxy.recent import RecentSet
 from testbed.serving import LiveServer
+from tests.redis_server import SHARED_URL
 
 LINE = st.text(alphabet=st.sampled_from("ab é\u0065\u0301\t\r\n"), max_size=60)
 
@@ -113,3 +119,51 @@ def test_recent_set_drops_the_least_recently_used() -> None:
     assert recent.add("a") is True
     recent.discard("a")
     assert "a" not in recent and len(recent) == 1
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_the_next_request_always_finds_the_turn_recorded(fake_backend: LiveServer, store: str) -> None:
+    """An in-process store records a turn once the answer is sent (the client does not wait for it)
+    but before the event loop serves anything else; a shared store, before the answer is released."""
+    sessions = {"store": store, "redis_url": SHARED_URL, "key_prefix": f"pp-order-{unique_id()}:"}
+    app = create_app(Settings(upstream=fake_backend.url + "/v1", sessions=sessions))
+    events: list[str] = []
+    async with app.router.lifespan_context(app):
+        store_object = app.state.proxy.sessions.store
+        record_turn = store_object.record_turn
+
+        async def recording(*args: Any, **kwargs: Any) -> None:
+            await record_turn(*args, **kwargs)
+            events.append("recorded")
+
+        store_object.record_turn = recording
+        body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "root_path": "",
+            "scheme": "http",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            "client": ("127.0.0.1", 5000),
+            "server": ("127.0.0.1", 8000),
+        }
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                events.append("answer sent")
+                # The next thing the event loop would serve (the client's next request, say).
+                asyncio.get_running_loop().call_soon(events.append, "loop served something else")
+
+        await app(scope, receive, send)
+    if store == "memory":
+        assert events == ["answer sent", "recorded", "loop served something else"]
+    else:
+        assert events == ["recorded", "answer sent", "loop served something else"]

@@ -114,6 +114,8 @@ def next_assistant_position(messages: list[dict[str, Any]]) -> tuple[int, int]:
 
 def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: ToolCallMemory | None) -> list[Action]:
     """Rewrite history tool calls in place (messages must be copies the caller owns)."""
+    if not any(message.get("tool_calls") for message in messages if message.get("role") == "assistant"):
+        return []
     renamed: dict[str, str] = {}
     occurrences: Counter[int] = Counter()
     used: set[str] = set()

@@ -147,6 +147,20 @@ def whole_answer(state: ProxyState, ctx: RequestContext, response: Response) -> 
     return response
 
 
+def after_sending(response: Response, work: Callable[[], Awaitable[None]]) -> None:
+    """Run ``work`` once ``response`` is sent, ahead of its accounting (see :func:`whole_answer`)."""
+    then = response.background
+
+    async def run() -> None:
+        try:
+            await work()
+        finally:
+            if then is not None:
+                await then()
+
+    response.background = BackgroundTask(run)
+
+
 def error_response(state: ProxyState, ctx: RequestContext, error: ProxyError) -> Response:
     ctx.status = error.status
     ctx.error_code = error.code or error.type

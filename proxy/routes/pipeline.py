@@ -31,7 +31,7 @@ from proxy.openai.assistant import AssistantRecorder
 from proxy.openai.jsonio import dumps
 from proxy.openai.usage import Usage
 from proxy.protocols.channel import SummaryChannel
-from proxy.routes.forward import UsageReader, error_response, send_json, send_stream
+from proxy.routes.forward import UsageReader, after_sending, error_response, send_json, send_stream
 from proxy.tenants import Tenant
 
 
@@ -183,7 +183,14 @@ async def forward_turn(
         conclude(reply, ctx.usage)
         if hook is not None:
             await hook(answers[0], ctx.backend)  # before the client can refer to it
-        await turn.finish(ctx.usage, reply.message())
+        finish = partial(turn.finish, ctx.usage, reply.message())
+        if state.sessions.store.in_process:
+            # The client's next request must find this turn recorded. An in-process store records
+            # it without waiting, so nothing the proxy serves can come between the answer and the
+            # record, and the client need not wait for it; a shared store must be written first.
+            after_sending(response, finish)
+        else:
+            await finish()
         return response
     except ProxyError as error:
         if turn is not None and error.status >= 500:
