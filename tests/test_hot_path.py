@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from typing import Any
 
@@ -16,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from proxy.app import create_app
+from proxy.backends.transport import WholeBodyStream
 from proxy.backends.upstream import Upstream
 from proxy.canon.normalize import MEMO_MIN_CHARS, NormalTextMemo, normalize_text
 from proxy.config import Settings
@@ -106,6 +108,30 @@ def test_the_default_transport_keeps_no_cookies_of_a_named_upstream_host() -> No
     with LiveServer(Starlette(routes=[Route("/v1/chat/completions", app, methods=["POST"])])) as server:
         asyncio.run(two_requests(f"http://localhost:{server.port}/v1"))
     assert seen == [None, None]
+
+
+def test_whole_bodies_are_read_in_one_call_and_encoded_ones_still_decoded() -> None:
+    """The default transport reads an identity body whole from aiohttp; a gzip-encoded one still goes
+    through httpx's decoder (the proxy relays what it read, without the encoding header)."""
+    answer = json.dumps({"id": "x", "text": "é" * 3000}).encode()
+
+    async def app(request: Request) -> Response:
+        if request.query_params.get("gzip"):
+            return Response(gzip.compress(answer), media_type="application/json", headers={"content-encoding": "gzip"})
+        return Response(answer, media_type="application/json")
+
+    async def read_both(url: str) -> list[bytes]:
+        upstream = Upstream(url)
+        try:
+            plain = await upstream.open("POST", "/chat/completions", content=b"{}")
+            assert isinstance(plain.stream, WholeBodyStream)
+            encoded = await upstream.open("POST", "/chat/completions?gzip=1", content=b"{}")
+            return [await upstream.read(plain), await upstream.read(encoded)]
+        finally:
+            await upstream.aclose()
+
+    with LiveServer(Starlette(routes=[Route("/v1/chat/completions", app, methods=["POST"])])) as server:
+        assert asyncio.run(read_both(f"http://127.0.0.1:{server.port}/v1")) == [answer, answer]
 
 
 def test_recent_set_drops_the_least_recently_used() -> None:

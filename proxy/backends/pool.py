@@ -22,6 +22,7 @@ from proxy.backends.backend import Backend
 from proxy.backends.echo import EchoedHeaders
 from proxy.backends.keyheaders import KeyHeaders
 from proxy.backends.policies import RoutingPolicy
+from proxy.backends.transport import WholeBodyStream
 from proxy.backends.upstream import model_list, read_response
 from proxy.http.errors import ProxyError, upstream_unreachable
 from proxy.observability.metrics import Metrics
@@ -253,7 +254,7 @@ class BackendPool:
         await asyncio.gather(*(b.upstream.aclose() for b in self.backends))
 
 
-class _ReleaseOnClose(httpx.AsyncByteStream):
+class _ReleaseOnClose(WholeBodyStream):
     """A response body that gives the backend's in-flight slot back when it is closed."""
 
     def __init__(self, inner: httpx.AsyncByteStream | httpx.SyncByteStream, backend: Backend) -> None:
@@ -264,6 +265,11 @@ class _ReleaseOnClose(httpx.AsyncByteStream):
         assert isinstance(self._inner, httpx.AsyncByteStream)
         async for chunk in self._inner:
             yield chunk
+
+    async def read_all(self) -> bytes:
+        if isinstance(self._inner, WholeBodyStream):
+            return await self._inner.read_all()
+        return await super().read_all()
 
     async def aclose(self) -> None:
         if self._backend is not None:

@@ -66,6 +66,34 @@ class _MappedStream(httpx.AsyncByteStream):
             raise _remap(exc) from exc.__cause__
 
 
+class WholeBodyStream(httpx.AsyncByteStream):
+    """A response body that can also be read whole in one call (a JSON answer), past httpx's
+    per-chunk layers (decoders, chunkers, one async generator per wrapper)."""
+
+    async def read_all(self) -> bytes:
+        return b"".join([chunk async for chunk in self])
+
+
+class _AiohttpBody(WholeBodyStream):
+    """aiohttp's response body, its errors mapped as for the request."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with _mapped_errors(), map_aiohttp_exceptions():
+            async for chunk in self._response.content.iter_chunked(AiohttpResponseStream.CHUNK_SIZE):
+                yield chunk
+
+    async def read_all(self) -> bytes:
+        with _mapped_errors(), map_aiohttp_exceptions():
+            return await self._response.read()
+
+    async def aclose(self) -> None:
+        with _mapped_errors(), map_aiohttp_exceptions():
+            await self._response.__aexit__(None, None, None)
+
+
 class ProxyAiohttpTransport(AiohttpTransport):
     def get_client(self) -> aiohttp.ClientSession:
         if self.client is not None:
@@ -111,6 +139,6 @@ class ProxyAiohttpTransport(AiohttpTransport):
         return httpx.Response(
             status_code=response.status,
             headers=response.raw_headers,
-            stream=_MappedStream(AiohttpResponseStream(response)),
+            stream=_AiohttpBody(response),
             extensions={"http_version": b"HTTP/1.1"},
         )

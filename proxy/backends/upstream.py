@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from proxy.backends.transport import ProxyAiohttpTransport
+from proxy.backends.transport import ProxyAiohttpTransport, WholeBodyStream
 from proxy.http.errors import ProxyError, upstream_connection_lost, upstream_timeout, upstream_unreachable
 from proxy.openai.jsonio import loads
 
@@ -29,6 +29,9 @@ class _NoCookies(httpx.Cookies):
 async def read_response(response: httpx.Response) -> bytes:
     """Read a response body, mapping a mid-body timeout or drop to 504/502."""
     try:
+        stream = response.stream
+        if isinstance(stream, WholeBodyStream) and "content-encoding" not in response.headers:
+            return await stream.read_all()  # no decoding to do: one read from the transport
         return await response.aread()
     except httpx.TimeoutException as exc:
         raise upstream_timeout() from exc
