@@ -75,6 +75,7 @@ def build_backends(
                 connect_timeout_s=settings.connect_timeout_s,
                 timeout_s=settings.upstream_timeout_s,
                 max_connections=settings.max_connections,
+                keepalive_s=settings.upstream_keepalive_s,
                 transport=transport,
                 use_aiohttp=settings.upstream_transport == "aiohttp",
             ),

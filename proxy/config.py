@@ -341,6 +341,11 @@ class Settings(BaseSettings):
     # arguments); a larger one ends the stream with an error event instead of growing the buffer.
     max_sse_event_bytes: int = Field(8 * 1024 * 1024, gt=0)
     max_connections: int = 1000
+    # How long an idle connection to a backend is kept for reuse. Below the backend's own keep-alive
+    # timeout (uvicorn's, and so vLLM's, is 5 s): otherwise a request can be written on a connection
+    # the backend is closing at that moment, a 502 the proxy cannot retry (the request may have
+    # been read).
+    upstream_keepalive_s: float = Field(4.0, ge=0)
     # aiohttp under the httpx client API (faster); "httpx" uses httpx's own transport.
     upstream_transport: Literal["aiohttp", "httpx"] = "aiohttp"
     log_level: str = "info"

@@ -193,3 +193,27 @@ async def test_the_next_request_always_finds_the_turn_recorded(fake_backend: Liv
         assert events == ["answer sent", "recorded", "loop served something else"]
     else:
         assert events == ["recorded", "answer sent", "loop served something else"]
+
+
+def test_idle_upstream_connections_are_dropped_before_the_backend_drops_them() -> None:
+    """A connection idle past ``keepalive_s`` is not reused: the proxy never writes a request on a
+    connection the backend (uvicorn: 5 s of idleness) may be closing at that moment."""
+    ports: list[int] = []
+
+    async def app(request: Request) -> Response:
+        assert request.client is not None
+        ports.append(request.client.port)
+        return JSONResponse({})
+
+    async def requests(url: str) -> None:
+        upstream = Upstream(url, keepalive_s=0.3)
+        try:
+            for pause in (0.0, 0.0, 0.6):
+                await asyncio.sleep(pause)
+                await upstream.read(await upstream.open("POST", "/chat/completions", content=b"{}"))
+        finally:
+            await upstream.aclose()
+
+    with LiveServer(Starlette(routes=[Route("/v1/chat/completions", app, methods=["POST"])])) as server:
+        asyncio.run(requests(f"http://127.0.0.1:{server.port}/v1"))
+    assert ports[0] == ports[1] != ports[2]

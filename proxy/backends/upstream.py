@@ -59,6 +59,7 @@ class Upstream:
         connect_timeout_s: float = 5.0,
         timeout_s: float = 600.0,
         max_connections: int = 1000,
+        keepalive_s: float = 4.0,
         transport: httpx.AsyncBaseTransport | None = None,
         use_aiohttp: bool = True,
     ) -> None:
@@ -74,7 +75,9 @@ class Upstream:
         self.root_url = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
         self._api_key = api_key
         self._urls: dict[tuple[str, bool], httpx.URL] = {}
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=keepalive_s
+        )
         # Requests with a whole body go straight to aiohttp (ProxyAiohttpTransport.send_bytes) unless
         # the client has something to add (Basic auth from the URL).
         self._direct: ProxyAiohttpTransport | None = None
