@@ -40,17 +40,15 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def json_bytes(payload: Any) -> bytes:
     try:
-        body = json.dumps(payload, ensure_ascii=False).encode()
+        return json.dumps(payload, ensure_ascii=False).encode()
     except UnicodeEncodeError:  # a lone surrogate (from a client's JSON escape): ASCII escapes it
-        body = json.dumps(payload).encode()
-    return Response(
-        body,
-        status_code=status,
-        headers=headers,
-        media_type="application/json",
-    )
+        return json.dumps(payload).encode()
+
+
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json_bytes(payload), status_code=status, headers=headers, media_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ProxyError:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,7 +18,7 @@ from proxy.backends.pool import BACKEND_EXTENSION
 from proxy.backends.upstream import upstream_error_kind
 from proxy.http.context import RequestContext, overhead_header
 from proxy.http.dialect import OPENAI, ErrorDialect
-from proxy.http.errors import ProxyError, invalid_upstream_response, json_response
+from proxy.http.errors import ProxyError, invalid_upstream_response, json_bytes
 from proxy.http.relay import SSERelay
 from proxy.http.streaming import RelayResponse, StreamEnd
 from proxy.observability.access_log import log_request
@@ -130,21 +130,26 @@ def account(state: ProxyState, ctx: RequestContext, overhead: float | None = Non
     return overhead
 
 
-def whole_answer(state: ProxyState, ctx: RequestContext, response: Response) -> Response:
-    """A whole (not streamed) answer with the proxy's headers, overhead included.
+def whole_answer(
+    state: ProxyState, ctx: RequestContext, content: bytes, status: int, headers: Mapping[str, str] | None = None
+) -> Response:
+    """A whole (not streamed) JSON answer with the proxy's headers, overhead included.
 
     Its metrics and access-log line are recorded once it is sent: not on the client's time. They
     run inline after the body (no await in between), so nothing the proxy serves next (a scrape
     of ``/metrics``, the conversation's next turn) can come before them.
     """
     overhead = ctx.overhead_seconds()
-    response.headers.update({**proxy_headers(ctx), **overhead_header(overhead)})
+    all_headers = {**headers} if headers else {}
+    all_headers.update(proxy_headers(ctx))
+    all_headers.update(overhead_header(overhead))
 
     async def record() -> None:
         account(state, ctx, overhead)
 
-    response.background = BackgroundTask(record)
-    return response
+    return Response(
+        content, status, headers=all_headers, media_type="application/json", background=BackgroundTask(record)
+    )
 
 
 def after_sending(response: Response, work: Callable[[], Awaitable[None]]) -> None:
@@ -169,7 +174,7 @@ def error_response(state: ProxyState, ctx: RequestContext, error: ProxyError) ->
         ctx.upstream_done_at = time.perf_counter()
     if error.type == "upstream_error" and error.status in (502, 504):
         state.metrics.upstream_errors.labels(ctx.route, upstream_error_kind(error)).inc()
-    return whole_answer(state, ctx, json_response(ctx.dialect.body(error), error.status, error.headers))
+    return whole_answer(state, ctx, json_bytes(ctx.dialect.body(error)), error.status, error.headers)
 
 
 async def send_json(
@@ -220,7 +225,7 @@ def json_answer(
     if ctx.usage is not None:
         headers["x-prefix-proxy-prompt-tokens"] = str(ctx.usage.prompt_tokens)
         headers["x-prefix-proxy-cached-tokens"] = str(ctx.usage.cached_tokens)
-    return whole_answer(state, ctx, Response(raw, status_code=status, headers=headers, media_type="application/json"))
+    return whole_answer(state, ctx, raw, status, headers)
 
 
 async def send_stream(
@@ -347,9 +352,7 @@ async def open_upstream(
 def upstream_error(state: ProxyState, ctx: RequestContext, status: int, raw: bytes) -> Response:
     state.metrics.upstream_errors.labels(ctx.route, "http_4xx" if status < 500 else "http_5xx").inc()
     ctx.error_code = f"upstream_{status}"
-    return whole_answer(
-        state, ctx, Response(ctx.dialect.upstream_body(status, raw), status_code=status, media_type="application/json")
-    )
+    return whole_answer(state, ctx, ctx.dialect.upstream_body(status, raw), status)
 
 
 def with_upstream_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:

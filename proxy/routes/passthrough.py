@@ -59,7 +59,7 @@ async def merged_models(state: ProxyState, request: Request, ctx: RequestContext
     if listing.data is None:
         raise upstream_unreachable("no backend answered")
     body = dumps({"object": "list", "data": listing.data})
-    return whole_answer(state, ctx, Response(body, media_type="application/json"))
+    return whole_answer(state, ctx, body, 200)
 
 
 routes = [
