@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,7 +13,8 @@ from proxy.app import create_app
 from proxy.config import Settings
 from testbed.fakevllm import FakeBackendConfig
 from testbed.fakevllm import create_app as create_fake_app
-from tests.helpers import LiveServer
+from tests.helpers import LiveServer, ProxyProcess
+from tests.redis_server import SHARED_URL, delete_prefix, require_shared_redis, unique_prefix
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +50,26 @@ def fake_stats(fake_backend: LiveServer) -> Callable[[], dict[str, Any]]:
         return dict(httpx.get(fake_backend.url + "/fake/stats").json())
 
     return stats
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    require_shared_redis()
+    prefix = unique_prefix()
+    yield prefix
+    delete_prefix(SHARED_URL, prefix)
+
+
+@pytest.fixture
+def start_proxies(fake_backend: LiveServer) -> Iterator[Callable[..., list[ProxyProcess]]]:
+    started: list[ProxyProcess] = []
+
+    def start(count: int, env: dict[str, str]) -> list[ProxyProcess]:
+        with concurrent.futures.ThreadPoolExecutor(count) as pool:
+            procs = list(pool.map(lambda _: ProxyProcess(fake_backend.url + "/v1", env), range(count)))
+        started.extend(procs)
+        return procs
+
+    yield start
+    for proc in started:
+        proc.stop()

@@ -15,7 +15,11 @@ go into the request body; the body is ``{"model": "fake-model", "messages": mess
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -143,3 +147,28 @@ async def achat_ok(client: httpx.AsyncClient, messages: Messages, *, model: str 
     assert response.status_code == 200, response.text
     result: dict[str, Any] = response.json()
     return result
+
+
+class ProxyProcess:
+    """``prefix-proxy serve`` in a process of its own (settings from ``env``), ready on return."""
+
+    def __init__(self, upstream: str, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(self.port)],
+            env={**os.environ, "PREFIX_PROXY_LOG_LEVEL": "warning", **env},
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("proxy process did not start")
+
+    def stop(self) -> None:
+        self._process.terminate()
+        self._process.wait(timeout=10)

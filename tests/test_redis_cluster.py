@@ -6,19 +6,18 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
-import pytest
 import redis
 
 from proxy.chat.budget import usage_limits
 from proxy.config import BudgetSettings
 from proxy.sessions.store import window_of
-from tests.helpers import LiveServer, chat
+from tests.helpers import ProxyProcess, chat
 from tests.redis_server import PrivateCluster
-from tests.test_redis_e2e import ADMIN, SYSTEM, ProxyProcess
+from tests.test_redis_e2e import ADMIN, SYSTEM
 
 PREFIX = "pp-cluster:"
 TENANT_LIMIT = 10**9
@@ -33,21 +32,6 @@ def cluster_env(cluster: PrivateCluster, **extra: str) -> dict[str, str]:
         "PREFIX_PROXY_ADMIN_API_KEY": "admin-key",
         **extra,
     }
-
-
-@pytest.fixture
-def start_proxies(fake_backend: LiveServer) -> Iterator[Callable[..., list[ProxyProcess]]]:
-    started: list[ProxyProcess] = []
-
-    def start(count: int, env: dict[str, str]) -> list[ProxyProcess]:
-        with concurrent.futures.ThreadPoolExecutor(count) as pool:
-            procs = list(pool.map(lambda _: ProxyProcess(fake_backend.url + "/v1", env), range(count)))
-        started.extend(procs)
-        return procs
-
-    yield start
-    for proc in started:
-        proc.stop()
 
 
 def shared_entries(url: str, direction: str) -> float:

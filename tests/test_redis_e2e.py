@@ -5,69 +5,19 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
-import pytest
 import redis
 
-from tests.helpers import LiveServer, chat, free_port
-from tests.redis_server import SHARED_URL, PrivateRedis, delete_prefix, require_shared_redis, unique_prefix
+from tests.helpers import ProxyProcess, chat, free_port
+from tests.redis_server import SHARED_URL, PrivateRedis
 
 MODEL = "fake-model"
 ADMIN = {"authorization": "Bearer admin-key"}
 SYSTEM = {"role": "system", "content": "You are a concise assistant for a hardware store."}
-
-
-class ProxyProcess:
-    def __init__(self, upstream: str, env: dict[str, str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(self.port)],
-            env={**os.environ, "PREFIX_PROXY_LOG_LEVEL": "warning", **env},
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("proxy process did not start")
-
-    def stop(self) -> None:
-        self._process.terminate()
-        self._process.wait(timeout=10)
-
-
-@pytest.fixture
-def redis_prefix() -> Iterator[str]:
-    require_shared_redis()
-    prefix = unique_prefix()
-    yield prefix
-    delete_prefix(SHARED_URL, prefix)
-
-
-@pytest.fixture
-def start_proxies(fake_backend: LiveServer) -> Iterator[Callable[..., list[ProxyProcess]]]:
-    started: list[ProxyProcess] = []
-
-    def start(count: int, env: dict[str, str]) -> list[ProxyProcess]:
-        with concurrent.futures.ThreadPoolExecutor(count) as pool:
-            procs = list(pool.map(lambda _: ProxyProcess(fake_backend.url + "/v1", env), range(count)))
-        started.extend(procs)
-        return procs
-
-    yield start
-    for proc in started:
-        proc.stop()
 
 
 def redis_env(prefix: str, url: str = SHARED_URL, **extra: str) -> dict[str, str]:

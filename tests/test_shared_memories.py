@@ -18,7 +18,7 @@ from testbed.fakevllm import FakeBackendConfig
 from testbed.fakevllm import create_app as create_fake_app
 from testbed.workload import overall, run_workload
 from tests.helpers import LiveServer
-from tests.redis_server import SHARED_URL, delete_prefix, require_shared_redis, unique_prefix
+from tests.redis_server import SHARED_URL
 
 SCENARIOS = ["dify_rag", "fc_agent", "timestamp_user", "sliding_window"]
 
@@ -36,14 +36,6 @@ class RoundRobin(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
-
-
-@pytest.fixture
-def redis_prefix() -> Iterator[str]:
-    require_shared_redis()
-    prefix = unique_prefix()
-    yield prefix
-    delete_prefix(SHARED_URL, prefix)
 
 
 @pytest.fixture(scope="module")
