@@ -38,8 +38,10 @@ def _remap(exc: httpx.TransportError) -> httpx.TransportError:
 
 @contextlib.contextmanager
 def _mapped_errors() -> Iterator[None]:
+    """aiohttp's errors as httpx-aiohttp maps them, then remapped to what they mean (above)."""
     try:
-        yield
+        with map_aiohttp_exceptions():
+            yield
     except httpx.TransportError as exc:
         raise _remap(exc) from exc.__cause__
     except aiohttp.ClientResponseError as exc:
@@ -81,16 +83,16 @@ class _AiohttpBody(WholeBodyStream):
         self._response = response
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        with _mapped_errors(), map_aiohttp_exceptions():
+        with _mapped_errors():
             async for chunk in self._response.content.iter_chunked(AiohttpResponseStream.CHUNK_SIZE):
                 yield chunk
 
     async def read_all(self) -> bytes:
-        with _mapped_errors(), map_aiohttp_exceptions():
+        with _mapped_errors():
             return await self._response.read()
 
     async def aclose(self) -> None:
-        with _mapped_errors(), map_aiohttp_exceptions():
+        with _mapped_errors():
             await self._response.__aexit__(None, None, None)
 
 
@@ -125,7 +127,7 @@ class ProxyAiohttpTransport(AiohttpTransport):
         aiohttp_timeout = aiohttp.ClientTimeout(
             sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
         )
-        with _mapped_errors(), map_aiohttp_exceptions():
+        with _mapped_errors():
             response = await self.client.request(
                 method,
                 url,
