@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from proxy.app import create_app
 from proxy.config import Settings
+from proxy.observability.access_log import ACCESS_LOGGER, JsonFormatter
 from testbed.fakevllm import FakeBackendConfig
 from testbed.fakevllm import create_app as create_fake_app
 from tests.helpers import LiveServer, ProxyProcess
@@ -73,3 +75,28 @@ def start_proxies(fake_backend: LiveServer) -> Iterator[Callable[..., list[Proxy
     yield start
     for proc in started:
         proc.stop()
+
+
+class AccessLogCapture(logging.Handler):
+    """The access log's lines, formatted as the proxy writes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.setFormatter(JsonFormatter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+@pytest.fixture
+def access_lines() -> Iterator[list[str]]:
+    """The access-log lines of the proxies a test runs in-process (at INFO whatever the level was)."""
+    handler = AccessLogCapture()
+    logger = logging.getLogger(ACCESS_LOGGER)
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    yield handler.lines
+    logger.removeHandler(handler)
+    logger.setLevel(previous)

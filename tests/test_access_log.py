@@ -9,32 +9,10 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from proxy.observability.access_log import ACCESS_LOGGER, JsonFormatter
+from proxy.observability.access_log import JsonFormatter
 from tests.helpers import LiveServer
 
 SECRET = "my password is hunter2"
-
-
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-        self.setFormatter(JsonFormatter())
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))
-
-
-@pytest.fixture
-def access_lines() -> list[str]:
-    handler = Capture()
-    logger = logging.getLogger(ACCESS_LOGGER)
-    logger.addHandler(handler)
-    previous = logger.level
-    logger.setLevel(logging.INFO)
-    yield handler.lines
-    logger.removeHandler(handler)
-    logger.setLevel(previous)
 
 
 def send(server: LiveServer) -> httpx.Response:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,11 +11,9 @@ import pytest
 
 from proxy.app import create_app
 from proxy.config import Settings
-from proxy.observability.access_log import ACCESS_LOGGER
 from testbed.fakevllm import FakeBackendConfig
 from testbed.fakevllm import create_app as create_fake_app
 from tests.helpers import LiveServer, chat, stream_chat
-from tests.test_access_log import Capture
 
 SESSION: dict[str, Any] = {"max_tokens": 30, "headers": {"x-session-id": "conv-1"}}
 SYSTEM = "You are the booking assistant.\nNow: 2024-05-01 10:00:00\n" + "Be precise and friendly. " * 30
@@ -31,18 +28,6 @@ def servers() -> Iterator[tuple[LiveServer, LiveServer]]:
     yield backend, proxy
     proxy.stop()
     backend.stop()
-
-
-@pytest.fixture
-def access_lines() -> Iterator[list[str]]:
-    handler = Capture()
-    logger = logging.getLogger(ACCESS_LOGGER)
-    logger.addHandler(handler)
-    previous = logger.level
-    logger.setLevel(logging.INFO)
-    yield handler.lines
-    logger.removeHandler(handler)
-    logger.setLevel(previous)
 
 
 def counter(proxy: LiveServer, cause: str, name: str = "prefix_proxy_cache_breaks_total") -> float:
