@@ -162,6 +162,20 @@ class RouterRun:
         """More failures than the run allows: none, or at most one per client when a backend was lost."""
         return self.totals.errors > (concurrency if self.lost_backend else 0)
 
+    def cells(self, ceiling: ScenarioResult) -> list[str]:
+        """Its table cells after the label: requests (errors), hit rate, prefill tokens, prefill
+        against ``ceiling`` (one backend), requests per backend."""
+        totals = self.totals
+        ratio = totals.prefill_tokens / ceiling.prefill_tokens if ceiling.prefill_tokens else 0.0
+        per_backend = " / ".join(str(c) for c in self.per_backend)
+        return [
+            f"{totals.requests} ({totals.errors})",
+            f"{totals.hit_rate:.1%}",
+            f"{totals.prefill_tokens:,}",
+            f"{ratio:.2f}x",
+            per_backend,
+        ]
+
 
 def requests_seen(urls: Sequence[str]) -> list[int]:
     counts = []
@@ -249,13 +263,7 @@ def table(runs: list[RouterRun]) -> str:
         "| configuration | requests (errors) | hit rate | prefill tokens | vs one backend | requests per backend |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for run in runs:
-        totals = run.totals
-        ratio = totals.prefill_tokens / ceiling.prefill_tokens if ceiling.prefill_tokens else 0.0
-        lines.append(
-            f"| {run.label} | {totals.requests} ({totals.errors}) | {totals.hit_rate:.1%} | "
-            f"{totals.prefill_tokens:,} | {ratio:.2f}x | {' / '.join(str(c) for c in run.per_backend)} |"
-        )
+    lines += [f"| {' | '.join([run.label, *run.cells(ceiling)])} |" for run in runs]
     return "\n".join(lines)
 
 

@@ -56,13 +56,7 @@ def table(runs: list[RoutingRun]) -> str:
         "| requests per backend |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for run in runs:
-        totals, best = run.totals, ceiling.totals
-        ratio = totals.prefill_tokens / best.prefill_tokens if best.prefill_tokens else 0.0
-        lines.append(
-            f"| {run.label} | {run.backends} | {totals.requests} ({totals.errors}) | {totals.hit_rate:.1%} | "
-            f"{totals.prefill_tokens:,} | {ratio:.2f}x | {' / '.join(str(c) for c in run.per_backend)} |"
-        )
+    lines += [f"| {' | '.join([run.label, str(run.backends), *run.cells(ceiling.totals)])} |" for run in runs]
     return "\n".join(lines)
 
 
