@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.openai.messages import is_text_parts, message_fingerprint, message_text
+from proxy.openai.messages import is_text_parts, message_fingerprint, message_text, utf8_size
 from summarizer.state import SummaryState
 
 SUMMARY_HEADER = "Summary of the earlier part of this conversation:"
@@ -62,7 +62,7 @@ def anchor(
     if state.covered:
         while removed < len(rest) and message_fingerprint(rest[removed]) in state.covered:
             removed += 1
-    removed_bytes = sum(len(message_text(m).encode("utf-8", "surrogatepass")) for m in rest[:removed])
+    removed_bytes = sum(utf8_size(message_text(m)) for m in rest[:removed])
     rest = rest[removed:]
     restored = _restore_dropped(rest, state.tail, repair_needs_reply) if repair else []
     out = list(head)

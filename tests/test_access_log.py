@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 
-from proxy.observability.access_log import JsonFormatter
+from proxy.http.context import RequestContext
+from proxy.observability import access_log
+from proxy.observability.access_log import (
+    ACCESS_LOGGER,
+    JsonFormatter,
+    JsonLinesHandler,
+    configure_logging,
+    log_request,
+)
+from proxy.openai.usage import Usage
 from tests.helpers import LiveServer
 
 SECRET = "my password is hunter2"
@@ -53,3 +63,47 @@ def test_timestamps_are_utc_whatever_the_local_zone(monkeypatch: pytest.MonkeyPa
     finally:
         monkeypatch.delenv("TZ")
         time.tzset()
+
+
+@pytest.fixture
+def proxy_logging() -> Iterator[io.StringIO]:
+    """The logging the proxy's CLI configures, writing into a buffer."""
+    root = logging.getLogger("prefix_proxy")
+    saved = (root.handlers[:], root.level, root.propagate)
+    stream = io.StringIO()
+    configure_logging("info")
+    root.handlers[0].setStream(stream)  # type: ignore[attr-defined]
+    yield stream
+    root.handlers[:], root.level, root.propagate = saved
+
+
+def answered_context() -> RequestContext:
+    ctx = RequestContext(route="chat", request_id="req-1", model="m", tenant="anonymous", status=200)
+    ctx.usage = Usage(prompt_tokens=80, completion_tokens=5, cached_tokens=64)
+    ctx.actions = ["volatile_moved:date"]
+    return ctx
+
+
+def test_the_line_written_past_the_record_is_the_line_a_record_gives(proxy_logging: io.StringIO) -> None:
+    """With only the proxy's handler configured, the access line skips logging's record; anything
+    else on the way (a handler, a filter) gets a record. Both write the same line."""
+    root = logging.getLogger("prefix_proxy")
+    # pytest attaches its capture handlers to non-propagating loggers: not part of this setup.
+    root.handlers[:] = [h for h in root.handlers if isinstance(h, JsonLinesHandler)]
+    assert isinstance(access_log._sole_json_handler(), JsonLinesHandler)
+    log_request(answered_context(), 1.25)
+    direct = json.loads(proxy_logging.getvalue().splitlines()[-1])
+
+    access = logging.getLogger(ACCESS_LOGGER)
+    seen: list[logging.LogRecord] = []
+    access.addFilter(lambda record: seen.append(record) or True)
+    try:
+        assert access_log._sole_json_handler() is None
+        log_request(answered_context(), 1.25)
+    finally:
+        access.filters.clear()
+    through_record = json.loads(proxy_logging.getvalue().splitlines()[-1])
+    assert len(seen) == 1
+    assert direct.pop("ts").endswith("Z") and through_record.pop("ts").endswith("Z")
+    assert direct == through_record
+    assert direct["logger"] == ACCESS_LOGGER and direct["level"] == "info" and direct["cached_tokens"] == 64

@@ -24,7 +24,7 @@ from typing import Any
 
 from proxy.config import BudgetOverrides, BudgetSettings
 from proxy.openai.jsonio import dumps
-from proxy.openai.messages import message_text
+from proxy.openai.messages import message_text, utf8_size
 from proxy.sessions.keys import slot_tag
 from proxy.sessions.model import UsageLimit
 from proxy.tokenization import TokenCounter
@@ -81,7 +81,7 @@ EXACT_COUNT_MARGIN = 0.85
 
 def request_bytes(body: dict[str, Any]) -> int:
     """UTF-8 size of everything a chat template renders from the request (text and tools)."""
-    size = sum(len(message_text(m).encode("utf-8", "surrogatepass")) + 8 for m in body.get("messages") or [])
+    size = sum(utf8_size(message_text(m)) + 8 for m in body.get("messages") or [])
     tools = body.get("tools") or body.get("functions")
     if tools:
         size += len(dumps(tools))  # not orjson.dumps: it refuses lone surrogates, which clients may send
@@ -136,7 +136,9 @@ def check_context(estimate: int, limit: int | None, soft_ratio: float) -> Contex
 
 
 def usage_limits(budget: BudgetSettings, tenant: str, session_id: str | None) -> list[UsageLimit]:
-    limits = []
+    limits: list[UsageLimit] = []
+    if budget.tenant_tokens_per_window is None and budget.session_tokens_per_window is None:
+        return limits
     # One admission checks both counters in one atomic step: on a Redis Cluster they must share a
     # hash slot, hence the tenant's tag in both keys.
     scope = slot_tag(tenant)

@@ -132,8 +132,9 @@ class ChatTurn:
         canonical = canon.body
         model = str(canonical.get("model"))
         budget = effective_budget(state.settings.budget, state.settings.model_budgets.get(model), tenant.budget)
+        named = session_id or state.sessions.explicit_id(headers, body)
         try:
-            session = await state.sessions.resolve(tenant.name, headers, body, canonical["messages"], session_id)
+            session = await state.sessions.resolve(tenant.name, canonical["messages"], named)
         except StoreUnavailable:
             session = None
         turn = cls(
@@ -145,7 +146,7 @@ class ChatTurn:
             session,
             prefix_hash=canon.prefix_hash,
             system_tail=canon.system_tail,
-            named_session=session_id or state.sessions.explicit_id(headers, body),
+            named_session=named,
             channel=channel,
             summarize=summarize,
             history_tokens=history_tokens,
@@ -270,11 +271,15 @@ class ChatTurn:
             self.reservation,
             self.budget.window_s,
         )
-        if self.state.settings.summarizer.enabled and reply is not None:
+        if self.state.settings.summarizer.enabled and reply is not None and self.anchored is not None:
             messages = [*self.forwarded["messages"], reply]
-            job = self._compaction_job(messages)
-            if job is not None:
-                await self.state.compaction.after_answer(job, due=self._compaction_due(usage, messages))
+            due = self._compaction_due(usage, messages)
+            # Most answered turns neither start a compaction nor keep a repair tail: the job (and
+            # what it carries, the routing key among them) is built only for those that do.
+            if due or self.slides_window:
+                job = self._compaction_job(messages)
+                if job is not None:
+                    await self.state.compaction.after_answer(job, due=due)
         self._count_summary_savings()
 
     def _compaction_job(self, messages: list[dict[str, Any]]) -> CompactionJob | None:

@@ -82,12 +82,13 @@ def message_hash(message: Any) -> tuple[int, int]:
         prefix = _utf8(str(role)) + b"\x00"
         if isinstance(role, str) and len(_ROLE_PREFIX) < 64:
             _ROLE_PREFIX[role] = prefix
-    calls = message.get("tool_calls")
-    if not calls or not isinstance(calls, list):
-        return xxhash.xxh3_64_intdigest(prefix + text), len(text)
+    # Streamed, not ``prefix + text``: a long message is not copied once more to be hashed.
     digest = xxhash.xxh3_64(prefix)
     digest.update(text)
     size = len(text)
+    calls = message.get("tool_calls")
+    if not calls or not isinstance(calls, list):
+        return digest.intdigest(), size
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict):

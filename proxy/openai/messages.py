@@ -15,8 +15,10 @@ STABLE_ROLES = frozenset({"system", "developer"})
 
 def message_text(message: Mapping[str, Any]) -> str:
     """All text a chat template would render for one message, concatenated."""
-    parts: list[str] = []
     content = message.get("content")
+    if isinstance(content, str) and not message.get("tool_calls"):
+        return content
+    parts: list[str] = []
     if isinstance(content, str):
         parts.append(content)
     elif isinstance(content, list):
@@ -46,10 +48,17 @@ def message_fingerprint(message: Mapping[str, Any]) -> int:
     digest = xxhash.xxh3_64()
     digest.update(str(message.get("role", "")).encode())
     digest.update(b"\x00")
-    digest.update(message_text({"content": message.get("content")}).encode("utf-8", "surrogatepass"))
+    content = message.get("content")
+    text = content if isinstance(content, str) else message_text({"content": content})
+    digest.update(text.encode("utf-8", "surrogatepass"))
     for call in message.get("tool_calls") or ():
         if isinstance(call, dict) and isinstance(call.get("function"), dict):
             function = call["function"]
             digest.update(b"\x01" + str(function.get("name", "")).encode("utf-8", "surrogatepass"))
             digest.update(canonical_arguments(function.get("arguments", "")).encode("utf-8", "surrogatepass"))
     return digest.intdigest()
+
+
+def utf8_size(text: str) -> int:
+    """``len(text.encode("utf-8", "surrogatepass"))`` without the copy where ``text`` is ASCII."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))

@@ -39,17 +39,24 @@ def pair_fingerprint(previous: int, current: int) -> int:
     return xxhash.xxh3_64_intdigest(previous.to_bytes(8, "little") + current.to_bytes(8, "little"))
 
 
-def conversation_fingerprints(messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Pair fingerprints of the non-system messages, in order."""
+# A message and its :func:`message_fingerprint`.
+MessageFingerprint = tuple[Mapping[str, Any], int]
+
+
+def conversation_fingerprints(messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], MessageFingerprint | None]:
+    """Pair fingerprints of the non-system messages, in order; and the last of those messages with
+    its own fingerprint (None without any)."""
     previous = _START
     pairs: list[int] = []
+    last: MessageFingerprint | None = None
     for message in messages:
         if message.get("role") in STABLE_ROLES:
             continue
         current = message_fingerprint(message)
         pairs.append(pair_fingerprint(previous, current))
         previous = current
-    return pairs
+        last = (message, current)
+    return pairs, last
 
 
 def conversation_root(messages: Sequence[Mapping[str, Any]]) -> int | None:
@@ -62,12 +69,16 @@ def conversation_root(messages: Sequence[Mapping[str, Any]]) -> int | None:
     return None if first is None else pair_fingerprint(_START, message_fingerprint(first))
 
 
-def reply_fingerprint(messages: Sequence[Mapping[str, Any]], reply: Mapping[str, Any]) -> int | None:
-    """The pair the model's reply will form with the last message, once the client re-sends it."""
+def reply_fingerprint(
+    messages: Sequence[Mapping[str, Any]], reply: Mapping[str, Any], known: MessageFingerprint | None = None
+) -> int | None:
+    """The pair the model's reply will form with the last message, once the client re-sends it.
+    ``known``: a message already fingerprinted, used when it is that last message."""
     last = next((m for m in reversed(messages) if m.get("role") not in STABLE_ROLES), None)
     if last is None:
         return None
-    return pair_fingerprint(message_fingerprint(last), message_fingerprint(reply))
+    last_print = known[1] if known is not None and known[0] is last else message_fingerprint(last)
+    return pair_fingerprint(last_print, message_fingerprint(reply))
 
 
 def vote(matches: list[str | None], last_seen: Mapping[str, float]) -> str | None:
@@ -96,9 +107,11 @@ def explicit_session_id(
     """The session the client names: the first of ``header_names`` it sent, else ``prompt_cache_key``,
     else (``use_user``) ``user``."""
     value: Any = None
+    # Looked up in a dict made once: Starlette's headers scan the whole list for each name asked
+    # for. Names are case-insensitive; of repeated ones the first counts, as Starlette reads them.
+    sent = {name.lower(): value for name, value in reversed(list(headers.items()))}
     for name in header_names:
-        # ``in`` first: on Starlette's headers, ``get`` of a missing one raises and catches a KeyError.
-        if name in headers and (value := headers[name]):
+        if value := sent.get(name.lower()):
             break
     if not value and use_prompt_cache_key:
         value = body.get("prompt_cache_key")

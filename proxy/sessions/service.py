@@ -21,7 +21,13 @@ from proxy.config import SessionSettings
 from proxy.ids import unique_id
 from proxy.observability.metrics import Metrics
 from proxy.openai.usage import Usage
-from proxy.sessions.identity import conversation_fingerprints, explicit_session_id, reply_fingerprint, vote
+from proxy.sessions.identity import (
+    MessageFingerprint,
+    conversation_fingerprints,
+    explicit_session_id,
+    reply_fingerprint,
+    vote,
+)
 from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLimit
 from proxy.sessions.store import SessionStore
 
@@ -41,6 +47,9 @@ class SessionView:
     fingerprints: list[int] = field(default_factory=list)
     known: set[int] = field(default_factory=set)
     explicit: bool = False
+    # The request's last non-system message and its fingerprint, as resolved: the reply's pair
+    # starts from it.
+    last_message: MessageFingerprint | None = None
 
     @property
     def slid(self) -> bool:
@@ -114,17 +123,15 @@ class SessionService:
             use_user=self._settings.use_user,
         )
 
-    async def resolve(
-        self,
-        tenant: str,
-        headers: Mapping[str, str],
-        body: Mapping[str, Any],
-        messages: list[dict[str, Any]],
-        session_id: str | None = None,
-    ) -> SessionView:
-        """``session_id``: a session the proxy itself knows the request belongs to (a Responses chain)."""
-        fingerprints = conversation_fingerprints(messages)
-        explicit = session_id or self.explicit_id(headers, body)
+    async def resolve(self, tenant: str, messages: list[dict[str, Any]], explicit: str | None = None) -> SessionView:
+        """``explicit``: the session the request names (:meth:`explicit_id`), or one the proxy itself
+        knows it belongs to (a Responses chain); else the session is inferred from ``messages``."""
+        fingerprints, last = conversation_fingerprints(messages)
+        view = await self._find(tenant, fingerprints, explicit)
+        view.last_message = last
+        return view
+
+    async def _find(self, tenant: str, fingerprints: list[int], explicit: str | None) -> SessionView:
         if explicit:
             record = await self.call(self.store.get(tenant, explicit))
             return SessionView(tenant, explicit, record, fingerprints, set(), explicit=True)
@@ -160,7 +167,7 @@ class SessionService:
     ) -> None:
         """Account one finished request. Never raises: a lost update only costs accuracy."""
         new = [fp for fp in view.fingerprints if fp not in view.known]
-        reply_fp = reply_fingerprint(messages, reply) if reply is not None else None
+        reply_fp = reply_fingerprint(messages, reply, view.last_message) if reply is not None else None
         if reply_fp is not None:
             new.append(reply_fp)
         prompt = usage.prompt_tokens if usage else 0
