@@ -10,8 +10,8 @@ error, during the request and while its body streams.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
+from types import TracebackType
 
 import aiohttp
 import httpx
@@ -36,18 +36,43 @@ def _remap(exc: httpx.TransportError) -> httpx.TransportError:
     return exc
 
 
-@contextlib.contextmanager
-def _mapped_errors() -> Iterator[None]:
-    """aiohttp's errors as httpx-aiohttp maps them, then remapped to what they mean (above)."""
+class _MappedErrors:
+    """aiohttp's errors as httpx-aiohttp maps them, then remapped to what they mean (above).
+
+    A class, not ``@contextmanager`` over httpx-aiohttp's own: entered three times per proxied
+    request, and a generator-based manager (two of them nested) costs several times this."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if not isinstance(exc, Exception):
+            return
+        if isinstance(exc, aiohttp.ClientResponseError):
+            # An answer that is not HTTP (a bad status line, a body on a HEAD answer): httpx-aiohttp
+            # lets aiohttp's own error through, which would be a 500 of the proxy's.
+            raise httpx.RemoteProtocolError(f"invalid upstream response: {exc.message}"[:200]) from exc
+        mapped = exc if isinstance(exc, httpx.TransportError) else _httpx_aiohttp_error(exc)
+        if mapped is None:
+            return
+        remapped = _remap(mapped)
+        if remapped is not exc:
+            raise remapped from mapped.__cause__
+
+
+def _httpx_aiohttp_error(exc: Exception) -> httpx.TransportError | None:
+    """What httpx-aiohttp's own mapping raises for ``exc`` (caused by it); None where it lets
+    ``exc`` through."""
     try:
         with map_aiohttp_exceptions():
-            yield
-    except httpx.TransportError as exc:
-        raise _remap(exc) from exc.__cause__
-    except aiohttp.ClientResponseError as exc:
-        # An answer that is not HTTP (a bad status line, a body on a HEAD answer): httpx-aiohttp
-        # lets aiohttp's own error through, which would be a 500 of the proxy's.
-        raise httpx.RemoteProtocolError(f"invalid upstream response: {exc.message}"[:200]) from exc
+            raise exc
+    except httpx.TransportError as mapped:
+        return mapped
+    except Exception:
+        return None
+
+
+_mapped_errors = _MappedErrors()
 
 
 class _MappedStream(httpx.AsyncByteStream):
@@ -83,16 +108,16 @@ class _AiohttpBody(WholeBodyStream):
         self._response = response
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        with _mapped_errors():
+        with _mapped_errors:
             async for chunk in self._response.content.iter_chunked(AiohttpResponseStream.CHUNK_SIZE):
                 yield chunk
 
     async def read_all(self) -> bytes:
-        with _mapped_errors():
+        with _mapped_errors:
             return await self._response.read()
 
     async def aclose(self) -> None:
-        with _mapped_errors():
+        with _mapped_errors:
             await self._response.__aexit__(None, None, None)
 
 
@@ -110,7 +135,7 @@ class ProxyAiohttpTransport(AiohttpTransport):
         return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        with _mapped_errors():
+        with _mapped_errors:
             response = await super().handle_async_request(request)
         assert isinstance(response.stream, httpx.AsyncByteStream)
         response.stream = _MappedStream(response.stream)
@@ -127,7 +152,7 @@ class ProxyAiohttpTransport(AiohttpTransport):
         aiohttp_timeout = aiohttp.ClientTimeout(
             sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
         )
-        with _mapped_errors():
+        with _mapped_errors:
             response = await self.client.request(
                 method,
                 url,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -144,26 +144,49 @@ def whole_answer(
     all_headers.update(proxy_headers(ctx))
     all_headers.update(overhead_header(overhead))
 
-    async def record() -> None:
+    def record() -> None:
         account(state, ctx, overhead)
 
     return Response(
-        content, status, headers=all_headers, media_type="application/json", background=BackgroundTask(record)
+        content, status, headers=all_headers, media_type="application/json", background=AfterSending(record)
     )
+
+
+class AfterSending(BackgroundTask):
+    """What runs once a response is sent, in order (Starlette awaits ``response.background()``).
+
+    Each step runs even if one before it failed (the accounting of an answer must not be lost to
+    a failed session write); the first failure is raised at the end. Lighter than the
+    ``BackgroundTask`` it stands for, which inspects its function on every construction.
+    """
+
+    def __init__(self, *steps: Callable[[], Awaitable[None] | None]) -> None:
+        # BackgroundTask's own fields stay unset: only its __call__, replaced here, reads them.
+        self.steps = list(steps)
+
+    async def __call__(self) -> None:
+        failure: BaseException | None = None
+        for step in self.steps:
+            try:
+                result = step()
+                if result is not None:
+                    await result
+            except BaseException as exc:  # raised below, once the other steps have run
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
 
 def after_sending(response: Response, work: Callable[[], Awaitable[None]]) -> None:
     """Run ``work`` once ``response`` is sent, ahead of its accounting (see :func:`whole_answer`)."""
     then = response.background
-
-    async def run() -> None:
-        try:
-            await work()
-        finally:
-            if then is not None:
-                await then()
-
-    response.background = BackgroundTask(run)
+    if isinstance(then, AfterSending):
+        then.steps.insert(0, work)
+    else:
+        steps: list[Callable[[], Awaitable[None] | None]] = [work]
+        if then is not None:
+            steps.append(then)
+        response.background = AfterSending(*steps)
 
 
 def error_response(state: ProxyState, ctx: RequestContext, error: ProxyError) -> Response:
@@ -312,17 +335,31 @@ def _is_event_stream(response: httpx.Response) -> bool:
     return response.headers.get("content-type", "").lower().startswith("text/event-stream")
 
 
-@asynccontextmanager
-async def within_deadline(ctx: RequestContext) -> AsyncIterator[None]:
+class within_deadline:
     """Bound the upstream work of a request by its overall deadline (``request_timeout_s``):
-    per-read timeouts alone let an upstream that drips a byte at a time hold a request forever."""
-    try:
-        async with asyncio.timeout(max(0.0, ctx.deadline - time.perf_counter())):
-            yield
-    except TimeoutError:
-        raise ProxyError(
-            504, "the request exceeded its deadline", type="upstream_error", code="request_deadline_exceeded"
-        ) from None
+    per-read timeouts alone let an upstream that drips a byte at a time hold a request forever.
+
+    A class over ``asyncio.timeout``, not an ``@asynccontextmanager``: no generator per request."""
+
+    def __init__(self, ctx: RequestContext) -> None:
+        self._timeout = asyncio.timeout(max(0.0, ctx.deadline - time.perf_counter()))
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self._timeout.__aexit__(kind, exc, tb)
+        except TimeoutError:
+            raise _deadline_exceeded() from None
+        if isinstance(exc, TimeoutError):
+            raise _deadline_exceeded() from None
+
+
+def _deadline_exceeded() -> ProxyError:
+    return ProxyError(504, "the request exceeded its deadline", type="upstream_error", code="request_deadline_exceeded")
 
 
 async def open_upstream(
