@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 OVERHEAD_HEADER = "x-prefix-proxy-overhead-ms"
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestContext:
     route: str
     request_id: str = field(default_factory=unique_id)

@@ -46,20 +46,20 @@ def loads(raw: bytes | str, max_depth: int | None = None) -> Any:
 def check_depth(value: Any, max_depth: int = MAX_DEPTH) -> None:
     """Raise :class:`TooDeep` if ``value`` nests arrays or objects more than ``max_depth`` levels.
 
-    Iterative (an explicit stack), so the check itself cannot overflow the interpreter's stack.
+    Level by level (no recursion), so the check itself cannot overflow the interpreter's stack.
     """
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
+    level: list[Any] = [value] if isinstance(value, dict | list) else []
+    depth = 0
+    while level:
+        depth += 1
         if depth > max_depth:
             raise TooDeep(f"JSON nests deeper than {max_depth} levels")
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+        below: list[Any] = []
+        for item in level:
+            below.extend(
+                child for child in (item.values() if isinstance(item, dict) else item) if isinstance(child, dict | list)
+            )
+        level = below
 
 
 def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:

@@ -8,6 +8,7 @@ transactions and Lua.
 from __future__ import annotations
 
 import itertools
+import operator
 import struct
 import time
 import uuid
@@ -31,6 +32,7 @@ def _tenant_key(tenant: str, fingerprint: int) -> int:
 _NUMBERS = [f for f in fields(SessionRecord) if f.type in ("int", "float")]
 _PACKED_FIELDS = tuple(f.name for f in _NUMBERS)
 _PACKED = struct.Struct("<" + "".join("d" if f.type == "float" else "Q" for f in _NUMBERS))
+_NUMBERS_OF = operator.attrgetter(*_PACKED_FIELDS)
 _LAST_SEEN = struct.Struct("<d")
 _LAST_SEEN_OFFSET = 8 * _PACKED_FIELDS.index("last_seen")
 _CONTEXT_TOKENS = struct.Struct("<Q")
@@ -40,7 +42,7 @@ SessionKey = tuple[str, str]
 
 
 def _pack(record: SessionRecord) -> bytes:
-    return _PACKED.pack(*(getattr(record, name) for name in _PACKED_FIELDS))
+    return _PACKED.pack(*_NUMBERS_OF(record))
 
 
 def _last_seen(packed: bytes) -> float:
