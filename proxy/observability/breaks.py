@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 from proxy.observability.digests import ASSISTANT, SYSTEM, PromptDigest, chain
 from proxy.tokenization.counter import TYPICAL_TOKENS_PER_BYTE
@@ -50,27 +50,18 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 
-class _Bounded(Generic[K, V]):
-    """A dict that forgets its least recently written entries."""
+class _Bounded(OrderedDict[K, V]):
+    """A dict that forgets its least recently written entries (reads are the dict's own)."""
 
     def __init__(self, max_entries: int) -> None:
-        self._items: OrderedDict[K, V] = OrderedDict()
+        super().__init__()
         self._max = max(1, max_entries)
 
-    def get(self, key: K) -> V | None:
-        return self._items.get(key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
-
     def put(self, key: K, value: V) -> None:
-        self._items[key] = value
-        self._items.move_to_end(key)
-        if len(self._items) > self._max:
-            self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
+        self[key] = value
+        self.move_to_end(key)
+        if len(self) > self._max:
+            self.popitem(last=False)
 
 
 @dataclass(slots=True)
