@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
+from typing import Any
 
 import aiohttp
 import httpx
@@ -122,6 +123,10 @@ class _AiohttpBody(WholeBodyStream):
 
 
 class ProxyAiohttpTransport(AiohttpTransport):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._aiohttp_timeouts: dict[tuple[float | None, float | None, float | None], aiohttp.ClientTimeout] = {}
+
     def get_client(self) -> aiohttp.ClientSession:
         if self.client is not None:
             return super().get_client()
@@ -148,10 +153,13 @@ class ProxyAiohttpTransport(AiohttpTransport):
         around it (header merging, the auth and redirect flows) cost ~5% of a proxied request's CPU."""
         if not isinstance(self.client, aiohttp.ClientSession):
             self.client = self.get_client()
-        # The same timeouts handle_async_request derives from httpx's.
-        aiohttp_timeout = aiohttp.ClientTimeout(
-            sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
-        )
+        # The same timeouts handle_async_request derives from httpx's (an upstream has one set).
+        key = (timeout.connect, timeout.read, timeout.pool)
+        aiohttp_timeout = self._aiohttp_timeouts.get(key)
+        if aiohttp_timeout is None:
+            aiohttp_timeout = aiohttp.ClientTimeout(sock_connect=key[0], sock_read=key[1], connect=key[2])
+            if len(self._aiohttp_timeouts) < 16:
+                self._aiohttp_timeouts[key] = aiohttp_timeout
         with _mapped_errors:
             response = await self.client.request(
                 method,

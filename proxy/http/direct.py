@@ -10,13 +10,35 @@ path with parameters, a mounted app with a root path) takes the framework's way.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class _Headers(Headers):
+    """Starlette's request headers, with ``get`` answering a missing name without an exception
+    (``Mapping.get`` catches a ``KeyError`` per miss, and a request asks for several it lacks)."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        name = key.lower().encode("latin-1")
+        for header, value in self._list:
+            if header == name:
+                return value.decode("latin-1")
+        return default
+
+
+class DirectRequest(Request):
+    @property
+    def headers(self) -> Headers:
+        if not hasattr(self, "_headers"):
+            self._headers = _Headers(scope=self.scope)
+        return self._headers
 
 
 class DirectRoutes:
@@ -54,7 +76,7 @@ async def serve_direct(
         await send(message)
 
     try:
-        response = await endpoint(Request(scope, receive, send))
+        response = await endpoint(DirectRequest(scope, receive, send))
         await response(scope, receive, send_tracked)
     except Exception as exc:
         if started:
