@@ -21,9 +21,11 @@ from proxy.backends.transport import WholeBodyStream
 from proxy.backends.upstream import Upstream
 from proxy.canon.normalize import MEMO_MIN_CHARS, NormalTextMemo, normalize_text
 from proxy.config import Settings
+from proxy.http.direct import DirectRequest
 from proxy.ids import unique_id
-from proxy.openai.jsonio import dumps, loads
+from proxy.openai.jsonio import TooDeep, check_depth, dumps, loads
 from proxy.recent import RecentSet
+from proxy.routes.forward import AfterSending, after_sending
 from testbed.serving import LiveServer
 from tests.redis_server import SHARED_URL
 
@@ -217,3 +219,51 @@ def test_idle_upstream_connections_are_dropped_before_the_backend_drops_them() -
     with LiveServer(Starlette(routes=[Route("/v1/chat/completions", app, methods=["POST"])])) as server:
         asyncio.run(requests(f"http://127.0.0.1:{server.port}/v1"))
     assert ports[0] == ports[1] != ports[2]
+
+
+async def test_every_step_after_sending_runs_though_one_fails() -> None:
+    done: list[str] = []
+
+    async def failing() -> None:
+        done.append("session")
+        raise RuntimeError("store down")
+
+    def account() -> None:
+        done.append("metrics")
+
+    response = Response(b"{}", background=AfterSending(account))
+    after_sending(response, failing)
+    assert response.background is not None
+    with pytest.raises(RuntimeError, match="store down"):
+        await response.background()
+    assert done == ["session", "metrics"]
+
+
+def test_direct_request_headers_read_as_starlettes() -> None:
+    raw = [(b"content-type", b"application/json"), (b"x-session-id", b"a"), (b"x-session-id", b"b")]
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": raw}
+    ours, theirs = DirectRequest(scope).headers, Request(scope).headers
+    for name in ("Content-Type", "x-session-id", "X-SESSION-ID", "authorization"):
+        assert ours.get(name) == theirs.get(name)
+    assert ours.get("authorization", "none") == "none"
+    assert list(ours.items()) == list(theirs.items())
+
+
+@given(
+    st.recursive(
+        st.none() | st.integers(),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner, max_size=3),
+        max_leaves=40,
+    ),
+    st.integers(1, 8),
+)
+def test_depth_check_refuses_exactly_what_nests_deeper(value: Any, limit: int) -> None:
+    def depth(item: Any) -> int:
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        return 0 if children is None else 1 + max((depth(child) for child in children), default=0)
+
+    if depth(value) > limit:
+        with pytest.raises(TooDeep):
+            check_depth(value, limit)
+    else:
+        check_depth(value, limit)
