@@ -21,6 +21,7 @@ from proxy.backends.transport import WholeBodyStream
 from proxy.backends.upstream import Upstream
 from proxy.canon.normalize import MEMO_MIN_CHARS, NormalTextMemo, normalize_text
 from proxy.config import Settings
+from proxy.http.body import _plain_message, _validate_message
 from proxy.http.direct import DirectRequest
 from proxy.ids import unique_id
 from proxy.openai.jsonio import TooDeep, check_depth, dumps, loads
@@ -267,3 +268,17 @@ def test_depth_check_refuses_exactly_what_nests_deeper(value: Any, limit: int) -
             check_depth(value, limit)
     else:
         check_depth(value, limit)
+
+
+MESSAGE_VALUES = st.none() | st.booleans() | st.integers() | st.text(max_size=3) | st.lists(st.none(), max_size=1)
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["role", "content", "name", "tool_call_id", "tool_calls", "function_call", "extra"]),
+        MESSAGE_VALUES | st.sampled_from(["user", "assistant", "tool", "bogus"]),
+    )
+)
+def test_a_message_the_shortcut_passes_passes_the_full_check(message: dict[str, Any]) -> None:
+    if _plain_message(message):
+        _validate_message(message, "messages[0]")

@@ -17,6 +17,8 @@ from proxy.http.errors import ProxyError, bad_request
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
 
 VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# A message's fields checked beyond its role and content.
+_CHECKED_FIELDS = frozenset({"name", "tool_call_id", "tool_calls", "function_call"})
 # Longer than any served model name (Hugging Face ids and local paths included); a model name ends
 # up in log lines and metrics, so it is kept short.
 MAX_MODEL_CHARS = 256
@@ -113,7 +115,8 @@ def validate_chat_request(body: dict[str, Any]) -> None:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array", param="messages")
     for index, message in enumerate(messages):
-        _validate_message(message, f"messages[{index}]")
+        if not _plain_message(message):
+            _validate_message(message, f"messages[{index}]")
     for key in ("tools", "functions"):
         value = body.get(key)
         _optional(value, list, key, "an array")
@@ -128,6 +131,20 @@ def validate_chat_request(body: dict[str, Any]) -> None:
         # bool is an int to Python; to JSON (and to the budget arithmetic) it is not a number.
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise bad_request(f"'{key}' must be an integer", param=key)
+
+
+def _plain_message(message: Any) -> bool:
+    """A valid message of the common shape (a role and string content, nothing else to check):
+    decided without naming the parameter each check would report, for every message of a history."""
+    if type(message) is not dict:
+        return False
+    role = message.get("role")
+    return (
+        type(role) is str
+        and role in VALID_ROLES
+        and type(message.get("content")) is str
+        and message.keys().isdisjoint(_CHECKED_FIELDS)
+    )
 
 
 def _validate_message(message: Any, param: str) -> None:

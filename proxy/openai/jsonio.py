@@ -56,9 +56,9 @@ def check_depth(value: Any, max_depth: int = MAX_DEPTH) -> None:
             raise TooDeep(f"JSON nests deeper than {max_depth} levels")
         below: list[Any] = []
         for item in level:
-            below.extend(
-                child for child in (item.values() if isinstance(item, dict) else item) if isinstance(child, dict | list)
-            )
+            for child in item.values() if isinstance(item, dict) else item:
+                if isinstance(child, dict | list):
+                    below.append(child)
         level = below
 
 
