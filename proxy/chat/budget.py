@@ -42,6 +42,8 @@ def effective_budget(
     base: BudgetSettings, model_overrides: BudgetOverrides | None, tenant_overrides: BudgetOverrides | None
 ) -> BudgetSettings:
     """Global settings, then the model's overrides, then the tenant's (most specific wins)."""
+    if model_overrides is None and tenant_overrides is None:
+        return base
     layers = (base, model_overrides, tenant_overrides)
     key = (id(base), id(model_overrides), id(tenant_overrides))
     cached = _effective.get(key)

@@ -25,6 +25,7 @@ apart from the first message in which they differ.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -96,6 +97,15 @@ def vote(matches: list[str | None], last_seen: Mapping[str, float]) -> str | Non
     return max(counts, key=lambda sid: (counts[sid], last_seen.get(sid, 0.0), sid))
 
 
+@functools.lru_cache(maxsize=16)
+def _header_ranks(names: tuple[str, ...]) -> dict[str, int]:
+    """Each session header's place in the order of preference (case-insensitive; first wins)."""
+    ranks: dict[str, int] = {}
+    for rank, name in enumerate(names):
+        ranks.setdefault(name.lower(), rank)
+    return ranks
+
+
 def explicit_session_id(
     headers: Mapping[str, str],
     body: Mapping[str, Any],
@@ -107,11 +117,16 @@ def explicit_session_id(
     """The session the client names: the first of ``header_names`` it sent, else ``prompt_cache_key``,
     else (``use_user``) ``user``."""
     value: Any = None
-    # Looked up in a dict made once: Starlette's headers scan the whole list for each name asked
-    # for. Names are case-insensitive; of repeated ones the first counts, as Starlette reads them.
-    sent = {name.lower(): value for name, value in reversed(list(headers.items()))}
-    for name in header_names:
-        if value := sent.get(name.lower()):
+    # One pass over the headers sent (Starlette's scan the whole list for each name asked for).
+    # Names are case-insensitive; of repeated ones the first counts, as Starlette reads them.
+    ranks = _header_ranks(tuple(header_names))
+    found: dict[int, str] = {}
+    for name, sent in headers.items():
+        rank = ranks.get(name.lower())
+        if rank is not None and rank not in found:
+            found[rank] = sent
+    for rank in sorted(found):
+        if value := found[rank]:
             break
     if not value and use_prompt_cache_key:
         value = body.get("prompt_cache_key")
