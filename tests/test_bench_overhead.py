@@ -6,7 +6,9 @@ import xml.dom.minidom
 from collections import Counter
 from pathlib import Path
 
-from bench import stacks
+import pytest
+
+from bench import inprocess, stacks
 from bench.overhead import instant_mode, parser
 
 PROFILE = """\
@@ -57,3 +59,12 @@ def test_flame_graph_is_valid_svg_with_one_box_per_frame() -> None:
     document = xml.dom.minidom.parseString(stacks.svg(profile, "t&t"))
     titles = [node.firstChild.data for node in document.getElementsByTagName("title")]  # type: ignore[union-attr]
     assert titles == ["a (4 samples, 100.0%)", "b<c> (3 samples, 75.0%)", "d (1 samples, 25.0%)"]
+
+
+def test_inprocess_driver_times_the_app_and_its_parts(capsys: pytest.CaptureFixture[str]) -> None:
+    small = ["--requests", "5", "--rounds", "2", "--tokens", "300"]
+    for extra in ([], ["--settings", '{"cache_breaks": {"enabled": false}}'], ["--bare"], ["--messages", "4"]):
+        inprocess.main([*small, *extra])
+        line = capsys.readouterr().out.strip()
+        assert line.startswith("CPU per request in process: min "), line
+        assert len(line.split("rounds: ")[1].rstrip(")").split(", ")) == 2

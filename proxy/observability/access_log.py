@@ -67,8 +67,9 @@ class JsonLinesHandler(logging.StreamHandler):
             self.stream.flush()
 
 
-def configure_logging(level: str) -> None:
-    handler = JsonLinesHandler(sys.stderr)
+def configure_logging(level: str, stream: Any = None) -> None:
+    """The proxy's loggers write JSON lines to ``stream`` (stderr) at ``level`` and above."""
+    handler = JsonLinesHandler(sys.stderr if stream is None else stream)
     root = logging.getLogger("prefix_proxy")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

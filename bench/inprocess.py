@@ -1,0 +1,164 @@
+"""The CPU the proxy's own code spends per request: its ASGI app driven in process, no server.
+
+    python -m bench.inprocess [--requests 300] [--rounds 7] [--tokens 8000] [--messages 0]
+                              [--settings JSON] [--bare] [--cprofile TOP]
+
+Each request is an 8k-token chat (``--messages N``: a system prompt and N earlier turns instead)
+of a new conversation, sent to ``create_app`` with ASGI messages and answered by
+``bench.instant_backend`` in another process; the access log goes to ``/dev/null`` and the heap is
+frozen after warm-up, as ``prefix-proxy serve`` has them. Printed: the process CPU time per request
+of each round (min and median first). ``--bare`` drives ``bench.bare_hop``'s app instead (the
+upstream client and a Starlette route, no logic); ``--settings`` overrides the defaults, to see
+what one part costs by turning it off, e.g. ``--settings '{"cache_breaks": {"enabled": false}}'``.
+``--cprofile TOP`` prints cProfile's TOP functions by own time over one more round.
+
+Without uvicorn in front, the difference between two runs is the difference in the app's code.
+The machine drifts: compare runs made one after the other, several times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import gc
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from bench.bare_hop import create_app as create_bare_app
+from bench.instant_backend import MODEL
+from bench.overhead import prompt_of
+from bench.servers import free_port, spawn
+from proxy.app import create_app
+from proxy.config import Settings
+from proxy.observability.access_log import configure_logging
+
+Message = dict[str, Any]
+
+
+def body_of(salt: int, tokens: int, messages: int) -> bytes:
+    if not messages:
+        history = [{"role": "user", "content": prompt_of(tokens, salt)}]
+    else:
+        history = [{"role": "system", "content": "You are a helpful assistant. " * 40}]
+        for turn in range(messages):
+            role = "user" if turn % 2 == 0 else "assistant"
+            history.append({"role": role, "content": f"Conversation {salt}, turn {turn}. " + prompt_of(150, turn)})
+        history.append({"role": "user", "content": f"Conversation {salt}: and now?"})
+    return json.dumps({"model": MODEL, "max_tokens": 16, "messages": history}).encode()
+
+
+async def send_one(app: Any, body: bytes) -> None:
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8080),
+    }
+    received = False
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        nonlocal received
+        if not received:
+            received = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the client never leaves
+        raise AssertionError("unreachable")
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    if sent[0].get("status") != 200:
+        raise RuntimeError(f"the app answered {sent}")
+
+
+@contextlib.asynccontextmanager
+async def started(app: Any) -> AsyncIterator[None]:
+    async with app.router.lifespan_context(app):
+        yield
+
+
+async def measure(app: Any, args: argparse.Namespace) -> list[float]:
+    salts = iter(range(10**9))
+
+    def bodies(count: int) -> list[bytes]:
+        return [body_of(next(salts), args.tokens, args.messages) for _ in range(count)]
+
+    async with started(app):
+        for body in bodies(100):
+            await send_one(app, body)
+        gc.collect()
+        gc.freeze()
+        rounds = []
+        for _ in range(args.rounds):
+            batch = bodies(args.requests)  # made before the clock starts: only the app is timed
+            started_at = time.process_time()
+            for body in batch:
+                await send_one(app, body)
+            rounds.append((time.process_time() - started_at) / args.requests * 1e6)
+        if args.cprofile:
+            batch = bodies(args.requests)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for body in batch:
+                await send_one(app, body)
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
+    return rounds
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.inprocess", description=__doc__)
+    parser.add_argument("--requests", type=int, default=300, help="requests per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--tokens", type=int, default=8000)
+    parser.add_argument("--messages", type=int, default=0, help="earlier turns in each request")
+    parser.add_argument("--settings", default="{}", help="settings overrides (JSON)")
+    parser.add_argument("--bare", action="store_true", help="bench.bare_hop's app: no logic")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="TOP")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    port = free_port()
+    backend = [sys.executable, "-m", "bench.instant_backend", "--port", str(port)]
+    with spawn(backend, f"http://127.0.0.1:{port}/health"), open(os.devnull, "w") as devnull:
+        upstream = f"http://127.0.0.1:{port}/v1"
+        if args.bare:
+            app: Any = create_bare_app(upstream)
+        else:
+            settings = Settings(upstream=upstream, **json.loads(args.settings))
+            app = create_app(settings)
+            configure_logging(settings.log_level, devnull)  # the access log as `serve` writes it
+        rounds = asyncio.run(measure(app, args))
+    ordered = sorted(rounds)
+    print(
+        f"CPU per request in process: min {ordered[0]:.0f} us, median {statistics.median(rounds):.0f} us "
+        f"(rounds: {', '.join(f'{r:.0f}' for r in rounds)})"
+    )
+
+
+if __name__ == "__main__":
+    main()
