@@ -24,12 +24,13 @@ import contextlib
 import cProfile
 import gc
 import json
+import logging
 import os
 import pstats
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from bench.bare_hop import create_app as create_bare_app
@@ -128,6 +129,22 @@ async def measure(app: Any, args: argparse.Namespace) -> list[float]:
     return rounds
 
 
+@contextlib.contextmanager
+def access_log_to_devnull(level: str) -> Iterator[None]:
+    """The access log as ``prefix-proxy serve`` writes it, to /dev/null; the loggers as they were
+    afterwards (a caller in the same process keeps its own)."""
+    logger = logging.getLogger("prefix_proxy")
+    handlers, logger_level, propagate = logger.handlers[:], logger.level, logger.propagate
+    with open(os.devnull, "w") as devnull:
+        configure_logging(level, devnull)
+        try:
+            yield
+        finally:
+            logger.handlers[:] = handlers
+            logger.setLevel(logger_level)
+            logger.propagate = propagate
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.inprocess", description=__doc__)
     parser.add_argument("--requests", type=int, default=300, help="requests per round")
@@ -144,14 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     port = free_port()
     backend = [sys.executable, "-m", "bench.instant_backend", "--port", str(port)]
-    with spawn(backend, f"http://127.0.0.1:{port}/health"), open(os.devnull, "w") as devnull:
+    with spawn(backend, f"http://127.0.0.1:{port}/health"), contextlib.ExitStack() as stack:
         upstream = f"http://127.0.0.1:{port}/v1"
         if args.bare:
             app: Any = create_bare_app(upstream)
         else:
             settings = Settings(upstream=upstream, **json.loads(args.settings))
             app = create_app(settings)
-            configure_logging(settings.log_level, devnull)  # the access log as `serve` writes it
+            stack.enter_context(access_log_to_devnull(settings.log_level))
         rounds = asyncio.run(measure(app, args))
     ordered = sorted(rounds)
     print(
