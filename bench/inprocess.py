@@ -126,6 +126,7 @@ async def measure(app: Any, args: argparse.Namespace) -> list[float]:
                 await send_one(app, body)
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
+    gc.unfreeze()
     return rounds
 
 

@@ -107,3 +107,14 @@ def test_the_line_written_past_the_record_is_the_line_a_record_gives(proxy_loggi
     assert direct.pop("ts").endswith("Z") and through_record.pop("ts").endswith("Z")
     assert direct == through_record
     assert direct["logger"] == ACCESS_LOGGER and direct["level"] == "info" and direct["cached_tokens"] == 64
+
+
+def test_a_failing_log_stream_is_reported_not_raised_into_the_request(
+    proxy_logging: io.StringIO, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = logging.getLogger("prefix_proxy")
+    root.handlers[:] = [h for h in root.handlers if isinstance(h, JsonLinesHandler)]
+    assert access_log._sole_json_handler() is not None  # the direct path, past logging's record
+    proxy_logging.close()
+    log_request(answered_context(), 1.25)  # does not raise
+    assert "--- Logging error ---" in capsys.readouterr().err

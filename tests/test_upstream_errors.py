@@ -83,7 +83,7 @@ async def test_an_answer_that_is_not_http_is_a_protocol_error() -> None:
 async def test_a_silent_upstream_is_a_read_timeout() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        await asyncio.sleep(2)
+        await asyncio.sleep(0.5)
         writer.close()
 
     async with upstream(silent) as url:

@@ -49,12 +49,12 @@ class _MappedErrors:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if not isinstance(exc, Exception):
             return
-        if isinstance(exc, aiohttp.ClientResponseError):
-            # An answer that is not HTTP (a bad status line, a body on a HEAD answer): httpx-aiohttp
-            # lets aiohttp's own error through, which would be a 500 of the proxy's.
-            raise httpx.RemoteProtocolError(f"invalid upstream response: {exc.message}"[:200]) from exc
         mapped = exc if isinstance(exc, httpx.TransportError) else _httpx_aiohttp_error(exc)
         if mapped is None:
+            if isinstance(exc, aiohttp.ClientResponseError):
+                # An answer that is not HTTP (a bad status line, a body on a HEAD answer): httpx-aiohttp
+                # lets aiohttp's own error through, which would be a 500 of the proxy's.
+                raise httpx.RemoteProtocolError(f"invalid upstream response: {exc.message}"[:200]) from exc
             return
         remapped = _remap(mapped)
         if remapped is not exc:

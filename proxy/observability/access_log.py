@@ -62,9 +62,14 @@ class JsonLinesHandler(logging.StreamHandler):
         payload: dict[str, Any] = {"ts": self.json.timestamp(time.time()), "level": "info", "logger": logger}
         payload.update(fields)
         line = dumps(payload, default=str).decode() + self.terminator
-        with self.lock:  # type: ignore[union-attr]
-            self.stream.write(line)
-            self.stream.flush()
+        try:
+            with self.lock:  # type: ignore[union-attr]
+                self.stream.write(line)
+                self.stream.flush()
+        except Exception:
+            # As emit() does: a stream that fails (closed, a full disk) is reported, never raised
+            # into the request that logs.
+            self.handleError(logging.makeLogRecord({"name": logger, "msg": "request", "levelno": logging.INFO}))
 
 
 def configure_logging(level: str, stream: Any = None) -> None:
