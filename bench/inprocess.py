@@ -40,6 +40,7 @@ from bench.servers import free_port, spawn
 from proxy.app import create_app
 from proxy.config import Settings
 from proxy.observability.access_log import configure_logging
+from testbed.serving import json_post_scope
 
 Message = dict[str, Any]
 
@@ -57,24 +58,7 @@ def body_of(salt: int, tokens: int, messages: int) -> bytes:
 
 
 async def send_one(app: Any, body: bytes) -> None:
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"127.0.0.1"),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8080),
-    }
+    scope = json_post_scope("/v1/chat/completions", body)
     received = False
     sent: list[Message] = []
 

@@ -27,7 +27,7 @@ from proxy.ids import unique_id
 from proxy.openai.jsonio import TooDeep, check_depth, dumps, loads
 from proxy.recent import RecentSet
 from proxy.routes.forward import AfterSending, after_sending
-from testbed.serving import LiveServer
+from testbed.serving import LiveServer, json_post_scope
 from tests.redis_server import SHARED_URL
 
 LINE = st.text(alphabet=st.sampled_from("ab é\u0065\u0301\t\r\n"), max_size=60)
@@ -167,20 +167,7 @@ async def test_the_next_request_always_finds_the_turn_recorded(fake_backend: Liv
 
         store_object.record_turn = recording
         body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}).encode()
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions",
-            "root_path": "",
-            "scheme": "http",
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-            "client": ("127.0.0.1", 5000),
-            "server": ("127.0.0.1", 8000),
-        }
+        scope = json_post_scope("/v1/chat/completions", body)
 
         async def receive() -> dict[str, Any]:
             return {"type": "http.request", "body": body, "more_body": False}
