@@ -45,10 +45,13 @@ class _ChildrenByValues(MetricWrapperBase):
     def labels(self, *labelvalues: object, **labelkwargs: object) -> Self:
         if labelkwargs:
             return super().labels(*labelvalues, **labelkwargs)
-        children: dict[tuple[object, ...], Self] = self.__dict__.setdefault("_children_by_values", {})
-        child = children.get(labelvalues)
-        if child is None:
-            child = children[labelvalues] = super().labels(*labelvalues)
+        try:
+            return self._children_by_values[labelvalues]
+        except AttributeError:
+            self._children_by_values: dict[tuple[object, ...], Self] = {}
+        except KeyError:
+            pass
+        child = self._children_by_values[labelvalues] = super().labels(*labelvalues)
         return child
 
 
@@ -120,7 +123,6 @@ class Metrics:
         # Admitted by :meth:`confirm_model` once an upstream served the model (see the module doc).
         self.model_label = BoundedLabel(max_label_values, auto_admit=False)
         # Configured tenants are always labelled; others (Redis-provisioned) share the cap.
-        self._usage_counters: dict[tuple[str, str], tuple[Counter, ...]] = {}
         self.tenant_label = BoundedLabel(max_label_values, preset=("anonymous", *(tenants or [])))
         r = self.registry
         self.requests = Counter(
@@ -302,19 +304,11 @@ class Metrics:
         self.model_label.admit(model)
 
     def record_usage(self, model: str, tenant: str, usage: Usage) -> None:
-        labels = (self.model_label(model), self.tenant_label(tenant))
-        counters = self._usage_counters.get(labels)
-        if counters is None:
-            # Label values are bounded (BoundedLabel), so is this dict.
-            counters = self._usage_counters[labels] = tuple(
-                metric.labels(*labels)
-                for metric in (self.prompt_tokens, self.cached_tokens, self.prefill_tokens, self.completion_tokens)
-            )
-        prompt, cached, prefill, completion = counters
-        prompt.inc(usage.prompt_tokens)
-        cached.inc(usage.cached_tokens)
-        prefill.inc(usage.prefill_tokens)
-        completion.inc(usage.completion_tokens)
+        model, tenant = self.model_label(model), self.tenant_label(tenant)
+        self.prompt_tokens.labels(model, tenant).inc(usage.prompt_tokens)
+        self.cached_tokens.labels(model, tenant).inc(usage.cached_tokens)
+        self.prefill_tokens.labels(model, tenant).inc(usage.prefill_tokens)
+        self.completion_tokens.labels(model, tenant).inc(usage.completion_tokens)
 
     def record_saved(self, model: str, tenant: str, source: str, tokens: int) -> None:
         self.tokens_saved.labels(self.model_label(model), self.tenant_label(tenant), source).inc(tokens)
