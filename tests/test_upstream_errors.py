@@ -58,58 +58,46 @@ async def test_a_refused_connection_is_a_connect_error() -> None:
         await send(f"http://127.0.0.1:{free_port()}/v1/chat/completions")
 
 
-async def test_a_connection_dropped_after_the_request_is_not_a_connect_error() -> None:
-    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def answering(raw: bytes, after_s: float = 0.0) -> Handler:
+    """An upstream that reads the request, waits ``after_s``, writes ``raw`` and hangs up."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
+        await asyncio.sleep(after_s)
+        writer.write(raw)
+        await writer.drain()
         writer.close()
 
-    async with upstream(hang_up) as url:
+    return handle
+
+
+async def test_a_connection_dropped_after_the_request_is_not_a_connect_error() -> None:
+    async with upstream(answering(b"")) as url:
         with pytest.raises(httpx.RemoteProtocolError):
             await send(url)
 
 
 async def test_an_answer_that_is_not_http_is_a_protocol_error() -> None:
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
-        await writer.drain()
-        writer.close()
-
-    async with upstream(garbage) as url:
+    async with upstream(answering(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")) as url:
         with pytest.raises(httpx.RemoteProtocolError, match="invalid upstream response"):
             await send(url)
 
 
 async def test_a_silent_upstream_is_a_read_timeout() -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        await asyncio.sleep(0.5)
-        writer.close()
-
-    async with upstream(silent) as url:
+    async with upstream(answering(b"", after_s=0.5)) as url:
         with pytest.raises(httpx.ReadTimeout):
             await send(url, read_s=0.2)
 
 
 async def test_a_body_cut_short_is_a_read_error() -> None:
-    async def short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"id":')
-        await writer.drain()
-        writer.close()
-
-    async with upstream(short) as url:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    async with upstream(answering(head + b'{"id":')) as url:
         with pytest.raises(httpx.ReadError):
             await send(url)
 
 
 async def test_a_good_answer_comes_through() -> None:
-    async def good(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
-        await writer.drain()
-        writer.close()
-
-    async with upstream(good) as url:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n"
+    async with upstream(answering(head + b"{}")) as url:
         response = await send(url)
     assert (response.status_code, response.content) == (200, b"{}")
