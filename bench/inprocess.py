@@ -30,7 +30,7 @@ import pstats
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from bench.bare_hop import create_app as create_bare_app
@@ -78,19 +78,13 @@ async def send_one(app: Any, body: bytes) -> None:
         raise RuntimeError(f"the app answered {sent}")
 
 
-@contextlib.asynccontextmanager
-async def started(app: Any) -> AsyncIterator[None]:
-    async with app.router.lifespan_context(app):
-        yield
-
-
 async def measure(app: Any, args: argparse.Namespace) -> list[float]:
     salts = iter(range(10**9))
 
     def bodies(count: int) -> list[bytes]:
         return [body_of(next(salts), args.tokens, args.messages) for _ in range(count)]
 
-    async with started(app):
+    async with app.router.lifespan_context(app):
         for body in bodies(100):
             await send_one(app, body)
         gc.collect()
