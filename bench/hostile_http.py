@@ -19,6 +19,9 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
+
+from proxy.http.paths import InvalidPath, canonical_path
 
 # Every route the proxy serves, and a few it does not.
 PATHS = [
@@ -324,6 +327,8 @@ class HostileHTTP:
             kind = "json"
             if rng.random() < 0.2:
                 raw, kind = self.corrupt(raw), "corrupt"
+            if rng.random() < 0.25:
+                path = respell(path, rng)[0]  # the same route, every spelling (or a 404)
             return HostileRequest("POST", path.encode(), self.headers(True), raw, kind)
         if roll < 0.8:
             method, path = rng.choice(METHODS), rng.choice(PATHS)
@@ -351,6 +356,33 @@ class HostileHTTP:
             yield self.request()
 
 
+def respell(path: str, rng: random.Random) -> tuple[str, bool]:
+    """Another spelling of ``path`` that names the same route to a lenient server: repeated and
+    trailing slashes, ``.`` and ``x/..`` segments, percent-encoded letters (the server decodes them
+    once) and, now and then, letters in another case. Returns (spelling, whether the case changed:
+    a case-sensitive route is then another route)."""
+    out: list[str] = []
+    case_changed = False
+    for segment in path.strip("/").split("/"):
+        out.append("/" * rng.choice([1, 1, 2, 3]))
+        detour = rng.random()
+        if detour < 0.15:
+            out.append("./" + "/" * rng.choice([0, 1]))
+        elif detour < 0.3:
+            out.append(rng.choice(["x", "v1", "..."]) + "/../")
+        chars = list(segment)
+        for i, char in enumerate(chars):
+            roll = rng.random()
+            if char.isalnum() and roll < 0.1:
+                chars[i] = f"%{ord(char):02X}" if rng.random() < 0.5 else f"%{ord(char):02x}"
+            elif char.isalpha() and roll < 0.13:
+                chars[i] = char.swapcase()
+                case_changed = True
+        out.append("".join(chars))
+    out.append(rng.choice(["", "", "/", "//", "/.", "/./"]))
+    return "".join(out), case_changed
+
+
 def send(host: str, port: int, request: HostileRequest, timeout: float = 30.0) -> HostileResponse:
     with socket.create_connection((host, port), timeout=timeout) as sock:
         # The server may answer (413, 415) and close before it read a large body: read the answer.
@@ -360,6 +392,14 @@ def send(host: str, port: int, request: HostileRequest, timeout: float = 30.0) -
         response.begin()
         body = response.read()
         return HostileResponse(response.status, {k.lower(): v for k, v in response.getheaders()}, body)
+
+
+def _route(target: bytes) -> str | None:
+    """The route a request target names, as the server decodes it and the proxy makes it canonical."""
+    try:
+        return canonical_path(unquote(target.split(b"?")[0].decode("latin-1")))
+    except InvalidPath:
+        return None
 
 
 def problem(request: HostileRequest, response: HostileResponse) -> str | None:
@@ -372,7 +412,7 @@ def problem(request: HostileRequest, response: HostileResponse) -> str | None:
         return None
     if not request.valid_http and response.status == 400:
         return None  # uvicorn's own answer to what is not HTTP
-    if request.target.split(b"?")[0] in (b"/v1/messages", b"/v1/messages/count_tokens") and request.method == "POST":
+    if _route(request.target) in ("/v1/messages", "/v1/messages/count_tokens") and request.method == "POST":
         return _anthropic_problem(response)
     try:
         error = json.loads(response.body)["error"]

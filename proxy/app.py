@@ -28,6 +28,7 @@ from proxy.chat.compaction import CompactionService
 from proxy.config import Settings
 from proxy.http.direct import DirectRoutes, serve_direct
 from proxy.http.errors import ProxyError, error_body, json_response
+from proxy.http.paths import InvalidPath, canonicalize_scope
 from proxy.observability.capture import CaptureWriter
 from proxy.observability.metrics import Metrics
 from proxy.observability.tracker import CacheBreakTracker
@@ -37,10 +38,11 @@ from proxy.sessions.memory import MemorySessionStore
 from proxy.sessions.redis_store import RedisSessionStore
 from proxy.sessions.service import SessionService, StoreUnavailable
 from proxy.sessions.store import SessionStore
-from proxy.tenants import TenantDirectory
+from proxy.tenants import SALT_SECRET_NAME, SaltKey, TenantDirectory
 from proxy.tokenization import TokenCounter
 
 GAUGE_INTERVAL_S = 15.0
+SALT_KEY_RETRY_S = 5.0
 
 
 def build_store(settings: Settings) -> tuple[SessionStore, RedisSessionStore | None]:
@@ -118,12 +120,31 @@ def unexpected_error(exc: Exception) -> Response:
     return json_response(error_body("internal proxy error", "server_error", None, "internal_error"), 500)
 
 
+def invalid_path() -> Response:
+    body = error_body(
+        "the path names no route (dot segments above the root, or an encoded separator)",
+        "invalid_request_error",
+        None,
+        "invalid_path",
+    )
+    return json_response(body, 400)
+
+
 class ProxyApp(FastAPI):
-    """FastAPI, with the forwarded API's fixed paths served directly (:mod:`proxy.http.direct`)."""
+    """FastAPI, with the forwarded API's fixed paths served directly (:mod:`proxy.http.direct`).
+
+    Every HTTP request's path is made canonical first (:mod:`proxy.http.paths`): the one place
+    that decides which route a request reaches, so no spelling of a route skips its pipeline."""
 
     direct = DirectRoutes()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            try:
+                canonicalize_scope(scope)
+            except InvalidPath:
+                await invalid_path()(scope, receive, send)
+                return
         endpoint = self.direct.match(scope)
         if endpoint is None:
             await super().__call__(scope, receive, send)
@@ -151,7 +172,10 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
     canonicalizer, shared_feed = Canonicalizer(settings.canon), None
     if settings.replicas.share_memories:
         canonicalizer, shared_feed = build_shared(settings, redis_store, metrics.shared_memory_entries)
-    tenants = TenantDirectory(settings.tenants, tenant_lookup, isolate_caches=settings.tenant_cache_isolation)
+    salt_key = SaltKey(settings.cache_salt_secret.get_secret_value() if settings.cache_salt_secret else None)
+    tenants = TenantDirectory(
+        settings.tenants, tenant_lookup, isolate_caches=settings.tenant_cache_isolation, salt_key=salt_key
+    )
     state = ProxyState(
         settings=settings,
         metrics=metrics,
@@ -184,9 +208,27 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
                 pass
             await asyncio.sleep(GAUGE_INTERVAL_S)
 
+    async def agree_on_salt_key() -> None:
+        """Take the replicas' shared salt key from the store (creating it if first), retrying while
+        the store is down: until then this replica salts with a key of its own."""
+        while True:
+            try:
+                salt_key.adopt_shared(await sessions.call(store.shared_secret(SALT_SECRET_NAME, SaltKey.candidate())))
+                return
+            except StoreUnavailable:
+                logger.warning(
+                    "the session store is unavailable: cache salts use this replica's own key until it is back"
+                )
+            await asyncio.sleep(SALT_KEY_RETRY_S)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         background = [asyncio.create_task(refresh_gauges())]
+        if redis_store is not None and not salt_key.settled:
+            agreeing = asyncio.create_task(agree_on_salt_key())
+            # Before the first request when the store answers; in the background when it does not.
+            await asyncio.wait([agreeing], timeout=settings.sessions.operation_timeout_s * 4)
+            background.append(agreeing)
         interval = settings.routing.health_check_interval_s
         if not upstream.single and interval > 0:
             background.append(asyncio.create_task(upstream.run_health_checks(interval)))

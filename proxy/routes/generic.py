@@ -12,6 +12,7 @@ updates, LoRA loading...) need the admin key and reach the backend with the prox
 from __future__ import annotations
 
 import fnmatch
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from urllib.parse import quote
@@ -26,6 +27,7 @@ from proxy.app_state import ProxyState, get_state
 from proxy.http.body import MAX_MODEL_CHARS, is_text
 from proxy.http.context import RequestContext, overhead_header
 from proxy.http.errors import ProxyError
+from proxy.http.paths import PATH_SAFE, InvalidPath, canonical_path
 from proxy.http.streaming import RelayResponse, StreamEnd
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
 from proxy.routes.admin import require_admin
@@ -79,21 +81,15 @@ KNOWN_ROUTES = {
 }
 _FORWARDED_RESPONSE_HEADERS = ("content-type", "content-encoding", "content-disposition")
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
-# RFC 3986 path characters other than unreserved ones, kept as they are.
-_PATH_SAFE = "/:@!$&'()*+,;="
-
-
-def normalize_path(path: str) -> str | None:
-    """One spelling per route (``//a/b/`` is ``/a/b``), so no spelling slips past a pattern; None for
-    a path with ``.`` or ``..`` segments, which an upstream may resolve to another route."""
-    segments = [segment for segment in path.split("/") if segment]
-    if any(segment in (".", "..") for segment in segments):
-        return None
-    return "/" + "/".join(segments)
+# Set by PassthroughRoute on a request whose path is an owned route's in another letter case.
+OWNED_SPELLING = "prefix_proxy.owned_spelling"
 
 
 def matches(path: str, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(path, pattern.rstrip("/") or "/") for pattern in patterns)
+    """Whether ``path`` matches a pattern, ASCII case aside: an upstream that matches routes
+    case-insensitively must not be handed ``/Reset_Prefix_Cache`` as a tenant route."""
+    path = path.lower()
+    return any(fnmatch.fnmatchcase(path, pattern.rstrip("/").lower() or "/") for pattern in patterns)
 
 
 def route_label(path: str, admin: bool) -> str:
@@ -102,15 +98,24 @@ def route_label(path: str, admin: bool) -> str:
 
 async def passthrough(request: Request) -> Response:
     state = get_state(request)
-    path = normalize_path(request.url.path)
+    path: str | None
+    try:
+        # Canonical already (proxy.app makes every path so before routing); checked again here
+        # so that this route can never forward another spelling, whatever app it is mounted in.
+        path = canonical_path(request.scope["path"])
+    except InvalidPath:
+        path = None
     settings = state.settings.routes
     admin = path is not None and matches(path, settings.admin_routes)
     ctx = new_context(request, route_label(path or "", admin))
     ctx.deadline = ctx.started + state.settings.request_timeout_s
     try:
         if path is None:
-            raise ProxyError(400, "the path has '.' or '..' segments", code="invalid_path")
-        reserved = any(path == r or path.startswith(r + "/") for r in RESERVED)
+            raise ProxyError(400, "the path names no route (dot segments above the root)", code="invalid_path")
+        folded = path.lower()
+        reserved = request.scope.get(OWNED_SPELLING, False) or any(
+            folded == r or folded.startswith(r + "/") for r in RESERVED
+        )
         allowed = settings.allowed_routes is None or admin or matches(path, settings.allowed_routes)
         if reserved or not settings.passthrough or not allowed or matches(path, settings.denied_routes):
             raise ProxyError(404, f"no route {path}", type="not_found_error", code="not_found")
@@ -146,7 +151,7 @@ async def forward_raw(
             headers[name] = value
     under_api = path.startswith("/v1/")
     # Sent as the upstream will decode it to the path matched here (a %00 or a space included).
-    target = quote(path[3:] if under_api else path, safe=_PATH_SAFE)
+    target = quote(path[3:] if under_api else path, safe=PATH_SAFE)
     if request.url.query:
         target += "?" + request.url.query
     ctx.mark_upstream_sent()
@@ -295,11 +300,20 @@ class PassthroughRoute(Route):
     def __init__(self, owned: Sequence[BaseRoute]) -> None:
         super().__init__("/{path:path}", passthrough, methods=METHODS)
         self._owned = [r for r in owned if isinstance(r, Route)]
+        self._owned_folded = [re.compile(r.path_regex.pattern, re.IGNORECASE) for r in self._owned]
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        if scope["type"] == "http" and any(r.path_regex.match(scope["path"]) for r in self._owned):
+        if scope["type"] != "http":
+            return super().matches(scope)
+        path = scope["path"]
+        if any(r.path_regex.match(path) for r in self._owned):
             return Match.NONE, {}
-        return super().matches(scope)
+        match, child = super().matches(scope)
+        if match is not Match.NONE and any(r.match(path) for r in self._owned_folded):
+            # An owned route in other letters: never forwarded (the proxy's 404), since an upstream
+            # that matches case-insensitively would serve it past that route's pipeline.
+            child[OWNED_SPELLING] = True
+        return match, child
 
 
 def routes(owned: Sequence[BaseRoute]) -> list[BaseRoute]:

@@ -87,7 +87,9 @@ async def create(state: ProxyState, request: Request, ctx: RequestContext, tenan
 
 
 async def retrieve(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
-    """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``: from the backend holding it."""
+    """A stored response (``GET`` or ``DELETE /v1/responses/{id}``, ``POST .../cancel``, ``GET
+    .../input_items`` and whatever else vLLM serves under it): from the backend holding it, and only
+    for the tenant that created it."""
     response_id = str(request.path_params["response_id"])
     if not _RESPONSE_ID.fullmatch(response_id):
         raise not_found(response_id[:64], "response_id")
@@ -97,7 +99,7 @@ async def retrieve(state: ProxyState, request: Request, ctx: RequestContext, ten
     backend = str(info["backend"]) if info and info.get("backend") else None
     if backend is None:
         backend = await _locate(state, request, ctx, response_id)
-    return await forward_raw(state, request, ctx, request.url.path, backend=backend)
+    return await forward_raw(state, request, ctx, request.scope["path"], backend=backend)
 
 
 async def _lookup(state: ProxyState, tenant: Tenant, response_id: str) -> dict[str, Any] | None:
@@ -154,6 +156,13 @@ async def _locate(state: ProxyState, request: Request, ctx: RequestContext, resp
 
 routes = [
     Route("/v1/responses", api_endpoint("responses", create), methods=["POST"]),
-    Route("/v1/responses/{response_id}", api_endpoint("responses_retrieve", retrieve), methods=["GET"]),
+    Route("/v1/responses/{response_id}", api_endpoint("responses_retrieve", retrieve), methods=["GET", "DELETE"]),
     Route("/v1/responses/{response_id}/cancel", api_endpoint("responses_cancel", retrieve), methods=["POST"]),
+    # Every other path under a stored response is that response's too: owned here (the ownership
+    # check), never left to the pass-through route.
+    Route(
+        "/v1/responses/{response_id}/{rest:path}",
+        api_endpoint("responses_stored", retrieve),
+        methods=["GET", "POST", "DELETE"],
+    ),
 ]

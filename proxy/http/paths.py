@@ -1,0 +1,59 @@
+"""One spelling per route: the request path made canonical before any routing decision.
+
+A route the proxy owns (the pipeline, its admin routes, stored responses) must not be reachable
+by another spelling that the catch-all pass-through would forward: ``//v1/chat/completions``,
+``/v1//chat/completions/`` and ``/v1/x/../chat/completions`` all name the chat pipeline to an
+upstream that merges slashes or resolves dot segments, so they must reach the pipeline here too.
+The server decodes the path once (``%63hat`` is ``chat``); what is still percent-encoded after that
+(``%2F``, ``%5C``, ``%2E``, ``%25``) would be a separator or a dot segment to a server that decodes
+twice, so it is refused rather than guessed at.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import quote
+
+from starlette.types import Scope
+
+# RFC 3986 path characters other than unreserved ones, kept as they are when re-encoding.
+PATH_SAFE = "/:@!$&'()*+,;="
+
+# After the server's own decoding: an encoded '/', '\', '.' or '%' is an attempt at a second one.
+_ENCODED_SEPARATOR = re.compile(r"%(?:2[fFeE5]|5[cC])")
+
+
+class InvalidPath(ValueError):
+    """A path that names no route in any spelling: dot segments above the root, or separators
+    encoded twice."""
+
+
+def canonical_path(path: str) -> str:
+    """``path`` with repeated and trailing slashes dropped and dot segments resolved (RFC 3986
+    section 5.2.4): ``//v1/./a//b/`` is ``/v1/a/b``. Raises :class:`InvalidPath`."""
+    if "\\" in path or _ENCODED_SEPARATOR.search(path):
+        raise InvalidPath("the path has an encoded or backslash separator")
+    if "//" not in path and "/." not in path and (len(path) < 2 or path[-1] != "/") and path[:1] == "/":
+        return path  # the common case: already canonical
+    segments: list[str] = []
+    for segment in path.split("/"):
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if not segments:
+                raise InvalidPath("the path climbs above the root")
+            segments.pop()
+        else:
+            segments.append(segment)
+    return "/" + "/".join(segments)
+
+
+def canonicalize_scope(scope: Scope) -> None:
+    """Make an HTTP scope's ``path`` (and ``raw_path``) canonical in place; raises :class:`InvalidPath`."""
+    path = scope["path"]
+    canonical = canonical_path(path)
+    if canonical != path:
+        scope["path"] = canonical
+        # What routing and the forwarded request read is ``path``; ``raw_path`` is kept in step so
+        # that nothing downstream can see the other spelling.
+        scope["raw_path"] = quote(canonical, safe=PATH_SAFE, errors="surrogateescape").encode("ascii")
