@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import json
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -44,15 +45,48 @@ class Tenant:
 ANONYMOUS_TENANT = Tenant(ANONYMOUS)
 
 
-def tenant_cache_salt(tenant: str, client_salt: Any = None) -> str:
+def tenant_cache_salt(secret: bytes, tenant: str, client_salt: Any = None) -> str:
     """vLLM's ``cache_salt`` for a tenant: prompts share cached blocks only within one salt, so one
     tenant cannot learn from response times what another has sent (a prefix-cache timing channel).
 
-    A salt the client sent itself is folded in, never passed through alone: no client can choose
-    another tenant's salt. BLAKE2, not xxhash, because clients choose part of the input.
+    Keyed BLAKE2 (a MAC) with a server secret no tenant knows: without it, a tenant could compute
+    another's salt from its name, send it, and probe that tenant's prompts by cache timing. A salt
+    the client sent itself is folded in, never passed through alone: no client can choose another
+    tenant's salt.
     """
-    digest = hashlib.blake2b(f"{tenant}\x00{client_salt or ''}".encode("utf-8", "surrogatepass"), digest_size=16)
-    return "pp-" + digest.hexdigest()
+    message = f"{tenant}\x00{client_salt or ''}".encode("utf-8", "surrogatepass")
+    return "pp-" + hashlib.blake2b(message, key=secret, digest_size=16).hexdigest()
+
+
+# The name under which replicas share a generated salt key in the session store.
+SALT_SECRET_NAME = "cache_salt"
+
+
+class SaltKey:
+    """The server secret behind every tenant's cache salt: configured (``cache_salt_secret``), or
+    generated once and kept in the session store so that every replica salts alike, or, until the
+    store answers, one of this process's own (isolation holds; the cache is split per replica)."""
+
+    def __init__(self, configured: str | None) -> None:
+        self.source = "configured" if configured else "process"
+        self.secret = configured.encode() if configured else secrets.token_bytes(32)
+
+    @property
+    def settled(self) -> bool:
+        return self.source != "process"
+
+    def adopt_shared(self, shared_hex: str) -> None:
+        try:
+            secret = bytes.fromhex(shared_hex)
+        except ValueError:
+            logger.warning("the shared cache-salt key in the session store is not hex: keeping this replica's own")
+            return
+        if len(secret) >= 16:
+            self.secret, self.source = secret, "shared"
+
+    @staticmethod
+    def candidate() -> str:
+        return secrets.token_hex(32)
 
 
 KeyLookup = Callable[[str], Awaitable[str | None]]
@@ -96,8 +130,10 @@ class TenantDirectory:
         redis_lookup: KeyLookup | None = None,
         *,
         isolate_caches: bool = True,
+        salt_key: SaltKey | None = None,
     ) -> None:
         self._isolate_caches = isolate_caches
+        self.salt_key = salt_key or SaltKey(None)
         self._by_digest = {
             key_digest(t.api_key.get_secret_value()): Tenant(
                 t.name, t.upstream_api_key.get_secret_value() if t.upstream_api_key else None, t.budget
@@ -117,7 +153,8 @@ class TenantDirectory:
         proxy is open (one tenant) or isolation is switched off."""
         if self.open or not self._isolate_caches:
             return body
-        return {**body, "cache_salt": tenant_cache_salt(tenant.name, body.get("cache_salt"))}
+        salt = tenant_cache_salt(self.salt_key.secret, tenant.name, body.get("cache_salt"))
+        return {**body, "cache_salt": salt}
 
     async def authenticate(self, authorization: str | None) -> Tenant:
         if self.open:

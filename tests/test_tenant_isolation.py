@@ -16,6 +16,7 @@ import openai
 
 from proxy.tenants import tenant_cache_salt
 from tests.helpers import LiveServer
+from tests.redis_server import SHARED_URL
 
 TENANTS = [{"name": "acme", "api_key": "sk-acme"}, {"name": "globex", "api_key": "sk-globex"}]
 SYSTEM = "You are the billing assistant of a large retailer. Answer briefly and cite the policy. " * 20
@@ -39,7 +40,7 @@ def test_one_tenant_never_hits_blocks_another_cached(make_proxy: Callable[..., L
     assert cached(proxy, "sk-acme", "Isolation check 1: and a gift card?") > 200  # its own prompt: a hit
     assert cached(proxy, "sk-globex", "Isolation check 1: may I return an opened item?") == 0
     # Sending acme's salt (or anything else) does not open acme's blocks to globex.
-    assert cached(proxy, "sk-globex", "Isolation check 1: x", cache_salt=tenant_cache_salt("acme")) == 0
+    assert cached(proxy, "sk-globex", "Isolation check 1: x", cache_salt=tenant_cache_salt(b"", "acme")) == 0
 
 
 def test_isolation_can_be_switched_off_and_open_proxies_pass_salts_through(
@@ -53,3 +54,43 @@ def test_isolation_can_be_switched_off_and_open_proxies_pass_salts_through(
     cached(open_proxy, "anything", "Isolation check 3", cache_salt="run-42")
     last = httpx.get(fake_backend.url + "/fake/requests", params={"limit": 1}).json()[-1]
     assert last["body"]["cache_salt"] == "run-42"
+
+
+def upstream_salt(fake_backend: LiveServer) -> str:
+    return str(httpx.get(fake_backend.url + "/fake/requests", params={"limit": 1}).json()[-1]["body"]["cache_salt"])
+
+
+def test_no_tenant_can_compute_another_tenants_salt(
+    make_proxy: Callable[..., LiveServer], fake_backend: LiveServer
+) -> None:
+    """The salt is keyed with a server secret: knowing the tenant's name (and the formula) is not
+    enough to send its salt, so a tenant cannot probe another's prompts by cache timing."""
+    proxy = make_proxy(tenants=TENANTS)
+    cached(proxy, "sk-acme", "Isolation check 4")
+    salt = upstream_salt(fake_backend)
+    assert salt != tenant_cache_salt(b"", "acme")  # the unkeyed hash of its name
+    # A configured secret makes the salt stable across restarts and replicas; another secret, another salt.
+    first = make_proxy(tenants=TENANTS, cache_salt_secret="s3cret-one")
+    cached(first, "sk-acme", "Isolation check 4")
+    assert upstream_salt(fake_backend) == tenant_cache_salt(b"s3cret-one", "acme")
+    again = make_proxy(tenants=TENANTS, cache_salt_secret="s3cret-one")
+    cached(again, "sk-acme", "Isolation check 4")
+    assert upstream_salt(fake_backend) == tenant_cache_salt(b"s3cret-one", "acme")
+    other = make_proxy(tenants=TENANTS, cache_salt_secret="s3cret-two")
+    cached(other, "sk-acme", "Isolation check 4")
+    assert upstream_salt(fake_backend) != tenant_cache_salt(b"s3cret-one", "acme")
+
+
+def test_replicas_sharing_redis_agree_on_a_generated_salt_key(
+    make_proxy: Callable[..., LiveServer], fake_backend: LiveServer, redis_prefix: str
+) -> None:
+    sessions = {"store": "redis", "redis_url": SHARED_URL, "key_prefix": redis_prefix}
+    salts = []
+    for _ in range(3):
+        replica = make_proxy(tenants=TENANTS, sessions=sessions)
+        cached(replica, "sk-acme", "Isolation check 5: the same prompt on every replica")
+        salts.append(upstream_salt(fake_backend))
+    assert len(set(salts)) == 1 and salts[0] != tenant_cache_salt(b"", "acme")
+    # A replica hits the blocks another cached: one cache namespace per tenant across replicas.
+    replica = make_proxy(tenants=TENANTS, sessions=sessions)
+    assert cached(replica, "sk-acme", "Isolation check 5: the same prompt on every replica") > 200

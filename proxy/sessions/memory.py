@@ -68,6 +68,7 @@ class MemorySessionStore:
         self._max_sessions = max_sessions
         self._max_fingerprints = max_fingerprints
         self._responses: OrderedDict[tuple[str, str], tuple[dict[str, Any], float]] = OrderedDict()
+        self._secrets: dict[str, str] = {}
 
     async def ping(self) -> bool:
         return True
@@ -240,6 +241,9 @@ class MemorySessionStore:
         self._responses.move_to_end((tenant, response_id))
         while len(self._responses) > self._max_sessions:
             self._responses.popitem(last=False)
+
+    async def shared_secret(self, name: str, candidate: str) -> str:
+        return self._secrets.setdefault(name, candidate)
 
     async def get_response(self, tenant: str, response_id: str) -> dict[str, Any] | None:
         entry = self._responses.get((tenant, response_id))

@@ -9,7 +9,8 @@ Layout (``p`` = configured key prefix, tenant-namespaced everywhere):
   p lock:<name>            string lock token (SET NX PX)
   p rt:<digest>            string headers a router asked to be echoed, per routing key (JSON)
   p canon                  stream the replicas' shared canonicalizer memories (proxy/replicas)
-Every key carries a TTL. Turn recording is one MULTI/EXEC transaction; budget
+  p secret:<name>          string a secret the replicas share (the cache-salt key), no TTL
+Every key but the secrets carries a TTL. Turn recording is one MULTI/EXEC transaction; budget
 admission is one Lua script (check every limit, then reserve on all or none).
 
 On a Redis Cluster (``cluster=True``) a script or transaction may only touch keys of one hash
@@ -254,6 +255,13 @@ class RedisSessionStore:
 
     async def release_lock(self, name: str, token: str) -> None:
         await self._release(keys=[f"{self._prefix}lock:{name}"], args=[token])
+
+    async def shared_secret(self, name: str, candidate: str) -> str:
+        key = f"{self._prefix}secret:{name}"
+        # SET NX then GET: whichever replica writes first, every one reads the same value.
+        await self._redis.set(key, candidate, nx=True)
+        stored = await self._redis.get(key)
+        return str(stored) if stored else candidate
 
     async def get_route_headers(self, digest: str) -> dict[str, str] | None:
         raw = await self._redis.get(f"{self._prefix}rt:{digest}")

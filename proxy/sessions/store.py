@@ -66,6 +66,11 @@ class SessionStore(Protocol):
 
     async def get_response(self, tenant: str, response_id: str) -> dict[str, Any] | None: ...
 
+    async def shared_secret(self, name: str, candidate: str) -> str:
+        """The secret every replica sharing this store uses under ``name``: the one stored, else
+        ``candidate``, stored now (first writer wins; kept without expiry)."""
+        ...
+
 
 def window_of(now: float, window_s: int) -> tuple[int, int]:
     """(window index, seconds until it ends)."""
