@@ -368,6 +368,11 @@ class Settings(BaseSettings):
     # With tenants configured, each gets its own vLLM cache_salt: no tenant's requests hit blocks
     # another cached (no timing channel between tenants; also no sharing of a common prompt).
     tenant_cache_isolation: bool = True
+    # The key of those salts (a keyed hash of the tenant's name: no tenant can compute another's).
+    # Unset: generated once and kept in the Redis session store, so replicas agree (in-memory
+    # store: one per process, the cache cold after every restart). Changing it cold-starts the
+    # prefix cache once (docs/sessions.md).
+    cache_salt_secret: SecretStr | None = None
     admin_api_key: SecretStr | None = None
     max_model_len_cache_s: float = 300.0
     # The served model's KV shape, for the session KV-bytes gauge: a preset name or a config.json path.
