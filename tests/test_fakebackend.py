@@ -322,7 +322,7 @@ class TestErrors:
             b"[]",
             b'{"model": "fake-model"}',
             b'{"messages": "hi"}',
-            b'{"messages": [{"role": "user", "content": "x"}], "n": 2}',
+            b'{"messages": [{"role": "user", "content": "x"}], "n": 0}',
             b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
             b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}',
             b'{"messages": []}',

@@ -7,13 +7,15 @@ due for compaction; crossing the limit is a 400 ``context_length_exceeded``
 answered by the proxy instead of an upstream failure.
 
 Usage budget (per session and per tenant, over a fixed time window): a request
-is admitted only if its reservation (estimated prompt tokens + ``max_tokens``,
-or ``completion_reserve_tokens`` without it) fits under every limit; the
-reservation is corrected to the real usage when the request ends. Admission is
-atomic, so concurrent requests never reserve past a limit. The limit can be
-exceeded only by requests that use more than they reserved: at most the sum,
-over the requests in flight, of (actual tokens - reserved tokens), which is
-zero when clients set ``max_tokens`` and the prompt estimate is not low.
+is admitted only if its reservation fits under every limit: the most its prompt
+can be (:func:`prompt_ceiling`, or the backend's exact count near the limit)
+plus, for each completion it asks for (``n``, ``best_of``), ``max_tokens`` (or
+``completion_reserve_tokens`` without it). The reservation is corrected to the
+real usage when the request ends. Admission is atomic, so concurrent requests
+never reserve past a limit, on any number of replicas. A request whose
+reservation is a true upper bound cannot spend more than it reserved, so with
+``max_tokens`` set the limit is never exceeded; without it, by at most what
+requests generate beyond ``completion_reserve_tokens``.
 """
 
 from __future__ import annotations
@@ -151,6 +153,41 @@ def usage_limits(budget: BudgetSettings, tenant: str, session_id: str | None) ->
     return limits
 
 
-def reservation_amount(prompt_estimate: int, body: dict[str, Any], budget: BudgetSettings) -> int:
+# Every token of a prompt's text covers at least one of its UTF-8 bytes (byte-level BPE, and
+# SentencePiece with byte fallback), so the text's size bounds its tokens. A chat template adds a
+# few per message (role headers, separators; one more for SentencePiece's leading space) and a
+# block of its own (a default system line, the tool-calling instructions).
+TEMPLATE_TOKENS_PER_MESSAGE = 16
+TEMPLATE_TOKENS = 512
+# Beside the backend's exact count (POST /tokenize renders the chat template as chat completions
+# does; another protocol's rendering of the same conversation may differ by a few tokens).
+EXACT_COUNT_SLACK = 32
+
+
+def prompt_ceiling(size_bytes: int, message_count: int) -> int:
+    """The most tokens a prompt of ``size_bytes`` (:func:`request_bytes`) in ``message_count``
+    messages can be, whatever the model's tokenizer: what a reservation must cover to be a bound."""
+    return size_bytes + message_count * TEMPLATE_TOKENS_PER_MESSAGE + TEMPLATE_TOKENS
+
+
+def completions_requested(body: dict[str, Any]) -> int:
+    """How many completions the backend generates for the request: ``n``, or ``best_of`` where it
+    is larger (vLLM generates best_of and returns n of them)."""
+    count = 1
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > count:
+            count = value
+    return count
+
+
+def completion_allowance(body: dict[str, Any], budget: BudgetSettings) -> int:
+    """Completion tokens a reservation holds: per completion, ``max_tokens`` (or
+    ``completion_reserve_tokens`` without it), for every completion requested."""
     completion = requested_completion_tokens(body)
-    return prompt_estimate + (completion if completion is not None else budget.completion_reserve_tokens)
+    per_choice = completion if completion is not None else budget.completion_reserve_tokens
+    return per_choice * completions_requested(body)
+
+
+def reservation_amount(prompt_tokens: int, body: dict[str, Any], budget: BudgetSettings) -> int:
+    return prompt_tokens + completion_allowance(body, budget)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.canon import CanonResult
 from proxy.chat.budget import (
+    EXACT_COUNT_SLACK,
     ContextCheck,
     check_context,
     context_limit,
@@ -16,6 +17,7 @@ from proxy.chat.budget import (
     estimate_prompt_tokens,
     fast_estimate,
     near_limit,
+    prompt_ceiling,
     request_bytes,
     reservation_amount,
     usage_limits,
@@ -243,13 +245,30 @@ class ChatTurn:
         return check_context(estimate + self.history_tokens, self.limit, self.budget.soft_ratio)
 
     async def _reserve(self, prompt_estimate: int) -> None:
+        """Admit the request against its usage budgets, reserving the most it can spend.
+
+        The prompt part is :func:`prompt_ceiling`, a bound whatever the tokenizer (history the
+        backend holds counted as it reported it). Only when that does not fit is the backend asked
+        for the exact count (``POST /tokenize``), so admission near the end of a budget is exact
+        and everywhere else costs no round trip. The store down: admitted unreserved (pass-through,
+        never an outage)."""
         limits = usage_limits(self.budget, self.tenant.name, self.session_id)
         if not limits:
             return
-        amount = reservation_amount(prompt_estimate, self.forwarded, self.budget)
         self.prompt_estimate = prompt_estimate
+        forwarded = self.forwarded
+        ceiling = prompt_ceiling(self.request_bytes, len(forwarded["messages"])) + self.history_tokens
+        amount = reservation_amount(max(ceiling, prompt_estimate), forwarded, self.budget)
         try:
             reservation = await self.state.sessions.reserve(limits, amount, self.budget.window_s)
+            if not reservation.admitted:
+                exact = await self.state.models.count_prompt_tokens(forwarded, self.upstream_auth_headers())
+                if exact is not None:
+                    exact_amount = reservation_amount(
+                        exact + EXACT_COUNT_SLACK + self.history_tokens, forwarded, self.budget
+                    )
+                    if exact_amount < amount:
+                        reservation = await self.state.sessions.reserve(limits, exact_amount, self.budget.window_s)
         except StoreUnavailable:
             return
         if not reservation.admitted:

@@ -184,8 +184,9 @@ class SessionService:
         )
         try:
             # Settle first: budget accuracy matters more than the session's counters.
-            if reservation is not None and reservation.keys:
-                spent = (usage.prompt_tokens + usage.completion_tokens) if usage else 0
+            if reservation is not None and reservation.keys and usage is not None:
+                # An answer without (readable) usage keeps what it reserved: it is not free.
+                spent = usage.prompt_tokens + usage.completion_tokens
                 await self.call(self.store.settle(reservation, spent - reservation.amount, window_s))
             await self.call(self.store.record_turn(view.tenant, view.session_id, turn, time.time()))
         except StoreUnavailable:

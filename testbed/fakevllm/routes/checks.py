@@ -67,8 +67,10 @@ class RequestChecks:
         record.stream = bool(req.stream)
         await apply_fake_options(req.fake_options)
         self.check_model(req.model, record)
-        if req.n is not None and req.n != 1:
-            raise Rejected(400, "The fake backend only supports n=1.", param="n")
+        if req.n is not None and req.n < 1:
+            raise Rejected(400, "n must be at least 1.", param="n")
+        if req.n is not None and req.n != 1 and req.stream:
+            raise Rejected(400, "The fake backend streams n=1 only.", param="n")
         if req.stream_options is not None and not req.stream:
             raise Rejected(400, "Stream options can only be defined when `stream=True`.")
 

@@ -66,10 +66,14 @@ class GenerationRoutes:
             await runner.run_to_completion(job)
             message = bodies.chat_message(parsed, call_ids)
             reason = chat.finish_reason(parsed, mode, job.generation.finish_reason)
-            usage = runner.usage(job, job.num_sampled)
-            return JSONResponse(
-                bodies.chat_completion(job.completion_id, job.created, self.response_model, message, reason, usage)
+            # n samples, as vLLM generates them (the fake's are alike), each its completion tokens.
+            choices = req.n or 1
+            usage = runner.usage(job, job.num_sampled * choices)
+            completion = bodies.chat_completion(
+                job.completion_id, job.created, self.response_model, message, reason, usage
             )
+            completion["choices"] = [{**completion["choices"][0], "index": i} for i in range(choices)]
+            return JSONResponse(completion)
 
         options = req.stream_options
         deltas = stream_deltas(parsed, job.generation.token_texts, call_ids)
@@ -100,17 +104,18 @@ class GenerationRoutes:
         if not req.stream:
             await runner.run_to_completion(job)
             generation = job.generation
-            usage = runner.usage(job, job.num_sampled)
-            return JSONResponse(
-                bodies.text_completion(
-                    job.completion_id,
-                    job.created,
-                    self.response_model,
-                    generation.text,
-                    generation.finish_reason,
-                    usage,
-                )
+            choices = req.n or 1
+            usage = runner.usage(job, job.num_sampled * choices)
+            completion = bodies.text_completion(
+                job.completion_id,
+                job.created,
+                self.response_model,
+                generation.text,
+                generation.finish_reason,
+                usage,
             )
+            completion["choices"] = [{**completion["choices"][0], "index": i} for i in range(choices)]
+            return JSONResponse(completion)
 
         options = req.stream_options
         continuous = bool(options and options.continuous_usage_stats)
