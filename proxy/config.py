@@ -136,7 +136,11 @@ class SessionSettings(BaseModel):
     use_user: bool = False
     # How long a Redis failure keeps the proxy in pass-through before it tries Redis again.
     retry_after_failure_s: float = 1.0
-    operation_timeout_s: float = 0.5
+    # The deadline of every store call: a Redis that stalls is taken for down within it.
+    operation_timeout_s: float = Field(0.5, gt=0)
+    # Sessions this replica keeps a copy of (record, summary, fingerprints), least recently used
+    # out first, to serve them while the shared store cannot answer (0: none).
+    local_copy_sessions: int = Field(10_000, ge=0)
     # Look up API keys in Redis too (hash <prefix>tenant:<sha256(key)> with name, budget JSON).
     tenants_in_redis: bool = False
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import signal
 import socket
 import subprocess
 import tempfile
@@ -75,9 +76,24 @@ class PrivateRedis:
 
     def stop(self) -> None:
         if self._process is not None:
+            if self._paused:
+                self.resume()
             self._process.terminate()
             self._process.wait(timeout=10)
             self._process = None
+
+    _paused = False
+
+    def pause(self) -> None:
+        """Stall the server (SIGSTOP): connections stay open, nothing is answered."""
+        assert self._process is not None
+        self._process.send_signal(signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        assert self._process is not None
+        self._process.send_signal(signal.SIGCONT)
+        self._paused = False
 
 
 class PrivateSentinel:

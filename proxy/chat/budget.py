@@ -3,8 +3,10 @@
 Context budget (per request): the tokens a session may send. Hard limit =
 ``context_limit_tokens`` if configured, else the model's ``max_model_len`` minus
 the request's ``max_tokens``. Crossing ``soft_ratio`` of it marks the session
-due for compaction; crossing the limit is a 400 ``context_length_exceeded``
-answered by the proxy instead of an upstream failure.
+due for compaction (and, over the limit, compacted before it is sent). Only a
+configured ``context_limit_tokens`` is enforced by the proxy (400
+``context_length_exceeded``); over the limit derived from the model the request
+is forwarded, for the engine to judge: the proxy is never stricter than it.
 
 Usage budget (per session and per tenant, over a fixed time window): a request
 is admitted only if its reservation fits under every limit: the most its prompt

@@ -11,6 +11,7 @@ failure is counted, and the session is retried after a back-off.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -142,7 +143,10 @@ class CompactionService:
         tenant, session_id = job.tenant.name, job.session_id
         lock = f"compact:{tenant}:{session_id}"
         try:
-            token = await sessions.call(store.acquire_lock(lock, self.settings.lock_ttl_s))
+            try:
+                token = await sessions.call(store.acquire_lock(lock, self.settings.lock_ttl_s))
+            except StoreUnavailable:
+                return await self._run_unshared(job)
             if token is None:
                 return await self._wait_for_other(job) if wait else None
             try:
@@ -154,15 +158,30 @@ class CompactionService:
                     return None
                 if compaction.state.tail:
                     compaction.state.tail_prefix = job.prefix_hash or ""
-                await sessions.call(store.set_summary(tenant, session_id, compaction.state.to_json()))
+                await sessions.set_summary(tenant, session_id, compaction.state.to_json())
                 return compaction.state
             finally:
                 await sessions.call(store.release_lock(lock, token))
         except StoreUnavailable:
             return None
 
+    async def _run_unshared(self, job: CompactionJob) -> SummaryState | None:
+        """The shared store is down: compact on the spot, from the summary the request carried,
+        into this replica's copy of the session (no lock to take: at worst two replicas fold the
+        same turns once each). Without such a copy, nothing (the history goes as it is)."""
+        if self._sessions.local is None:
+            return None
+        compaction = await self._compact(job, job.summary)
+        if compaction is None:
+            return None
+        if compaction.state.tail:
+            compaction.state.tail_prefix = job.prefix_hash or ""
+        with contextlib.suppress(StoreUnavailable):
+            await self._sessions.set_summary(job.tenant.name, job.session_id, compaction.state.to_json())
+        return compaction.state
+
     async def _stored_summary(self, job: CompactionJob) -> SummaryState:
-        record = await self._sessions.call(self._sessions.store.get(job.tenant.name, job.session_id))
+        record = await self._sessions.get(job.tenant.name, job.session_id)
         return SummaryState.from_json(record.summary if record else None)
 
     async def _compact(self, job: CompactionJob, current: SummaryState) -> Compaction | None:
@@ -206,9 +225,7 @@ class CompactionService:
                 return  # a compaction wrote a fresher tail
             current.tail = tail[-200:]
             current.tail_prefix = job.prefix_hash or ""
-            await self._sessions.call(
-                self._sessions.store.set_summary(job.tenant.name, job.session_id, current.to_json())
-            )
+            await self._sessions.set_summary(job.tenant.name, job.session_id, current.to_json())
         except StoreUnavailable:
             return
 

@@ -39,11 +39,15 @@ if TYPE_CHECKING:
     from proxy.app_state import ProxyState
 
 
+# Of the context limit, the share up to which a ready summary may wait (see _defers_summary).
+DEFERRAL_MARGIN = 0.9
+
+
 def context_length_exceeded(estimate: int, limit: int) -> ProxyError:
     return ProxyError(
         400,
         f"This conversation needs about {estimate} tokens, over its context budget of {limit} tokens "
-        "(the model's context length minus max_tokens). Shorten the history or lower max_tokens.",
+        "(context_limit_tokens). Shorten the history.",
         param="messages",
         code="context_length_exceeded",
     )
@@ -167,7 +171,11 @@ class ChatTurn:
                 turn.summary = summary
                 turn._anchor()
                 check = await turn._check()
-        if check.over_hard and check.limit is not None:
+        # Refused here only over a limit the operator set. The one derived from the model is the
+        # engine's to enforce: the estimate can be off either way, vLLM clamps max_tokens to what
+        # the context leaves, and the proxy must never refuse what the backend would accept (nor
+        # refuse because its own store could not supply the summary).
+        if check.over_hard and check.limit is not None and budget.context_limit_tokens is not None:
             state.metrics.budget_rejections.labels("context", state.metrics.tenant_label(tenant.name)).inc()
             raise context_length_exceeded(check.estimate, check.limit)
         await turn._reserve(check.estimate)
@@ -205,7 +213,9 @@ class ChatTurn:
             return False
         tokens_per_byte = self.session.tokens_per_byte if self.session else None
         whole = fast_estimate(request_bytes(self.canonical), tokens_per_byte)
-        return whole <= self.limit * ratio
+        # The estimate is calibrated on the session's last turn; new text can tokenize denser by a
+        # few percent, and a history deferred one turn too long is refused by the engine.
+        return whole <= self.limit * ratio * DEFERRAL_MARGIN
 
     @property
     def repairs_window(self) -> bool:

@@ -238,6 +238,11 @@ class Metrics:
             "Session-store operations that failed (request served without sessions).",
             registry=r,
         )
+        self.store_fallbacks = Counter(
+            "prefix_proxy_store_fallbacks",
+            "Sessions resolved from the replica's own copy because the session store could not answer.",
+            registry=r,
+        )
         self.shared_memory_entries = Counter(
             "prefix_proxy_shared_memory_entries",
             "Canonicalizer memory entries shared between replicas (replicas.share_memories), by direction.",

@@ -1,10 +1,12 @@
 """The proxy's use of the session store, with graceful degradation.
 
-Any store failure (Redis down, slow, refusing) turns the request into plain
-pass-through: no session, no budgets, nothing fails. The failure is counted,
-logged once per outage, and the store is left alone for
-``retry_after_failure_s`` so an outage adds no latency to every request; after
-that the next request probes it again, and recovery is logged.
+Every store call has a deadline (``operation_timeout_s``): a Redis that stalls looks like one
+that died within it. Any store failure (down, stalled, refusing) is counted, logged once per
+outage, and the store is left alone for ``retry_after_failure_s`` so an outage adds no latency to
+every request; after that the next request probes it again, and recovery is logged. Meanwhile
+requests are served without budgets; sessions this replica served recently are still known from
+its own bounded copy of them (``local_copy_sessions``: records, summaries, fingerprints), so a
+summarized conversation keeps its summary and nothing fails for want of the store.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -28,6 +30,7 @@ from proxy.sessions.identity import (
     reply_fingerprint,
     vote,
 )
+from proxy.sessions.memory import MemorySessionStore
 from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLimit
 from proxy.sessions.store import SessionStore
 
@@ -70,6 +73,15 @@ class SessionService:
         self._down_until = 0.0
         self._degraded = False
         self._background: set[asyncio.Task[Any]] = set()
+        # What this replica last saw of the sessions it served, for when the shared store cannot
+        # answer. In-process: it never waits, never fails.
+        self.local: MemorySessionStore | None = None
+        if not store.in_process and settings.local_copy_sessions > 0:
+            self.local = MemorySessionStore(
+                settings.ttl_s,
+                max_sessions=settings.local_copy_sessions,
+                max_fingerprints=settings.local_copy_sessions * 32,
+            )
 
     @property
     def degraded(self) -> bool:
@@ -88,7 +100,7 @@ class SessionService:
             else:
                 # Not asyncio.wait_for: before Python 3.12 it runs the operation as a task of its
                 # own, two more turns of the event loop for every store call on the request path.
-                async with asyncio.timeout(self._settings.operation_timeout_s * 4):
+                async with asyncio.timeout(self._settings.operation_timeout_s):
                     result = await operation
         except Exception as exc:
             first_failure = not self._degraded
@@ -127,24 +139,40 @@ class SessionService:
         """``explicit``: the session the request names (:meth:`explicit_id`), or one the proxy itself
         knows it belongs to (a Responses chain); else the session is inferred from ``messages``."""
         fingerprints, last = conversation_fingerprints(messages)
-        view = await self._find(tenant, fingerprints, explicit)
+        try:
+            view = await self._find(self.store, self.call, tenant, fingerprints, explicit)
+            if self.local is not None and view.record is not None:
+                await self._newest_summary(view.record)
+        except StoreUnavailable:
+            if self.local is None:
+                raise
+            # The shared store cannot answer: what this replica knows of the session instead.
+            view = await self._find(self.local, _direct, tenant, fingerprints, explicit)
+            self._metrics.store_fallbacks.inc()
         view.last_message = last
         return view
 
-    async def _find(self, tenant: str, fingerprints: list[int], explicit: str | None) -> SessionView:
+    async def _find(
+        self,
+        store: SessionStore,
+        call: Callable[[Awaitable[Any]], Awaitable[Any]],
+        tenant: str,
+        fingerprints: list[int],
+        explicit: str | None,
+    ) -> SessionView:
         if explicit:
-            record = await self.call(self.store.get(tenant, explicit))
+            record = await call(store.get(tenant, explicit))
             return SessionView(tenant, explicit, record, fingerprints, set(), explicit=True)
         # The last message is the new turn: only the history before it can identify a conversation,
         # so a request without history (a first message) always opens a new session.
         history = fingerprints[:-1]
         if not history:
             return SessionView(tenant, unique_id(), None, fingerprints)
-        matches, last_seen = await self.call(self.store.lookup(tenant, history))
+        matches, last_seen = await call(store.lookup(tenant, history))
         session_id = vote(matches, last_seen)
         if session_id is None:
             return SessionView(tenant, unique_id(), None, fingerprints)
-        record = await self.call(self.store.get(tenant, session_id))
+        record = await call(store.get(tenant, session_id))
         if record is not None and _forked(record, history):
             return SessionView(tenant, unique_id(), None, fingerprints)
         known = {fp for fp, match in zip(history, matches, strict=True) if match == session_id}
@@ -182,15 +210,47 @@ class SessionService:
             request_pair=view.fingerprints[-1] if view.fingerprints else 0,
             first_pair=view.fingerprints[0] if view.fingerprints else 0,
         )
+        now = time.time()
+        if self.local is not None:
+            await self.local.record_turn(view.tenant, view.session_id, turn, now)
         try:
             # Settle first: budget accuracy matters more than the session's counters.
             if reservation is not None and reservation.keys and usage is not None:
                 # An answer without (readable) usage keeps what it reserved: it is not free.
                 spent = usage.prompt_tokens + usage.completion_tokens
                 await self.call(self.store.settle(reservation, spent - reservation.amount, window_s))
-            await self.call(self.store.record_turn(view.tenant, view.session_id, turn, time.time()))
+            await self.call(self.store.record_turn(view.tenant, view.session_id, turn, now))
         except StoreUnavailable:
             pass
+
+    async def _newest_summary(self, record: SessionRecord) -> None:
+        """A summary this replica made while the store was down is newer than the store's: it wins
+        (and is written back), so the conversation does not fall back to an older, longer one."""
+        assert self.local is not None
+        mine = await self.local.get(record.tenant, record.session_id)
+        if mine is None or not mine.summary:
+            return
+        if int(mine.summary.get("version", 0)) > int((record.summary or {}).get("version", 0)):
+            record.summary = mine.summary
+            with contextlib.suppress(StoreUnavailable):
+                await self.call(self.store.set_summary(record.tenant, record.session_id, mine.summary))
+
+    async def set_summary(self, tenant: str, session_id: str, summary: dict[str, Any] | None) -> None:
+        """Store a session's summary (raises :class:`StoreUnavailable`); this replica's copy keeps it
+        either way, so the conversation keeps its summary while the store is down."""
+        if self.local is not None:
+            await self.local.set_summary(tenant, session_id, summary)
+        await self.call(self.store.set_summary(tenant, session_id, summary))
+
+    async def get(self, tenant: str, session_id: str) -> SessionRecord | None:
+        """A session's record from the store, or (store down) this replica's copy of it; raises
+        :class:`StoreUnavailable` only when neither can say."""
+        try:
+            return await self.call(self.store.get(tenant, session_id))
+        except StoreUnavailable:
+            if self.local is None:
+                raise
+            return await self.local.get(tenant, session_id)
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run session bookkeeping in the background (from synchronous code: the end of a stream;
@@ -204,6 +264,10 @@ class SessionService:
         compaction)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+async def _direct(operation: Awaitable[T]) -> T:
+    return await operation
 
 
 def _forked(record: SessionRecord, history: list[int]) -> bool:
