@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -119,3 +120,41 @@ def test_client_disconnect_closes_upstream_stream(proxy: LiveServer, fake_stats:
     else:
         pytest.fail(f"upstream stream was not closed: {stats}")
     assert stats["streams_completed"] == before["streams_completed"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/responses", {"model": "fake-model", "input": [{"role": "\ud800", "content": "x"}]}, "input[0].role"),
+        ("/v1/responses", {"model": "fake-model", "input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
+        (
+            "/v1/responses",
+            {"model": "fake-model", "input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]},
+            "input[0].content[0].text",
+        ),
+        (
+            "/v1/responses",
+            {"model": "fake-model", "input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+            "input[0].content[0].text",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "fake-model", "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+            "messages[0].content[0].text",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "fake-model", "messages": [{"role": "user", "content": [{"type": "text", "text": 3.5}]}]},
+            "messages[0].content[0].text",
+        ),
+    ],
+)
+def test_parts_the_proxy_reads_are_judged_as_vllm_does(
+    proxy: LiveServer, path: str, body: dict[str, Any], param: str
+) -> None:
+    """What the proxy reads of a request (roles, a text part's text) is checked as vLLM checks it: a
+    400 naming the parameter, never a 500 of the proxy's own nor the upstream's answer relayed."""
+    raw = json.dumps(body).encode()  # ensure_ascii: the lone surrogate travels as JSON's \ud800 escape
+    response = httpx.post(proxy.url + path, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

@@ -73,7 +73,7 @@ class Affinity(RoutingPolicy):
     def rank(self, backends: Sequence[Backend], key: str | None) -> list[Backend]:
         if key is None or len(backends) == 1:
             return self._keyless.rank(backends, None)
-        raw = key.encode()
+        raw = key.encode("utf-8", "surrogatepass")
         by_score = sorted(backends, key=lambda b: xxhash.xxh3_64_intdigest(raw, seed=b.seed), reverse=True)
         total = sum(b.in_flight for b in backends) + 1  # counting the request being placed
         # A factor of n or more would let one of n backends carry everything: cap it below n.

@@ -82,7 +82,7 @@ def _on_metadata_line(text: str, span_start: int, span_end: int, pattern: re.Pat
     residue = _DATETIME.sub("", residue)
     residue = residue.strip(" \t-—:：,.;|*#>()[]【】（）")
     # Bytes, not characters: a CJK character carries about as much as a short English word.
-    return len(residue.encode()) <= METADATA_LINE_BYTES
+    return len(residue.encode("utf-8", "surrogatepass")) <= METADATA_LINE_BYTES
 
 
 def detect_context_blocks(text: str) -> Iterable[Span]:

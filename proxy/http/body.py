@@ -162,6 +162,11 @@ def _validate_message(message: Any, param: str) -> None:
                 raise bad_request(
                     f"{param}.content[{index}] must be an object (a content part)", param=f"{param}.content[{index}]"
                 )
+            # A text part's text is what the proxy reads; vLLM refuses one that is not a string.
+            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"{param}.content[{index}].text must be a string", param=f"{param}.content[{index}].text"
+                )
     for key in ("name", "tool_call_id"):
         _optional(message.get(key), str, f"{param}.{key}", "a string")
     calls = message.get("tool_calls")

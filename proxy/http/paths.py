@@ -4,9 +4,9 @@ A route the proxy owns (the pipeline, its admin routes, stored responses) must n
 by another spelling that the catch-all pass-through would forward: ``//v1/chat/completions``,
 ``/v1//chat/completions/`` and ``/v1/x/../chat/completions`` all name the chat pipeline to an
 upstream that merges slashes or resolves dot segments, so they must reach the pipeline here too.
-The server decodes the path once (``%63hat`` is ``chat``); what is still percent-encoded after that
-(``%2F``, ``%5C``, ``%2E``, ``%25``) would be a separator or a dot segment to a server that decodes
-twice, so it is refused rather than guessed at.
+The server decodes the path once (``%63hat`` is ``chat``); a separator the client encoded (``%2F``,
+``%5C``), and what is still percent-encoded after that decoding (a separator, a dot or a percent
+that a server decoding twice would read as one), is refused rather than guessed at.
 """
 
 from __future__ import annotations
@@ -48,8 +48,18 @@ def canonical_path(path: str) -> str:
     return "/" + "/".join(segments)
 
 
+_RAW_ENCODED_SEPARATOR = re.compile(rb"%(?:2[fF]|5[cC])")
+
+
 def canonicalize_scope(scope: Scope) -> None:
-    """Make an HTTP scope's ``path`` (and ``raw_path``) canonical in place; raises :class:`InvalidPath`."""
+    """Make an HTTP scope's ``path`` (and ``raw_path``) canonical in place; raises :class:`InvalidPath`.
+
+    A separator the client percent-encoded (``..%2Fmodels``) was meant to be part of a segment, and
+    the server has already decoded it into a real one: which route was meant cannot be told, so it
+    is refused rather than resolved."""
+    raw = scope.get("raw_path")
+    if raw and b"%" in raw and _RAW_ENCODED_SEPARATOR.search(raw):
+        raise InvalidPath("the path has an encoded separator")
     path = scope["path"]
     canonical = canonical_path(path)
     if canonical != path:

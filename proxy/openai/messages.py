@@ -46,7 +46,7 @@ def message_fingerprint(message: Mapping[str, Any]) -> int:
     """A 64-bit identity of what a message says (role, text, tool calls with canonical arguments),
     blind to tool-call ids and the key order of arguments."""
     digest = xxhash.xxh3_64()
-    digest.update(str(message.get("role", "")).encode())
+    digest.update(str(message.get("role", "")).encode("utf-8", "surrogatepass"))
     digest.update(b"\x00")
     content = message.get("content")
     text = content if isinstance(content, str) else message_text({"content": content})

@@ -41,6 +41,11 @@ _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 # -- validation ------------------------------------------------------------------------------
 
 
+# The roles of a Responses message item (vLLM's, OpenAI's), and the content parts that carry text.
+ROLES = frozenset({"user", "assistant", "system", "developer"})
+TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
+
+
 def validate_request(body: dict[str, Any]) -> None:
     """Types of everything the proxy reads (400 naming the parameter); the rest is vLLM's to judge."""
     require_model(body)
@@ -76,13 +81,19 @@ def _validate_item(item: Any, param: str) -> None:
     if not isinstance(item, dict):
         raise bad_request(f"{param} must be an object", param=param)
     role = item.get("role")
-    if role is not None and not isinstance(role, str):
-        raise bad_request(f"{param}.role must be a string", param=f"{param}.role")
+    if role is not None and (not isinstance(role, str) or role not in ROLES):
+        shown = role if is_text(role) else type(role).__name__
+        raise bad_request(f"{param}.role {shown!r} is not a valid role"[:300], param=f"{param}.role")
     content = item.get("content")
     if content is not None and not isinstance(content, str | list):
         raise bad_request(f"{param}.content must be a string or an array", param=f"{param}.content")
-    if isinstance(content, list) and not all(isinstance(part, dict) for part in content):
-        raise bad_request(f"{param}.content must hold objects", param=f"{param}.content")
+    for index, part in enumerate(content if isinstance(content, list) else ()):
+        if not isinstance(part, dict):
+            raise bad_request(f"{param}.content must hold objects", param=f"{param}.content")
+        # The text the proxy reads (and vLLM requires) of a text part: a string, as vLLM judges it.
+        if part.get("type") in TEXT_PARTS and not isinstance(part.get("text"), str):
+            where = f"{param}.content[{index}].text"
+            raise bad_request(f"{where} must be a string", param=where)
     for key in ("call_id", "name", "arguments", "type"):
         if item.get(key) is not None and not isinstance(item[key], str):
             raise bad_request(f"{param}.{key} must be a string", param=f"{param}.{key}")
