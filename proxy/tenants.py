@@ -30,9 +30,12 @@ logger = logging.getLogger("prefix_proxy.tenants")
 ANONYMOUS = "anonymous"
 # Keys looked up in Redis are remembered this long (a revoked key stops working within it) ...
 REDIS_CACHE_TTL_S = 30.0
-# ... and this many at most, least recently used out first: unknown keys are remembered too (so
-# a client retrying a bad key costs no Redis round trip), and anyone can send any number of them.
-REDIS_CACHE_MAX_KEYS = 10_000
+# ... and this many at most, least recently used out first. Unknown keys are remembered too (so a
+# client retrying a bad key costs no Redis round trip), in a map of their own: anyone can send any
+# number of them, and they must not push a real tenant's key out (which then, with Redis down,
+# could not be told from a bad one).
+REDIS_CACHE_MAX_KEYS = 100_000
+REDIS_CACHE_MAX_UNKNOWN_KEYS = 10_000
 
 
 @dataclass(frozen=True)
@@ -141,8 +144,10 @@ class TenantDirectory:
             for t in tenants
         }
         self._redis_lookup = redis_lookup
-        # Redis lookups by key digest: (tenant or None for an unknown key, fresh until).
+        # Redis lookups by key digest: (tenant or None for an unknown key, fresh until), known and
+        # unknown keys apart.
         self._cache: OrderedDict[str, tuple[Tenant | None, float]] = OrderedDict()
+        self._unknown: OrderedDict[str, tuple[Tenant | None, float]] = OrderedDict()
 
     @property
     def open(self) -> bool:
@@ -175,9 +180,8 @@ class TenantDirectory:
         if self._redis_lookup is None:
             return None
         now = time.monotonic()
-        cached = self._cache.get(digest)
+        cached = self._cache.get(digest) or self._unknown.get(digest)
         if cached is not None and cached[1] > now:
-            self._cache.move_to_end(digest)
             return cached[0]
         try:
             raw = await self._redis_lookup(digest)
@@ -190,11 +194,25 @@ class TenantDirectory:
             logger.warning("tenant lookup failed (%s): answering 503", type(exc).__name__)
             raise directory_unavailable() from None
         tenant = _tenant_record(digest, raw) if raw else None
-        self._cache[digest] = (tenant, now + REDIS_CACHE_TTL_S)
-        self._cache.move_to_end(digest)
-        while len(self._cache) > REDIS_CACHE_MAX_KEYS:
-            self._cache.popitem(last=False)
+        cache, limit = (self._cache, REDIS_CACHE_MAX_KEYS) if tenant else (self._unknown, REDIS_CACHE_MAX_UNKNOWN_KEYS)
+        (self._unknown if tenant else self._cache).pop(digest, None)
+        cache[digest] = (tenant, now + REDIS_CACHE_TTL_S)
+        cache.move_to_end(digest)
+        while len(cache) > limit:
+            cache.popitem(last=False)
         return tenant
+
+    def named(self, name: str) -> Tenant:
+        """The tenant called ``name`` as the proxy knows it (its budget overrides among it): a
+        configured one, or one provisioned in Redis whose key was seen; else one of that name with
+        no overrides (the admin API names tenants, it does not present their keys)."""
+        for tenant in self._by_digest.values():
+            if tenant.name == name:
+                return tenant
+        for tenant, _ in self._cache.values():
+            if tenant is not None and tenant.name == name:
+                return tenant
+        return Tenant(name)
 
 
 def _tenant_record(digest: str, raw: str) -> Tenant | None:

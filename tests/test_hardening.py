@@ -24,7 +24,7 @@ from proxy.app import create_app
 from proxy.config import Settings
 from proxy.observability.metrics import Metrics
 from proxy.sessions.model import TurnRecord
-from proxy.tenants import REDIS_CACHE_MAX_KEYS, TenantDirectory, key_digest
+from proxy.tenants import REDIS_CACHE_MAX_UNKNOWN_KEYS, TenantDirectory, key_digest
 from tests.helpers import LiveServer, free_port
 from tests.redis_server import PrivateRedis
 
@@ -280,14 +280,36 @@ async def test_unknown_keys_are_remembered_boundedly() -> None:
         return json.dumps({"name": "initech"}) if digest == key_digest("sk-good") else None
 
     directory = TenantDirectory([], lookup)
-    for i in range(REDIS_CACHE_MAX_KEYS + 500):
+    for i in range(REDIS_CACHE_MAX_UNKNOWN_KEYS + 500):
         with pytest.raises(Exception, match="invalid or missing API key"):
             await directory.authenticate(f"Bearer sk-random-{i}")
-    assert len(directory._cache) <= REDIS_CACHE_MAX_KEYS
+    assert len(directory._unknown) <= REDIS_CACHE_MAX_UNKNOWN_KEYS
     assert (await directory.authenticate("Bearer sk-good")).name == "initech"
     calls = len(lookups)
     await directory.authenticate("Bearer sk-good")  # remembered: no second lookup
     assert len(lookups) == calls
+
+
+async def test_random_keys_cannot_flush_a_known_tenant_before_an_outage() -> None:
+    """A tenant's key seen once is kept while any number of unknown keys go by, so with Redis down
+    it is still let in (not the 503 an unknown key gets)."""
+    redis_up = True
+
+    async def lookup(digest: str) -> str | None:
+        if not redis_up:
+            raise ConnectionError("redis down")
+        return json.dumps({"name": "initech"}) if digest == key_digest("sk-good") else None
+
+    directory = TenantDirectory([], lookup)
+    assert (await directory.authenticate("Bearer sk-good")).name == "initech"
+    for i in range(REDIS_CACHE_MAX_UNKNOWN_KEYS + 500):
+        with pytest.raises(Exception, match="invalid or missing API key"):
+            await directory.authenticate(f"Bearer sk-random-{i}")
+    redis_up = False
+    directory._cache[key_digest("sk-good")] = (directory._cache[key_digest("sk-good")][0], 0.0)  # stale
+    assert (await directory.authenticate("Bearer sk-good")).name == "initech"
+    with pytest.raises(Exception, match="cannot be checked"):
+        await directory.authenticate("Bearer sk-never-seen")
 
 
 async def test_a_malformed_tenant_record_is_refused_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:

@@ -224,3 +224,19 @@ def test_a_stream_cut_short_gives_back_the_unused_reservation(make_proxy: Callab
     assert left > 100_000 - 1_500  # was 100,000 - 8,000 - prompt: max_tokens stayed charged
     # ... but what was streamed is charged: leaving early does not make tokens free.
     assert left <= 100_000 - 300 - state["prompt_tokens"]
+
+
+def test_the_admin_sees_the_budgets_the_tenant_sees(make_proxy: Callable[..., LiveServer]) -> None:
+    tenants = [{**TENANTS[0], "budget": {"session_tokens_per_window": 50_000, "tenant_tokens_per_window": 90_000}}]
+    server = make_proxy(tenants=tenants, admin_api_key="admin-secret")
+    session_id = converse(server, ["Book a flight to Rome"], key=TENANTS[0]["api_key"])[-1]
+    own = httpx.get(
+        f"{server.url}/v1/sessions/{session_id}", headers={"authorization": f"Bearer {TENANTS[0]['api_key']}"}
+    )
+    admin = httpx.get(
+        f"{server.url}/admin/tenants/{TENANTS[0]['name']}/sessions/{session_id}",
+        headers={"authorization": "Bearer admin-secret"},
+    )
+    assert own.status_code == admin.status_code == 200
+    assert set(own.json()["budget_left"]) == {"session", "tenant"}
+    assert admin.json()["budget_left"] == own.json()["budget_left"]

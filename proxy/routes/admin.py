@@ -59,7 +59,7 @@ Action = Callable[[ProxyState, Tenant], Awaitable[Response]]
 def _as_admin(request: Request, tenant: str) -> TenantResolver:
     async def resolve(state: ProxyState) -> Tenant:
         require_admin(state, request)
-        return Tenant(tenant)
+        return state.tenants.named(tenant)
 
     return resolve
 
