@@ -206,12 +206,12 @@ class TenantDirectory:
         """The tenant called ``name`` as the proxy knows it (its budget overrides among it): a
         configured one, or one provisioned in Redis whose key was seen; else one of that name with
         no overrides (the admin API names tenants, it does not present their keys)."""
-        for tenant in self._by_digest.values():
-            if tenant.name == name:
-                return tenant
-        for tenant, _ in self._cache.values():
-            if tenant is not None and tenant.name == name:
-                return tenant
+        for configured in self._by_digest.values():
+            if configured.name == name:
+                return configured
+        for provisioned, _ in self._cache.values():
+            if provisioned is not None and provisioned.name == name:
+                return provisioned
         return Tenant(name)
 
 

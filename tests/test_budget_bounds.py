@@ -113,3 +113,27 @@ def test_two_replicas_200_concurrent_requests_never_overshoot(
     assert spent <= limit
     # Near the limit admission is exact, not merely safe: most of the budget is usable.
     assert spent > limit * 0.6
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_spend_the_tenants_budget_too(make_proxy: Callable[..., LiveServer], stream: bool) -> None:
+    """No route generates past the tenant's budget: /v1/completions reserves and settles like chat."""
+    tenants = [{"name": "acme", "api_key": "sk-acme", "budget": {"tenant_tokens_per_window": 3_000}}]
+    server = make_proxy(tenants=tenants)
+    headers = {"authorization": "Bearer sk-acme"}
+    body: dict[str, Any] = {"model": MODEL, "prompt": "Name three hand tools.", "max_tokens": 100, "stream": stream}
+    statuses, spent = [], 0
+    for _ in range(60):
+        response = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=30)
+        statuses.append(response.status_code)
+        if response.status_code != 200:
+            break
+        if not stream:
+            spent += response.json()["usage"]["total_tokens"]
+    assert statuses[0] == 200 and statuses[-1] == 429, statuses
+    if not stream:
+        assert spent <= 3_000
+    # n completions of each of several prompts are reserved as such.
+    many = {**body, "stream": False, "prompt": ["a", "b", "c"], "n": 8, "max_tokens": 200}
+    fresh = make_proxy(tenants=tenants)
+    assert httpx.post(fresh.url + "/v1/completions", json=many, headers=headers, timeout=30).status_code == 429

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
+from proxy.chat.budget import completion_allowance, effective_budget, prompt_ceiling, usage_limits
+from proxy.chat.turn import budget_exhausted
+from proxy.config import BudgetSettings
 from proxy.http.body import parse_json_object, read_body, require_model, validate_completion_request
 from proxy.http.context import RequestContext
-from proxy.http.errors import upstream_unreachable
+from proxy.http.errors import ProxyError, upstream_unreachable
 from proxy.openai.jsonio import dumps
+from proxy.openai.usage import Usage
 from proxy.routes.forward import (
     api_endpoint,
     send_json,
@@ -22,6 +28,8 @@ from proxy.routes.forward import (
     whole_answer,
     with_upstream_usage,
 )
+from proxy.sessions.model import Reservation, UsageLimit
+from proxy.sessions.service import StoreUnavailable
 from proxy.tenants import Tenant
 
 
@@ -31,10 +39,92 @@ async def completions(state: ProxyState, request: Request, ctx: RequestContext, 
     body = state.tenants.cache_salted(tenant, body)
     ctx.model = body["model"]
     ctx.stream = bool(body.get("stream"))
-    if not ctx.stream:
-        return await send_json(state, request, ctx, "/completions", dumps(body))
-    body, wants_usage = with_upstream_usage(body)
-    return await send_stream(state, request, ctx, "/completions", dumps(body), client_wants_usage=wants_usage)
+    budget = CompletionBudget.admit(state, tenant, body)
+    await budget.reserve()
+    try:
+        if not ctx.stream:
+            answers: list[dict[str, Any]] = []
+            response = await send_json(state, request, ctx, "/completions", dumps(body), on_reply=answers.append)
+            await budget.settle(Usage.from_openai(answers[0].get("usage")) if answers else None, answered=bool(answers))
+            return response
+        body, wants_usage = with_upstream_usage(body)
+        return await send_stream(
+            state,
+            request,
+            ctx,
+            "/completions",
+            dumps(body),
+            client_wants_usage=wants_usage,
+            on_complete=lambda relay: state.sessions.spawn(budget.settle(relay.usage, answered=True)),
+            on_incomplete=lambda relay: state.sessions.spawn(budget.settle_cut_short(relay.usage, relay.events)),
+        )
+    except ProxyError:
+        await budget.settle(None, answered=False)
+        raise
+
+
+class CompletionBudget:
+    """The tenant's usage budget on ``/v1/completions`` (no session: the tenant's limit only), so
+    that no route generates past it: reserved as the chat pipeline reserves (the prompt's ceiling,
+    every completion of every prompt), settled to the backend's usage."""
+
+    def __init__(
+        self, state: ProxyState, tenant: str, budget: BudgetSettings, limits: list[UsageLimit], prompt: int, amount: int
+    ) -> None:
+        self._state, self._tenant, self._budget, self._limits = state, tenant, budget, limits
+        self._prompt, self._amount = prompt, amount
+        self._reservation: Reservation | None = None
+
+    @classmethod
+    def admit(cls, state: ProxyState, tenant: Tenant, body: dict[str, Any]) -> CompletionBudget:
+        model = str(body.get("model"))
+        budget = effective_budget(state.settings.budget, state.settings.model_budgets.get(model), tenant.budget)
+        limits = usage_limits(budget, tenant.name, None)
+        prompt = body.get("prompt")
+        prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        # The prompt as JSON: at least one byte per token for text, and for token ids alike.
+        ceiling = prompt_ceiling(len(dumps(prompt)) if prompt is not None else 0, prompts)
+        completion = completion_allowance(body, budget) * prompts
+        return cls(state, tenant.name, budget, limits, ceiling, ceiling + completion)
+
+    async def reserve(self) -> None:
+        if not self._limits:
+            return
+        sessions = self._state.sessions
+        try:
+            reservation = await sessions.reserve(self._limits, self._amount, self._budget.window_s)
+        except StoreUnavailable:
+            return  # admitted unreserved: the store's outage is never the client's
+        if not reservation.admitted:
+            kind = reservation.rejected_kind or "usage"
+            metrics = self._state.metrics
+            metrics.budget_rejections.labels(kind, metrics.tenant_label(self._tenant)).inc()
+            raise budget_exhausted(kind, reservation.retry_after_s)
+        self._reservation = reservation
+
+    async def settle(self, usage: Usage | None, *, answered: bool) -> None:
+        """Charge what the backend reported; an answer without readable usage keeps its
+        reservation, a request that got no answer gives it all back."""
+        if usage is not None:
+            await self._settle_to(usage.prompt_tokens + usage.completion_tokens)
+        elif not answered:
+            await self._settle_to(0)
+
+    async def settle_cut_short(self, usage: Usage | None, events: int) -> None:
+        """A stream that stopped short: what the backend reported, else the prompt and a token per
+        event relayed (vLLM streams about one per event), never more than was reserved."""
+        if usage is not None:
+            await self._settle_to(usage.prompt_tokens + usage.completion_tokens)
+        else:
+            await self._settle_to(min(self._amount, self._prompt + events))
+
+    async def _settle_to(self, spent: int) -> None:
+        reservation, self._reservation = self._reservation, None
+        if reservation is None or not reservation.keys:
+            return
+        sessions = self._state.sessions
+        with contextlib.suppress(StoreUnavailable):
+            await sessions.call(sessions.store.settle(reservation, spent - reservation.amount, self._budget.window_s))
 
 
 async def embeddings(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
