@@ -26,6 +26,33 @@ OK_CHAT = {
     "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
 }
 
+# What "ok" answers on the other protocols: each with the list its protocol requires.
+OK_MESSAGE = {
+    "id": "msg_1",
+    "type": "message",
+    "role": "assistant",
+    "model": "ok",
+    "content": [{"type": "text", "text": "fine"}],
+    "stop_reason": "end_turn",
+    "usage": {"input_tokens": 5, "output_tokens": 1},
+}
+OK_RESPONSE = {
+    "id": "resp_1",
+    "object": "response",
+    "model": "ok",
+    "status": "completed",
+    "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "fine"}]}],
+    "usage": {"input_tokens": 5, "output_tokens": 1, "total_tokens": 6},
+}
+
+
+def _ok_body(path: str) -> dict[str, Any]:
+    if path.rstrip("/").endswith("/messages"):
+        return OK_MESSAGE
+    if path.rstrip("/").endswith("/responses"):
+        return OK_RESPONSE
+    return OK_CHAT
+
 
 BEHAVIOURS = frozenset(
     {"ok", "drop", "html-error", "not-json", "json-for-stream", "drip", "unterminated", "malformed-chunk"}
@@ -119,12 +146,12 @@ class HostileUpstream:
         self.requests[model] += 1
         stream = request.get("stream") is True and path.endswith("/completions")
         try:
-            return await self._behave(model, stream, writer)
+            return await self._behave(model, stream, writer, path)
         except ConnectionError:
             self.closed_at[model] = time.monotonic()
             return False
 
-    async def _behave(self, model: str, stream: bool, writer: asyncio.StreamWriter) -> bool:
+    async def _behave(self, model: str, stream: bool, writer: asyncio.StreamWriter, path: str = "") -> bool:
         if model == "drop":  # read the whole request, then hang up without a word
             return False
         if model == "html-error":
@@ -138,7 +165,7 @@ class HostileUpstream:
             await self._respond(writer, 200, "application/json", json.dumps(OK_CHAT).encode())
             return True
         if model == "ok" and not stream:
-            await self._respond(writer, 200, "application/json", json.dumps(OK_CHAT).encode())
+            await self._respond(writer, 200, "application/json", json.dumps(_ok_body(path)).encode())
             return True
         if model == "drip":  # one byte every 0.3 s, for ever: every read is quick, the answer never ends
             await self._start_chunked(writer, model, "application/json" if not stream else "text/event-stream")

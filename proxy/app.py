@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from proxy.app_state import ProxyState
 from proxy.backends import Backend, BackendPool, backend_name, make_policy
+from proxy.backends.backend import OutlierDetection
 from proxy.backends.catalog import ModelCatalog
 from proxy.backends.echo import EchoedHeaders
 from proxy.backends.upstream import Upstream
@@ -86,7 +87,11 @@ def build_backends(
     ]
     routing = settings.routing
     return BackendPool(
-        backends, make_policy(routing.policy, routing.balance_factor), metrics, key_headers=routing.key_headers
+        backends,
+        make_policy(routing.policy, routing.balance_factor),
+        metrics,
+        key_headers=routing.key_headers,
+        outliers=OutlierDetection.from_settings(routing),
     )
 
 

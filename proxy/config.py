@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
@@ -209,6 +210,18 @@ class RoutingSettings(BaseModel):
     # Active checks (GET /models on every backend) re-admit ejected backends and learn their models;
     # 0 leaves only passive ejection on failures.
     health_check_interval_s: float = Field(5.0, ge=0)
+    # Outlier detection (passive health; proxy.backends.backend.OutlierDetection, whose defaults
+    # these are): this many 5xx/429 answers in a row eject a backend (502/503/504, a Retry-After,
+    # or an unreachable backend eject at once), for base_ejection_s doubling with each recent
+    # ejection up to max_ejection_s, or as long as a Retry-After asks, up to max_retry_after_s
+    # (0: not honoured). An ejected backend rejoins when a trial request succeeds.
+    consecutive_failures: int = Field(3, ge=1)
+    base_ejection_s: float = Field(1.0, gt=0)
+    max_ejection_s: float = Field(30.0, gt=0)
+    max_retry_after_s: float = Field(60.0, ge=0)
+    # A request answered 5xx/429 before anything reached the client is sent to up to this many
+    # other backends in service; 0: the first answer is the client's.
+    max_retries: int = Field(2, ge=0)
     # A router behind the proxy (vLLM Router, SGLang Model Gateway, production-stack): each of these
     # headers carries the request's routing key (a digest) on every upstream request, so the router
     # keeps a conversation where its prefix is cached (docs/routing.md). Empty: none sent.
@@ -323,7 +336,10 @@ class ResponsesSettings(BaseModel):
 class Settings(BaseSettings):
     """Everything the proxy reads at start-up."""
 
-    model_config = SettingsConfigDict(env_prefix="PREFIX_PROXY_", env_nested_delimiter="__", extra="ignore")
+    # An error names the setting, never echoes its input: settings hold keys and credentialed URLs.
+    model_config = SettingsConfigDict(
+        env_prefix="PREFIX_PROXY_", env_nested_delimiter="__", extra="ignore", hide_input_in_errors=True
+    )
 
     upstream: str = "http://127.0.0.1:8000/v1"
     # Several backends (base URLs) instead of ``upstream``: a list, or a comma-separated string.
@@ -341,6 +357,17 @@ class Settings(BaseSettings):
     # included): past it the client gets 504, or an error event once a stream has started. Per-read
     # timeouts alone let an upstream that drips a byte at a time hold a request forever.
     request_timeout_s: float = Field(3600.0, gt=0)
+    # Deadlines on the way in (proxy/http/inbound.py), from a request's start (its connection opening,
+    # or on a kept-alive connection its first byte), both capped by request_timeout_s: the request line
+    # and headers within request_header_timeout_s, else the connection is closed; the whole request,
+    # body included, within request_body_timeout_s (a trickle does not extend it), else 408 (or a
+    # close once the answer has started). 60 s lets a max_body_bytes body in at ~4.5 Mbit/s.
+    request_header_timeout_s: float = Field(10.0, gt=0)
+    request_body_timeout_s: float = Field(60.0, gt=0)
+    # Connections whose request has not finished arriving (a new one counts from its opening); one
+    # more and the oldest of them is closed, so slow clients cannot hold every socket nor lock out a
+    # request that arrives at once.
+    max_incomplete_requests: int = Field(512, gt=0)
     # The largest single SSE event accepted from the upstream (vLLM's are a token or a tool call's
     # arguments); a larger one ends the stream with an error event instead of growing the buffer.
     max_sse_event_bytes: int = Field(8 * 1024 * 1024, gt=0)
@@ -405,6 +432,29 @@ class Settings(BaseSettings):
     def upstream_urls(self) -> list[str]:
         """The backends to forward to: ``upstreams`` when set, else the one ``upstream``."""
         return self.upstreams or [self.upstream]
+
+    @model_validator(mode="after")
+    def _check_upstream_urls(self) -> Settings:
+        """An upstream URL is a base the API's paths are appended to: a query string or fragment
+        would swallow them. Credentials in it (``user:password@``, sent as Basic auth) would replace
+        any upstream key on every request: one or the other."""
+        keyed = "upstream_api_key" if self.upstream_api_key else None
+        tenant = next((t.name for t in self.tenants if t.upstream_api_key), None)
+        keyed = keyed or (f"tenants[{tenant!r}].upstream_api_key" if tenant is not None else None)
+        for url in self.upstream_urls:
+            parts = urlsplit(url)
+            shown = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path}"
+            if "?" in url or "#" in url:
+                raise ValueError(
+                    f"upstream URL {shown} has a query string or fragment, which every forwarded path would "
+                    "land in: give the base URL alone (requests keep their own query strings)"
+                )
+            if keyed and (parts.username or parts.password):
+                raise ValueError(
+                    f"upstream URL {shown} carries credentials (user:password@) and {keyed} is set: the "
+                    f"URL's would replace the key on every request; remove one of them"
+                )
+        return self
 
     @classmethod
     def settings_customise_sources(

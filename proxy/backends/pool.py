@@ -1,10 +1,13 @@
 """The backends one proxy forwards to: pick by policy, fail over, keep track of health.
 
-With one backend the pool adds nothing to a request but a metrics increment. With several, a
-request goes to the first backend its policy ranks that is not ejected and serves its model; when
-that backend cannot be reached (or answers 502/503/504) the same bytes go to the next one, and the
-backend is ejected for a while (passive health). A background check (``run_health_checks``)
-re-admits backends that answer again and learns which models each one serves.
+With one backend the pool adds nothing to a request but a metrics increment: its answer, whatever
+it is, is the client's. With several, a request goes to the first backend its policy ranks that is
+not ejected and serves its model. When that backend cannot be reached, the same bytes go to the
+next one; when it answers 5xx or 429 before anything reached the client, they go to the next one
+in service (up to ``max_retries`` times). Failures count against the backend (outlier detection,
+:mod:`proxy.backends.backend`): enough of them eject it, and only a trial request that succeeds
+brings it back. A background check (``run_health_checks``) re-admits backends that were
+unreachable and answer again, and learns which models each one serves.
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ from typing import Any
 
 import httpx
 
-from proxy.backends.backend import Backend
+from proxy.backends.backend import (
+    CONNECTION_LOST,
+    EJECTION_REASONS,
+    ERRORS,
+    RETRY_AFTER,
+    UNAVAILABLE,
+    UNREACHABLE,
+    Backend,
+    OutlierDetection,
+)
 from proxy.backends.echo import EchoedHeaders
 from proxy.backends.keyheaders import KeyHeaders
 from proxy.backends.policies import RoutingPolicy
@@ -29,9 +41,20 @@ from proxy.observability.metrics import Metrics
 
 logger = logging.getLogger("prefix_proxy.backends")
 
-# Statuses that mean "this server cannot take the request now", not "the request is wrong".
-FAILOVER_STATUSES = frozenset({502, 503, 504})
+# Answers that mean "this server cannot take requests now": the backend is ejected at once.
+UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+# Answers whose Retry-After says for how long.
+RETRY_AFTER_STATUSES = frozenset({429, 503})
+# 5xx that say what the server does not implement (a route, an HTTP version), not that it failed:
+# relayed like a 4xx, never held against the backend.
+NOT_FAILURES = frozenset({501, 505})
 BACKEND_EXTENSION = "prefix_proxy_backend"
+
+
+def backend_failed(status: int) -> bool:
+    """An answer that is the backend's failure, not the request's: any 5xx (but 501, 505) or 429.
+    Another backend may answer the same request; a 4xx would be the same everywhere."""
+    return status == 429 or (500 <= status < 600 and status not in NOT_FAILURES)
 
 
 @dataclass
@@ -49,6 +72,7 @@ class BackendPool:
         policy: RoutingPolicy,
         metrics: Metrics | None = None,
         key_headers: Sequence[str] = (),
+        outliers: OutlierDetection | None = None,
     ) -> None:
         if not backends:
             raise ValueError("a backend pool needs at least one backend")
@@ -58,12 +82,18 @@ class BackendPool:
         self.backends = list(backends)
         self.policy = policy
         self._metrics = metrics
+        self.outliers = outliers or OutlierDetection()
+        for backend in self.backends:
+            backend.outliers = self.outliers
         # For a router behind the proxy: the routing key travels as these headers, and what the
         # router asks to be sent back (llm-d's x-session-token) is echoed (set by echo_from).
         self._key_headers = KeyHeaders(key_headers)
         self._echo: EchoedHeaders | None = None
         if metrics is not None:
             metrics.watch_backends(self.backends)
+            for backend in self.backends:
+                for reason in EJECTION_REASONS:
+                    metrics.backend_ejections.labels(backend.name, reason)
 
     read = staticmethod(read_response)
 
@@ -108,10 +138,13 @@ class BackendPool:
     ) -> httpx.Response:
         """Send to the best backend for ``key``/``model``; the response's body is not yet read.
 
-        The backend that answered is in ``response.extensions["prefix_proxy_backend"]``. Only a
-        request that never left (connection refused, connect or pool timeout) is retried elsewhere:
-        after a timeout or a connection dropped after sending, the backend may still be computing,
-        and a second one would double the work.
+        The backend that answered is in ``response.extensions["prefix_proxy_backend"]``. A request
+        that never left (connection refused, connect or pool timeout) goes to the next backend; one
+        answered with 5xx or 429 goes to the next backend in service, at most ``max_retries``
+        times, and the last answer is the client's when none is left. After a read timeout or a
+        connection dropped after sending, the backend may still be computing, and a second one
+        would double the work: no retry. Retries happen before anything reached the client, within
+        the caller's deadline (the caller's ``asyncio.timeout`` around this call).
 
         ``pinned_to`` names the only backend that can answer (it holds state the request refers to,
         such as a stored response); ``replayable=False``: the body is a stream that can be sent
@@ -119,13 +152,25 @@ class BackendPool:
         """
         pinned = [b for b in self.backends if b.name == pinned_to] if pinned_to is not None else []
         ranked = pinned or self.rank(key, model)
+        retries = self.outliers.max_retries
         if not replayable:
-            ranked = ranked[:1]
+            ranked, retries = ranked[:1], 0
         last_error: ProxyError | None = None
-        for attempt, backend in enumerate(ranked):
-            is_last = attempt == len(ranked) - 1
+        # The previous backend's failed answer, closed only once this attempt has its backend (and
+        # trial): chosen and claimed with no await between, so no other request takes the trial.
+        discarded: httpx.Response | None = None
+        index = 0
+        while True:
+            backend = ranked[index]
+            is_last = index == len(ranked) - 1
+            # Sent while ejected: its trial (once the ejection is over), or every backend is out.
+            probing = backend.ejected_for is not None
+            trial = probing and backend.start_trial(time.monotonic())
             backend.in_flight += 1
             try:
+                if discarded is not None:
+                    await discarded.aclose()
+                    discarded = None
                 outgoing = await self._outgoing(headers, key)
                 response = await backend.upstream.open(method, path, content=content, headers=outgoing, root=root)
             except ProxyError as error:
@@ -135,27 +180,41 @@ class BackendPool:
                 if error.code != "upstream_unreachable":
                     # The request left (a timeout, or a connection dropped after sending): the
                     # backend may be computing it, and sending it again would do the work twice.
-                    if not timed_out and not self.single:
-                        backend.record_failure()
+                    # A timeout counts against a backend only as its trial (it did not prove itself).
+                    if not self.single and not timed_out:
+                        self._request_failed(backend, CONNECTION_LOST, model, trial)
+                    elif trial:
+                        self._request_failed(backend, backend.ejected_for or ERRORS, model, trial)
                     raise
-                self._failed(backend, f"unreachable ({error.message})", moving_on=not is_last)
-                last_error = error
-                continue
-            except BaseException:  # cancelled (the client left): the slot must not leak
-                backend.in_flight -= 1
-                raise
-            if response.status_code in FAILOVER_STATUSES:
-                self._count(backend, "http_5xx")
-                if not is_last:
-                    backend.in_flight -= 1
-                    self._failed(backend, f"answered {response.status_code}", moving_on=True)
-                    await response.aclose()
-                    continue
                 if not self.single:
-                    backend.record_failure()
+                    self._request_failed(backend, UNREACHABLE, model, trial)
+                last_error = error
+                if is_last:
+                    break
+                self._moved_off(backend, f"unreachable ({error.message})")
+                index += 1
+                continue
+            except BaseException:  # cancelled (the client left): the slot (and the trial) must not leak
+                backend.in_flight -= 1
+                if trial:
+                    backend.end_trial()
+                raise
+            status = response.status_code
+            if status >= 429 and backend_failed(status):  # one comparison for every good answer
+                self._count(backend, "http_429" if status == 429 else "http_5xx")
+                if not self.single:
+                    self._answer_failed(backend, response, model, trial)
+                    following = self._next_in_service(ranked, index + 1) if retries else None
+                    if following is not None:
+                        retries -= 1
+                        backend.in_flight -= 1
+                        self._moved_off(backend, f"answered {status}")
+                        discarded, index = response, following
+                        continue
             else:
                 self._count(backend, "ok")
-                backend.record_success()
+                if probing or backend.consecutive_failures:
+                    self._answered(backend, status, probing, trial)
                 if self._echo is not None:
                     self._echo.observe(key, outgoing, response.headers)
             response.extensions[BACKEND_EXTENSION] = backend.name
@@ -174,12 +233,75 @@ class BackendPool:
         headers = self._key_headers.apply(headers, key)
         return await self._echo.add_to(headers, key) if self._echo is not None else headers
 
-    def _failed(self, backend: Backend, why: str, *, moving_on: bool) -> None:
-        backend.record_failure()
-        if moving_on:
-            logger.warning("backend %s %s; trying the next one", backend.name, why)
-            if self._metrics is not None:
-                self._metrics.backend_failovers.labels(backend.name).inc()
+    @staticmethod
+    def _next_in_service(ranked: Sequence[Backend], start: int) -> int | None:
+        """The next backend to retry an answered request on: one in service now (or half-open, its
+        trial free); an ejected backend would most likely answer the same."""
+        now = time.monotonic()
+        for index in range(start, len(ranked)):
+            if ranked[index].available(now):
+                return index
+        return None
+
+    def _answered(self, backend: Backend, status: int, probing: bool, trial: bool) -> None:
+        """An answer that is not the backend's failure, from a backend with failures or ejected."""
+        if status >= 400:
+            # The request's fault: says nothing of the backend's health either way (a wedged vLLM
+            # still validates requests in its API server), so a run of 500s goes on counting.
+            if trial:
+                backend.end_trial()
+            return
+        if not probing:
+            # Sent while it was in service: ends its run of failures, not an ejection that began
+            # while this request was in flight.
+            backend.consecutive_failures = 0
+            return
+        reason = backend.ejected_for
+        backend.record_success()
+        logger.info("backend %s answered again (ejected: %s); re-admitted", backend.name, reason)
+
+    def _answer_failed(self, backend: Backend, response: httpx.Response, model: str | None, trial: bool) -> None:
+        status = response.status_code
+        wait = (
+            self.outliers.retry_after_s(response.headers.get("retry-after")) if status in RETRY_AFTER_STATUSES else None
+        )
+        reason = RETRY_AFTER if wait is not None else UNAVAILABLE if status in UNAVAILABLE_STATUSES else ERRORS
+        if backend.failed(trial=trial, at_once=reason != ERRORS):
+            self._eject(backend, reason, model, wait, spare_last=True, why=f"answered {status}")
+
+    def _request_failed(self, backend: Backend, reason: str, model: str | None, trial: bool) -> None:
+        # A backend that cannot be reached (or drops connections) serves nobody: ejected even when
+        # it is the last (every backend is still tried when all are out).
+        if backend.failed(trial=trial, at_once=True):
+            self._eject(backend, reason, model, None, spare_last=False, why=reason.replace("_", " "))
+
+    def _eject(
+        self, backend: Backend, reason: str, model: str | None, seconds: float | None, *, spare_last: bool, why: str
+    ) -> None:
+        now = time.monotonic()
+        if spare_last and not any(b is not backend and b.serves(model) and b.available(now) for b in self.backends):
+            # The last backend in service for this model: ejecting it would send its requests to
+            # backends that are out for a reason, and its own answer is what the client gets anyway.
+            backend.spare()
+            return
+        was_trial = backend.on_trial
+        length = backend.eject(reason, now, seconds)
+        logger.warning(
+            "backend %s %s%s; ejected for %.1f s (%s, ejection %d)",
+            backend.name,
+            why,
+            " on its trial" if was_trial else "",
+            length,
+            reason,
+            backend.ejections,
+        )
+        if self._metrics is not None:
+            self._metrics.backend_ejections.labels(backend.name, reason).inc()
+
+    def _moved_off(self, backend: Backend, why: str) -> None:
+        logger.warning("backend %s %s; trying the next one", backend.name, why)
+        if self._metrics is not None:
+            self._metrics.backend_failovers.labels(backend.name).inc()
 
     def _count(self, backend: Backend, outcome: str) -> None:
         if self._metrics is not None:
@@ -230,8 +352,10 @@ class BackendPool:
                 backend.check_failed(hold_s)
             else:
                 was_out = backend.check_failed_until > 0
-                backend.check_passed()
-                if was_out and backend.available():
+                # Lifts its own ejection and one for being unreachable, never one for answering
+                # 5xx/429 (a wedged engine lists its models all the same): that takes a trial.
+                readmitted = backend.check_passed()
+                if (was_out or readmitted) and backend.available():
                     logger.info("backend %s answers again; re-admitted", backend.name)
                 self._learned(backend, listing)
 

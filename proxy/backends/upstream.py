@@ -6,7 +6,9 @@ OpenAI-shaped 502/504 errors so no client ever sees a stack trace.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Mapping
+import base64
+import json
+from collections.abc import AsyncIterable, Iterable, Mapping
 from typing import Any
 
 import httpx
@@ -16,6 +18,10 @@ from proxy.http.errors import ProxyError, upstream_connection_lost, upstream_tim
 from proxy.openai.jsonio import loads
 
 MAX_CACHED_URLS = 256
+# What stands in an upstream's answer for a credential the proxy sent it.
+REDACTED = b"[redacted]"
+# A URL's password alone is redacted from this length on (a shorter one would blank out words).
+MIN_REDACTED_PASSWORD = 4
 
 
 class _NoCookies(httpx.Cookies):
@@ -68,6 +74,9 @@ class Upstream:
         # itself; the URL used for requests carries none (aiohttp refuses a URL with credentials
         # next to an Authorization header, and a URL is easier to leak than a header).
         auth = httpx.BasicAuth(url.username, url.password) if url.userinfo else None
+        # Every form in which this upstream's own credentials leave the proxy, to be scrubbed from
+        # what it answers (an error page that echoes the request's headers): see :class:`Redactor`.
+        self.credentials = credential_forms(api_key, url)
         if url.userinfo:
             base_url = str(url.copy_with(userinfo=b""))
         self.base_url = base_url.rstrip("/")
@@ -173,4 +182,38 @@ class Upstream:
 
 
 def upstream_error_kind(exc: ProxyError) -> str:
+    if exc.code == "upstream_invalid_response":
+        return "invalid_response"
     return "timeout" if exc.status == 504 else "unreachable"
+
+
+def credential_forms(api_key: str | None, url: httpx.URL) -> tuple[str, ...]:
+    """The credentials an upstream with this key and URL is sent, as its answer may echo them: the
+    key (``Bearer <key>`` contains it), and for a URL's ``user:password@`` the Basic token, the
+    pair decoded and as the URL spells it, and the password alone."""
+    forms: list[str] = [api_key] if api_key else []
+    if url.userinfo:
+        pair = f"{url.username}:{url.password}"
+        forms += [base64.b64encode(pair.encode()).decode(), pair, url.userinfo.decode("ascii", "replace")]
+        if len(url.password) >= MIN_REDACTED_PASSWORD:
+            forms.append(url.password)
+    return tuple(forms)
+
+
+class Redactor:
+    """Replaces credentials with ``[redacted]`` in bytes an upstream sent: as they are, and as a
+    JSON string escapes them. Longest first, so a pair is not half replaced by its password."""
+
+    def __init__(self, credentials: Iterable[str]) -> None:
+        forms: set[bytes] = set()
+        for secret in credentials:
+            for form in (secret, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1]):
+                forms.add(form.encode("utf-8", "surrogatepass"))
+        forms.discard(b"")
+        self._forms = sorted(forms, key=len, reverse=True)
+
+    def __call__(self, raw: bytes) -> bytes:
+        for form in self._forms:
+            if form in raw:
+                raw = raw.replace(form, REDACTED)
+        return raw

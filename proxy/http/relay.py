@@ -8,7 +8,12 @@ when the client did not ask for it.
 An upstream is not trusted to behave: the buffer is scanned once per byte (an
 event that never ends costs linear time, not a rescan per read), one event may
 not grow past ``max_event_bytes``, and a chunk whose JSON has unexpected types
-is relayed as it came rather than breaking the stream.
+is relayed as it came rather than breaking the stream. What is not the protocol
+at all ends the stream with an error event in the protocol's shape: an event
+whose data is not a JSON object (or ``[DONE]``), a line that is no SSE field, a
+stream that ends before the protocol's last event. Each event is checked by its
+first and last bytes as it passes (no parse); only an odd one is looked at
+closer. Error events are scrubbed of the credentials the proxy sent upstream.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -32,6 +38,13 @@ _EVENT_END = b"\n\n"
 _DONE = b"data: [DONE]"
 _USAGE_MARK = b'"usage":'
 _TOOL_MARK = b'"tool_calls"'
+# In every error event of every protocol ({"error": ...}, {"type": "error"}), rarely anywhere else
+# (JSON escapes a quote inside a string).
+_ERROR_MARK = b'"error"'
+_CLOSE_BRACE = ord("}")
+# A line no protocol the relay serves sends: data that is neither a JSON object nor [DONE], or
+# no SSE field at all (blank lines aside).
+_FOREIGN_LINE = re.compile(rb"^(?!(?:data: ?(?:\{.*\}|\[DONE\])|event:.*|id:.*|retry:.*|:.*|)[ \t]*$)", re.MULTILINE)
 DEFAULT_MAX_EVENT_BYTES = 8 * 1024 * 1024
 
 
@@ -43,6 +56,56 @@ def error_event(message: str, code: str) -> bytes:
 
 STREAM_INTERRUPTED_MESSAGE = "the upstream stream was interrupted"
 STREAM_INTERRUPTED = error_event(STREAM_INTERRUPTED_MESSAGE, "upstream_stream_interrupted")
+# A stream that is not the protocol (see the module doc); the code of a whole answer that is not.
+INVALID_RESPONSE_CODE = "upstream_invalid_response"
+# Why a stream ended early because of what the upstream sent (``SSERelay.failure``).
+PROTOCOL_FAILURES = frozenset({"invalid_event", "truncated"})
+
+
+def well_formed(events: bytes) -> bool:
+    """Whether complete events (each ending in a blank line) are SSE as the protocols send it.
+
+    One event of one ``data: {...}`` line, or ``event: NAME`` and such a line, is told by a few
+    byte comparisons; anything else by a scan of its lines."""
+    end = len(events) - 2
+    first = events.find(b"\n")
+    if first == end:
+        if events.startswith(b"data: {") and events[end - 1] == _CLOSE_BRACE:
+            return True
+    elif (
+        events.startswith(b"event: ")
+        and events.startswith(b"data: {", first + 1)
+        and events.find(b"\n", first + 1) == end
+        and events[end - 1] == _CLOSE_BRACE
+    ):
+        return True
+    return _FOREIGN_LINE.search(events) is None
+
+
+def is_error_event(event: bytes) -> bool:
+    """An event that reports an error in any protocol's shape (OpenAI's, vLLM's, Anthropic's, Responses')."""
+    start = event.find(b"data: {")
+    if start < 0:
+        return False
+    try:
+        payload: Any = loads(event[start + 6 :].split(b"\n", 1)[0])
+    except ValueError:
+        return False
+    if not isinstance(payload, dict):
+        return False
+    return isinstance(payload.get("error"), dict) or payload.get("type") == "error" or payload.get("object") == "error"
+
+
+def _until_foreign(complete: bytes) -> bytes:
+    """The events before the first that is not :func:`well_formed`."""
+    good: list[bytes] = []
+    for event in complete.split(_EVENT_END)[:-1]:
+        if not event:
+            continue
+        if not well_formed(event + _EVENT_END):
+            break
+        good.append(event + _EVENT_END)
+    return b"".join(good)
 
 
 class SSERelay:
@@ -58,13 +121,20 @@ class SSERelay:
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
         dialect: ErrorDialect = OPENAI,
         on_answer: Callable[[dict[str, Any]], None] | None = None,
+        scrub: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self._response = response
         self._dialect = dialect
         self._client_wants_usage = client_wants_usage
         self._on_first_chunk = on_first_chunk
         self._max_event_bytes = max_event_bytes
-        self.usage: Usage | None = None
+        # Removes the credentials the proxy sent upstream from an error event before it is relayed.
+        self._scrub = scrub
+        self._usage: Usage | None = None
+        # The upstream reported usage that could not be true (see ``usage``).
+        self.usage_rejected = False
+        # The upstream sent an error event of its own.
+        self.upstream_error = False
         self.assistant = AssistantRecorder()
         self.completed = False
         # Events relayed so far: vLLM streams about one token per event, which is what a stream cut
@@ -72,12 +142,28 @@ class SSERelay:
         self.events = 0
         # Session inference needs the reply's text, which means parsing every event.
         self._record_content = record_content
-        # Why the stream ended early ("interrupted", "event_too_large"), for the access log.
+        # Why the stream ended early, for the access log: "interrupted", "event_too_large", or what
+        # the upstream sent was not the protocol (PROTOCOL_FAILURES), or it ended after an error
+        # event of its own ("upstream_error").
         self.failure: str | None = None
         # The whole answer, for protocols whose last event carries it (Responses' response.completed);
         # ``on_answer`` is told its header as soon as an event names it (Responses' response.created).
         self.answer: dict[str, Any] | None = None
         self._on_answer = on_answer
+
+    @property
+    def usage(self) -> Usage | None:
+        """The upstream's last usage report that could be true; what a protocol's reader makes of
+        a nonsense block (no prompt, counts past any context) is not kept: the turn is then charged
+        its estimate, never 0."""
+        return self._usage
+
+    @usage.setter
+    def usage(self, usage: Usage | None) -> None:
+        if usage is not None and not usage.plausible:
+            self.usage_rejected = True
+            return
+        self._usage = usage
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         pending = bytearray()
@@ -118,23 +204,35 @@ class SSERelay:
                 if len(pending) > self._max_event_bytes:
                     yield self._too_large()
                     return
-                if self._wants(complete):
-                    complete = self._inspect(complete)
+                complete = self._relay(complete)
                 if complete:
                     if first and self._on_first_chunk is not None:
                         self._on_first_chunk()
                     first = False
-                    self.events += complete.count(_EVENT_END)
-                    if self._is_final(complete):
-                        # The answer is whole once [DONE] is relayed: a client that hangs up at once
-                        # must not race the upstream's end of body into an "incomplete" stream.
-                        self.completed = True
                     yield complete
+                if self.failure is not None:
+                    yield self._invalid_event()
+                    return
             if held_cr:
                 pending += b"\r"
-            if pending:
-                yield bytes(pending)
-            self.completed = True
+            # After the last blank line: an event the upstream did not end. Only the protocol's last
+            # one is relayed (ended for it); any other is dropped, as an SSE client drops it.
+            tail = bytes(pending).rstrip(b"\n")
+            if tail and not self.completed and self._is_final(tail):
+                complete = self._relay(tail + _EVENT_END)
+                if complete:
+                    yield complete
+                if self.failure is not None:
+                    yield self._invalid_event()
+                    return
+            # A protocol relay that read the whole answer from the last event has seen the end, even
+            # where that event came without the ``event:`` line ``_is_final`` looks for.
+            if self.answer is not None:
+                self.completed = True
+            if not self.completed:
+                truncated = self._truncated()
+                if truncated:
+                    yield truncated
         except (httpx.TransportError, httpx.TimeoutException) as exc:
             # The upstream broke off mid-stream (crashed, restarted, timed out). The answer cannot be
             # resumed elsewhere; the client gets an error event, which OpenAI SDKs raise as an APIError,
@@ -144,6 +242,44 @@ class SSERelay:
             yield self._dialect.stream_event(STREAM_INTERRUPTED_MESSAGE, "upstream_stream_interrupted")
         finally:
             await self._response.aclose()
+
+    def _relay(self, complete: bytes) -> bytes:
+        """What to relay of these complete events (setting ``failure`` at the first that is not the
+        protocol: the ones before it are relayed, the rest never)."""
+        if _ERROR_MARK in complete:
+            if self._scrub is not None:
+                complete = self._scrub(complete)
+            if any(is_error_event(event) for event in complete.split(_EVENT_END) if _ERROR_MARK in event):
+                self.upstream_error = True
+        foreign = not well_formed(complete)
+        if foreign:
+            complete = _until_foreign(complete)
+        if self._wants(complete):
+            complete = self._inspect(complete)
+        self.events += complete.count(_EVENT_END)
+        if self._is_final(complete):
+            # The answer is whole once [DONE] is relayed: a client that hangs up at once must not
+            # race the upstream's end of body into an "incomplete" stream.
+            self.completed = True
+        if foreign:
+            logger.warning("upstream sent an SSE event that is not the protocol's; stream ended")
+            self.failure = "invalid_event"
+        return complete
+
+    def _invalid_event(self) -> bytes:
+        return self._dialect.stream_event("the upstream sent an event that is not JSON", INVALID_RESPONSE_CODE)
+
+    def _truncated(self) -> bytes:
+        """The upstream's body ended before the protocol's last event: the client is told, unless the
+        upstream already said why in an error event of its own."""
+        if self.upstream_error:
+            self.failure = "upstream_error"
+            return b""
+        logger.warning("upstream stream ended before its last event")
+        self.failure = "truncated"
+        return self._dialect.stream_event(
+            "the upstream stream ended before the answer did", "upstream_stream_truncated"
+        )
 
     def _too_large(self) -> bytes:
         # An event this large is no token delta: a broken or hostile upstream. Buffering on would
@@ -176,6 +312,8 @@ class SSERelay:
                 continue
             if event.startswith(b"data: {") and (self._record_content or _USAGE_MARK in event or _TOOL_MARK in event):
                 rewritten = self._inspect_event(event)
+                if self.failure is not None:
+                    break
                 if rewritten is None:
                     continue
                 event = rewritten
@@ -187,15 +325,19 @@ class SSERelay:
         try:
             chunk: Any = loads(event[6:])
         except ValueError:
-            return event
+            self.failure = "invalid_event"  # looked like a JSON object, is none: the stream ends
+            return None
         if not isinstance(chunk, dict):
             return event
         choices = chunk.get("choices")
         if isinstance(choices, list):
             for choice in choices:
                 self.assistant.feed_delta(choice)
-        usage = Usage.from_openai(chunk.get("usage"))
+        reported = chunk.get("usage")
+        usage = Usage.from_openai(reported)
         if usage is None:
+            if reported is not None:
+                self.usage_rejected = True
             return event
         self.usage = usage
         if self._client_wants_usage:

@@ -133,7 +133,8 @@ class Metrics:
         )
         self.upstream_errors = Counter(
             "prefix_proxy_upstream_errors",
-            "Upstream failures by kind (unreachable, timeout, http_4xx, http_5xx).",
+            "Upstream failures by kind (unreachable, timeout, http_4xx, http_5xx; invalid_response: an answer or"
+            " stream that is not the protocol; invalid_usage: usage that cannot be true, not counted).",
             ["route", "kind"],
             registry=r,
         )
@@ -200,6 +201,12 @@ class Metrics:
         self.streams_cancelled = Counter(
             "prefix_proxy_streams_cancelled", "Streams closed because the client went away.", registry=r
         )
+        self.slow_clients = Counter(
+            "prefix_proxy_slow_clients",
+            "Connections cut because their request did not arrive in time, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.sessions_active = Gauge(
             "prefix_proxy_sessions_active", "Sessions seen within the activity window.", registry=r
         )
@@ -261,7 +268,7 @@ class Metrics:
         )
         self.backend_requests = Counter(
             "prefix_proxy_backend_requests",
-            "Attempts sent to a backend by outcome (ok, unreachable, timeout, http_5xx).",
+            "Attempts sent to a backend by outcome (ok, unreachable, timeout, http_5xx, http_429).",
             ["backend", "outcome"],
             registry=r,
         )
@@ -269,6 +276,12 @@ class Metrics:
             "prefix_proxy_backend_failovers",
             "Requests moved off a backend to the next one after it failed.",
             ["backend"],
+            registry=r,
+        )
+        self.backend_ejections = Counter(
+            "prefix_proxy_backend_ejections",
+            "Backends taken out of rotation after failed requests, by reason (docs/routing.md).",
+            ["backend", "reason"],
             registry=r,
         )
         self.cache_break_tokens = Counter(
@@ -290,10 +303,12 @@ class Metrics:
             for kind in ("context", "session", "tenant"):
                 self.budget_rejections.labels(kind, self.tenant_label(tenant))
         for route in ("chat", "completions", "embeddings", "models"):
-            for kind in ("unreachable", "timeout", "http_4xx", "http_5xx"):
+            for kind in ("unreachable", "timeout", "http_4xx", "http_5xx", "invalid_response", "invalid_usage"):
                 self.upstream_errors.labels(route, kind)
         for reuse in ("new", "repeat"):
             self.prefix_requests.labels(reuse)
+        for reason in ("header_timeout", "body_timeout", "too_many_incomplete"):
+            self.slow_clients.labels(reason)
 
     def watch_backends(self, backends: Iterable[Backend]) -> None:
         """Export each backend's health and load, read when Prometheus scrapes."""
@@ -301,7 +316,7 @@ class Metrics:
             self.backend_up.labels(backend.name).set_function(partial(_is_available, backend))
             self.backend_in_flight.labels(backend.name).set_function(partial(_in_flight, backend))
             self.backend_failovers.labels(backend.name)
-            for outcome in ("ok", "unreachable", "timeout", "http_5xx"):
+            for outcome in ("ok", "unreachable", "timeout", "http_5xx", "http_429"):
                 self.backend_requests.labels(backend.name, outcome)
 
     def confirm_model(self, model: str | None) -> None:

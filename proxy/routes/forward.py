@@ -15,11 +15,11 @@ from starlette.responses import Response
 
 from proxy.app_state import ProxyState, get_state
 from proxy.backends.pool import BACKEND_EXTENSION
-from proxy.backends.upstream import upstream_error_kind
+from proxy.backends.upstream import Redactor, upstream_error_kind
 from proxy.http.context import RequestContext, overhead_header
 from proxy.http.dialect import OPENAI, ErrorDialect
 from proxy.http.errors import ProxyError, invalid_upstream_response, json_bytes
-from proxy.http.relay import SSERelay
+from proxy.http.relay import PROTOCOL_FAILURES, SSERelay
 from proxy.http.streaming import RelayResponse, StreamEnd
 from proxy.observability.access_log import log_request
 from proxy.openai.jsonio import loads
@@ -29,6 +29,14 @@ from proxy.tenants import Tenant
 REQUEST_ID_HEADER = "x-request-id"
 # How a protocol's ``usage`` object reads (chat completions' by default).
 UsageReader = Callable[[Any], Usage | None]
+# The list a successful whole answer of each protocol holds (its choices, content blocks, output
+# items): an answer without it is no answer, however it is labelled.
+ANSWER_LISTS = {
+    "/chat/completions": "choices",
+    "/completions": "choices",
+    "/messages": "content",
+    "/responses": "output",
+}
 
 
 def new_context(request: Request, route: str) -> RequestContext:
@@ -90,6 +98,27 @@ def upstream_headers(state: ProxyState, request: Request, ctx: RequestContext) -
         REQUEST_ID_HEADER: ctx.request_id,
         **state.backends.credentials(ctx.upstream_api_key, passed_on),
     }
+
+
+def credential_scrubber(state: ProxyState, ctx: RequestContext) -> Callable[[bytes], bytes] | None:
+    """What removes the credentials the proxy itself sent upstream (its upstream key, a tenant's,
+    a URL's user and password) from what the upstream answers; None when it sent none. Built on
+    first use: most answers carry no error to scrub. The client's own credentials, passed on by an
+    open proxy, are the client's to see."""
+    credentials = [c for backend in state.backends.backends for c in backend.upstream.credentials]
+    if ctx.upstream_api_key:
+        credentials.append(ctx.upstream_api_key)
+    if not credentials:
+        return None
+    redactor: Redactor | None = None
+
+    def scrub(raw: bytes) -> bytes:
+        nonlocal redactor
+        if redactor is None:
+            redactor = Redactor(credentials)
+        return redactor(raw)
+
+    return scrub
 
 
 def proxy_headers(ctx: RequestContext) -> dict[str, str]:
@@ -221,8 +250,8 @@ async def send_json(
     ctx.upstream_done_at = time.perf_counter()
     ctx.status = response.status_code
     if response.status_code >= 400:
-        return upstream_error(state, ctx, response.status_code, raw)
-    return json_answer(state, ctx, response.status_code, raw, on_reply, read_usage)
+        return upstream_error(state, ctx, response.status_code, raw, response.headers)
+    return json_answer(state, ctx, response.status_code, raw, on_reply, read_usage, ANSWER_LISTS.get(path))
 
 
 def json_answer(
@@ -232,18 +261,32 @@ def json_answer(
     raw: bytes,
     on_reply: Callable[[dict[str, Any]], None] | None = None,
     read_usage: UsageReader = Usage.from_openai,
+    answer_list: str | None = None,
 ) -> Response:
-    """The upstream's successful JSON answer, bytes unchanged; 502 when it is not JSON at all (it
-    would otherwise reach the client labelled ``application/json``)."""
+    """The upstream's successful JSON answer, bytes unchanged; 502 when it is not a JSON object, or
+    lacks the protocol's ``answer_list`` (it would otherwise reach the client as a success).
+
+    Usage that cannot be true (see :mod:`proxy.openai.usage`) is no usage: None, counted."""
     try:
         parsed: Any = loads(raw)
     except ValueError:
         ctx.status = 502
         raise invalid_upstream_response("its answer is not JSON") from None
-    if isinstance(parsed, dict):
-        ctx.usage = read_usage(parsed.get("usage"))
-        if on_reply is not None:
-            on_reply(parsed)
+    if not isinstance(parsed, dict):
+        ctx.status = 502
+        raise invalid_upstream_response("its answer is not a JSON object")
+    if answer_list is not None and not isinstance(parsed.get(answer_list), list):
+        ctx.status = 502
+        raise invalid_upstream_response(f"its answer has no {answer_list!r} list")
+    reported = parsed.get("usage")
+    usage = read_usage(reported)
+    if usage is not None and not usage.plausible:
+        usage = None
+    if usage is None and reported is not None:
+        state.metrics.upstream_errors.labels(ctx.route, "invalid_usage").inc()
+    ctx.usage = usage
+    if on_reply is not None:
+        on_reply(parsed)
     headers = {}
     if ctx.usage is not None:
         headers["x-prefix-proxy-prompt-tokens"] = str(ctx.usage.prompt_tokens)
@@ -279,9 +322,9 @@ async def send_stream(
             raw = await state.backends.read(response)
             ctx.upstream_done_at = time.perf_counter()
             if response.status_code >= 400:
-                return upstream_error(state, ctx, response.status_code, raw)
+                return upstream_error(state, ctx, response.status_code, raw, response.headers)
             ctx.stream = False
-            return json_answer(state, ctx, response.status_code, raw, on_reply, read_usage)
+            return json_answer(state, ctx, response.status_code, raw, on_reply, read_usage, ANSWER_LISTS.get(path))
 
     def first_chunk() -> None:
         ctx.first_chunk_at = time.perf_counter()
@@ -294,11 +337,16 @@ async def send_stream(
         record_content=record_content,
         max_event_bytes=state.settings.max_sse_event_bytes,
         dialect=ctx.dialect,
+        scrub=credential_scrubber(state, ctx),
     )
 
     def on_end(end: StreamEnd) -> None:
         ctx.upstream_done_at = time.perf_counter()
         ctx.usage = relay.usage
+        if relay.usage_rejected:
+            state.metrics.upstream_errors.labels(ctx.route, "invalid_usage").inc()
+        if relay.failure in PROTOCOL_FAILURES:
+            state.metrics.upstream_errors.labels(ctx.route, "invalid_response").inc()
         # A disconnect noticed after the last event was relayed is just the client hanging up.
         if not relay.completed:
             if end == "disconnected":
@@ -386,10 +434,20 @@ async def open_upstream(
     return response
 
 
-def upstream_error(state: ProxyState, ctx: RequestContext, status: int, raw: bytes) -> Response:
+def upstream_error(
+    state: ProxyState, ctx: RequestContext, status: int, raw: bytes, headers: Mapping[str, str] | None = None
+) -> Response:
+    """An upstream's error answer, in the protocol's shape, without the credentials the proxy sent
+    it (an error page may echo the request's Authorization); its ``Retry-After`` (a 429's, a 503's)
+    goes to the client, whose retry should wait as the backend asked."""
     state.metrics.upstream_errors.labels(ctx.route, "http_4xx" if status < 500 else "http_5xx").inc()
     ctx.error_code = f"upstream_{status}"
-    return whole_answer(state, ctx, ctx.dialect.upstream_body(status, raw), status)
+    scrub = credential_scrubber(state, ctx)
+    if scrub is not None:
+        raw = scrub(raw)
+    retry_after = headers.get("retry-after") if headers is not None else None
+    extra = {"retry-after": retry_after} if retry_after and retry_after.isascii() and len(retry_after) < 64 else None
+    return whole_answer(state, ctx, ctx.dialect.upstream_body(status, raw), status, extra)
 
 
 def with_upstream_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:

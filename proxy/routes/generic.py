@@ -27,6 +27,7 @@ from proxy.app_state import ProxyState, get_state
 from proxy.http.body import MAX_MODEL_CHARS, is_text
 from proxy.http.context import RequestContext, overhead_header
 from proxy.http.errors import ProxyError
+from proxy.http.inbound import RequestTimeout
 from proxy.http.paths import PATH_SAFE, InvalidPath, canonical_path
 from proxy.http.streaming import RelayResponse, StreamEnd
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
@@ -179,7 +180,7 @@ async def forward_raw(
         async with within_deadline(ctx):
             raw = await state.backends.read(response)
         ctx.upstream_done_at = time.perf_counter()
-        return upstream_error(state, ctx, response.status_code, raw)
+        return upstream_error(state, ctx, response.status_code, raw, response.headers)
     return _streamed(state, ctx, response)
 
 
@@ -207,6 +208,9 @@ class _Upload:
                 499, "the client closed the connection before sending the whole body", code="client_disconnected"
             )
             raise self.failure from None
+        except RequestTimeout as timeout:
+            self.failure = timeout  # the body's read deadline (proxy.http.inbound): the client's 408
+            raise
 
 
 async def _request_body(
