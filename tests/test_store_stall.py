@@ -67,7 +67,9 @@ def stack() -> Iterator[tuple[LiveServer, PrivateRedis]]:
     settings = Settings(
         upstream=backend.url + "/v1",
         sessions={"store": "redis", "redis_url": redis_server.url, "key_prefix": unique_prefix()},
-        summarizer={"max_summary_tokens": 120},
+        # A ready summary is swapped in from 80% of the context on: the estimate of a whole history
+        # deferred to 100% can be a few percent low, and the engine would refuse that turn.
+        summarizer={"max_summary_tokens": 120, "apply_ratio": 0.8},
     )
     proxy = LiveServer(create_app(settings)).start()
     yield proxy, redis_server

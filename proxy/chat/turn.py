@@ -39,10 +39,6 @@ if TYPE_CHECKING:
     from proxy.app_state import ProxyState
 
 
-# Of the context limit, the share up to which a ready summary may wait (see _defers_summary).
-DEFERRAL_MARGIN = 0.9
-
-
 def context_length_exceeded(estimate: int, limit: int) -> ProxyError:
     return ProxyError(
         400,
@@ -213,9 +209,7 @@ class ChatTurn:
             return False
         tokens_per_byte = self.session.tokens_per_byte if self.session else None
         whole = fast_estimate(request_bytes(self.canonical), tokens_per_byte)
-        # The estimate is calibrated on the session's last turn; new text can tokenize denser by a
-        # few percent, and a history deferred one turn too long is refused by the engine.
-        return whole <= self.limit * ratio * DEFERRAL_MARGIN
+        return whole <= self.limit * ratio
 
     @property
     def repairs_window(self) -> bool:
