@@ -137,7 +137,8 @@ class SessionSettings(BaseModel):
     use_user: bool = False
     # How long a Redis failure keeps the proxy in pass-through before it tries Redis again.
     retry_after_failure_s: float = 1.0
-    # The deadline of every store call: a Redis that stalls is taken for down within it.
+    # The deadline of every socket operation on the store (a Redis that stalls is taken for down
+    # within it); a whole store call, connecting and one retry included, gets four of it.
     operation_timeout_s: float = Field(0.5, gt=0)
     # Sessions this replica keeps a copy of (record, summary, fingerprints), least recently used
     # out first, to serve them while the shared store cannot answer (0: none).

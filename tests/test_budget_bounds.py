@@ -104,6 +104,14 @@ def test_two_replicas_200_concurrent_requests_never_overshoot(
         results = list(pool.map(one, range(200)))
     statuses = [status for status, _ in results]
     spent = first_spent + sum(tokens for _, tokens in results)
+    store_errors = sum(
+        float(line.rsplit(" ", 1)[1])
+        for replica in replicas
+        for line in httpx.get(replica.url + "/metrics").text.splitlines()
+        if line.startswith("prefix_proxy_store_errors_total ")
+    )
+    # The guarantee holds while the store answers (during an outage requests are admitted unreserved).
+    assert store_errors == 0
     print(
         f"200 concurrent over 2 replicas: {statuses.count(200)} answered, {statuses.count(429)} refused, "
         f"{spent} of {limit} tokens spent ({spent - limit:+d} over)"

@@ -166,6 +166,19 @@ async def test_admission_with_the_proxys_own_budget_keys(store: SessionStore) ->
     assert await store.usage(limits[0].key, 60, now) == 100
 
 
+async def test_what_an_unreserved_request_spent_is_charged_against_every_limit(store: SessionStore) -> None:
+    """A request admitted while the store was down is charged once it answers again: later
+    admissions see those tokens spent."""
+    now = time.time()
+    budget = BudgetSettings(tenant_tokens_per_window=100, session_tokens_per_window=60)
+    limits = usage_limits(budget, "initech", "s9")
+    await store.charge(limits, 45, 60, now)
+    assert await store.usage(limits[0].key, 60, now) == 45
+    assert await store.usage(limits[1].key, 60, now) == 45
+    assert not (await store.reserve(limits, 20, 60, now)).admitted  # 45 + 20 > the session's 60
+    assert (await store.reserve(limits, 15, 60, now)).admitted
+
+
 async def test_bursts_on_a_fresh_client_and_after_a_reset_all_succeed(store: SessionStore) -> None:
     """The first commands of a client (at start, after a failure dropped its connections) may come
     all at once: on a cluster, redis-py 8 failed a third of such bursts until the first command ran

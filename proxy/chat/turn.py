@@ -28,7 +28,7 @@ from proxy.http.errors import ProxyError
 from proxy.openai.usage import Usage
 from proxy.protocols.channel import CHAT, SummaryChannel
 from proxy.sessions.identity import conversation_root
-from proxy.sessions.model import Reservation
+from proxy.sessions.model import Reservation, UsageLimit
 from proxy.sessions.service import SessionView, StoreUnavailable
 from proxy.tenants import Tenant
 from proxy.tokenization.counter import CAUTIOUS_TOKENS_PER_BYTE, TYPICAL_TOKENS_PER_BYTE
@@ -74,6 +74,8 @@ class ChatTurn:
     limit: int | None = None
     request_bytes: int = 0
     reservation: Reservation | None = None
+    # The usage limits of a request admitted without a reservation (the store was down).
+    unreserved: list[UsageLimit] = field(default_factory=list)
     actions: list[str] = field(default_factory=list)
     prefix_hash: str | None = None
     system_tail: str = ""
@@ -274,6 +276,7 @@ class ChatTurn:
                     if exact_amount < amount:
                         reservation = await self.state.sessions.reserve(limits, exact_amount, self.budget.window_s)
         except StoreUnavailable:
+            self.unreserved = limits  # charged once the answer's usage is known
             return
         if not reservation.admitted:
             kind = reservation.rejected_kind or "usage"
@@ -283,6 +286,9 @@ class ChatTurn:
 
     async def finish(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
         """Account the answered request: session counters, budget settlement, summary upkeep."""
+        if self.unreserved and usage is not None:
+            spent = usage.prompt_tokens + usage.completion_tokens
+            await self.state.sessions.charge_unreserved(self.unreserved, spent, self.budget.window_s)
         if self.session is None:
             return
         await self.state.sessions.record(
@@ -344,7 +350,7 @@ class ChatTurn:
 
     def finish_later(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
         """:meth:`finish` from synchronous code (the end of a stream), as a background task."""
-        if self.session is not None:
+        if self.session is not None or self.unreserved:
             self.state.sessions.spawn(self.finish(usage, reply))
 
     def _count_summary_savings(self) -> None:

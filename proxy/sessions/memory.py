@@ -183,6 +183,11 @@ class MemorySessionStore:
             slot = (key, reservation.window)
             self._usage[slot] = max(0, self._usage.get(slot, 0) + delta)
 
+    async def charge(self, limits: list[UsageLimit], amount: int, window_s: int, now: float) -> None:
+        window = window_of(now, window_s)[0]
+        for limit in limits:
+            self._usage[(limit.key, window)] = self._usage.get((limit.key, window), 0) + amount
+
     async def usage(self, key: str, window_s: int, now: float) -> int:
         return self._usage.get((key, window_of(now, window_s)[0]), 0)
 

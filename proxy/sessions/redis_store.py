@@ -244,6 +244,13 @@ class RedisSessionStore:
             return
         await self._settle(keys=list(reservation.keys), args=[delta, window_s + 60])
 
+    async def charge(self, limits: list[UsageLimit], amount: int, window_s: int, now: float) -> None:
+        if amount <= 0 or not limits:
+            return
+        window = window_of(now, window_s)[0]
+        keys = [self.usage_key(limit.key, window) for limit in limits]
+        await self._settle(keys=keys, args=[amount, window_s + 60])
+
     async def usage(self, key: str, window_s: int, now: float) -> int:
         value = await self._redis.get(self.usage_key(key, window_of(now, window_s)[0]))
         return int(value or 0)

@@ -1,12 +1,14 @@
 """The proxy's use of the session store, with graceful degradation.
 
-Every store call has a deadline (``operation_timeout_s``): a Redis that stalls looks like one
-that died within it. Any store failure (down, stalled, refusing) is counted, logged once per
-outage, and the store is left alone for ``retry_after_failure_s`` so an outage adds no latency to
-every request; after that the next request probes it again, and recovery is logged. Meanwhile
-requests are served without budgets; sessions this replica served recently are still known from
-its own bounded copy of them (``local_copy_sessions``: records, summaries, fingerprints), so a
-summarized conversation keeps its summary and nothing fails for want of the store.
+Every store call has a deadline: each socket operation ``operation_timeout_s`` (a Redis that
+stalls looks like one that died within it), the whole call four of it. Any store failure (down,
+stalled, refusing) is counted, logged once per outage, and the store is left alone for
+``retry_after_failure_s`` so an outage adds no latency to every request; after that the next
+request probes it again, and recovery is logged. Meanwhile requests are admitted without
+reservations (what they spend is counted once the store answers); sessions this replica served
+recently are still known from its own bounded copy of them (``local_copy_sessions``: records,
+summaries, fingerprints), so a summarized conversation keeps its summary and nothing fails for
+want of the store.
 """
 
 from __future__ import annotations
@@ -100,7 +102,10 @@ class SessionService:
             else:
                 # Not asyncio.wait_for: before Python 3.12 it runs the operation as a task of its
                 # own, two more turns of the event loop for every store call on the request path.
-                async with asyncio.timeout(self._settings.operation_timeout_s):
+                # Each socket operation has operation_timeout_s (the Redis client's socket timeout:
+                # a stalled Redis is taken for down within it); the whole call, a connection set up
+                # and one retry on a fresh connection included, within four of it.
+                async with asyncio.timeout(self._settings.operation_timeout_s * 4):
                     result = await operation
         except Exception as exc:
             first_failure = not self._degraded
@@ -182,6 +187,14 @@ class SessionService:
         if not limits:
             return Reservation(True)
         return await self.call(self.store.reserve(limits, amount, window_s, time.time()))
+
+    async def charge_unreserved(self, limits: list[UsageLimit], spent: int, window_s: int) -> None:
+        """Count what a request admitted without a reservation (the store was down) spent, once the
+        store answers again: budgets count every token, late rather than never. Never raises."""
+        if not limits or spent <= 0:
+            return
+        with contextlib.suppress(StoreUnavailable):
+            await self.call(self.store.charge(limits, spent, window_s, time.time()))
 
     async def record(
         self,
