@@ -309,6 +309,15 @@ DEFAULT_ADMIN_ROUTES = [
 ]
 
 
+UNGOVERNED_GENERATION_ROUTES = [
+    "/invocations",
+    "/v1/chat/completions/batch",
+    "/cohere/v2/chat",
+    "/inference/v1/generate",
+    "/generative_scoring",
+]
+
+
 class RouteSettings(BaseModel):
     """Routes of the backend the proxy has no handler of its own for (docs/protocols.md).
 
@@ -325,6 +334,10 @@ class RouteSettings(BaseModel):
     denied_routes: list[str] = Field(default_factory=list)
     # When set, only these (and the admin routes, for the admin) are forwarded; others 404.
     allowed_routes: list[str] | None = None
+    # vLLM routes that generate text outside the proxy's pipeline (no budget, no tenant cache
+    # salt: /invocations takes a chat body). With tenants or usage budgets configured they are a
+    # way around both, so they answer 404 unless listed in allowed_routes.
+    ungoverned_generation: list[str] = Field(default_factory=lambda: list(UNGOVERNED_GENERATION_ROUTES))
 
 
 class ResponsesSettings(BaseModel):

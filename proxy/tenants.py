@@ -61,6 +61,12 @@ def tenant_cache_salt(secret: bytes, tenant: str, client_salt: Any = None) -> st
     return "pp-" + hashlib.blake2b(message, key=secret, digest_size=16).hexdigest()
 
 
+def salt_key_of(material: bytes) -> bytes:
+    """A BLAKE2 key (at most 64 bytes) from a secret of any length: the configured one may be a
+    passphrase or 128 hex characters alike."""
+    return hashlib.blake2b(material, digest_size=32, person=b"pp-cache-salt").digest()
+
+
 # The name under which replicas share a generated salt key in the session store.
 SALT_SECRET_NAME = "cache_salt"
 
@@ -72,7 +78,7 @@ class SaltKey:
 
     def __init__(self, configured: str | None) -> None:
         self.source = "configured" if configured else "process"
-        self.secret = configured.encode() if configured else secrets.token_bytes(32)
+        self.secret = salt_key_of(configured.encode()) if configured else secrets.token_bytes(32)
 
     @property
     def settled(self) -> bool:
@@ -85,7 +91,7 @@ class SaltKey:
             logger.warning("the shared cache-salt key in the session store is not hex: keeping this replica's own")
             return
         if len(secret) >= 16:
-            self.secret, self.source = secret, "shared"
+            self.secret, self.source = salt_key_of(secret), "shared"
 
     @staticmethod
     def candidate() -> str:

@@ -156,3 +156,16 @@ def test_admin_routes_match_in_any_case(make_proxy: Callable[..., LiveServer], f
         # A tenant's key is not the admin key: the operator route refuses it, in every case.
         assert request(proxy, "POST", spelling, {})[0] in (401, 403), spelling
     assert len(httpx.get(fake_backend.url + "/fake/requests").json()) == before
+
+
+@pytest.mark.parametrize("route", ["/invocations", "/v1/chat/completions/batch", "/cohere/v2/chat"])
+def test_generation_outside_the_pipeline_is_no_way_around_it(make_proxy: Callable[..., LiveServer], route: str) -> None:
+    """vLLM generates on these routes too (/invocations takes a chat body): with tenants they
+    would skip the budget and the tenant's salt, so they are not forwarded unless allowed by name."""
+    governed = make_proxy(tenants=TENANTS, budget={"tenant_tokens_per_window": 1})
+    for spelling in (route, route + "/", "/" + route, route.upper()):
+        status, body = post(governed, spelling, CHAT)
+        assert status == 404, (spelling, body[:200])
+    assert b"outside the proxy's pipeline" in post(governed, route, CHAT)[1]
+    allowed = make_proxy(tenants=TENANTS, routes={"allowed_routes": [route]})
+    assert b"outside the proxy's pipeline" not in post(allowed, route, CHAT)[1]

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from proxy.app import create_app
 from proxy.config import Settings
-from proxy.http.inbound import InboundLimits
+from proxy.http.inbound import EVICTABLE_AGE_S, InboundLimits
 from proxy.serve import server_config
 from testbed.fakevllm import FakeBackendConfig
 from testbed.fakevllm import create_app as create_fake_app
@@ -452,7 +452,7 @@ def test_past_the_cap_the_oldest_incomplete_request_is_closed_and_a_fast_one_get
     oldest = stalled_heads + stalled_bodies
     newer: list[Client] = []
     try:
-        time.sleep(0.3)
+        time.sleep(EVICTABLE_AGE_S + 0.1)  # old enough to be cut (a burst's young ones never are)
         assert all(still_open(oldest))  # at the cap, not over it
 
         newer = [Client(capped, head(CHAT_PATH, len(body)) + body[:30]) for _ in range(20)]
@@ -461,6 +461,7 @@ def test_past_the_cap_the_oldest_incomplete_request_is_closed_and_a_fast_one_get
         assert all(still_open(newer))
 
         # A request that arrives at once is served: room is made for it (the oldest slow one goes).
+        time.sleep(EVICTABLE_AGE_S)
         assert httpx.get(capped.url + "/healthz", timeout=5).status_code == 200
         time.sleep(0.1)
         assert still_open(newer) == [False] + [True] * 19
@@ -473,6 +474,19 @@ def test_past_the_cap_the_oldest_incomplete_request_is_closed_and_a_fast_one_get
         assert cut["header_timeout"] == cut["body_timeout"] == 0
     finally:
         for client in oldest + newer:
+            client.sock.close()
+
+
+def test_a_burst_of_whole_requests_is_served_past_the_cap(capped: ProxyProcess) -> None:
+    """asyncio accepts a burst of connections before it reads any: their requests are already in
+    their buffers, and the cap must not cut them for being many at once."""
+    request = b"GET /healthz HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n"
+    clients = [Client(capped, request) for _ in range(60)]  # three times the cap of 20
+    try:
+        endings = wait_closed(clients, timeout_s=10)
+        assert [e.status for e in endings] == [200] * 60
+    finally:
+        for client in clients:
             client.sock.close()
 
 
@@ -537,3 +551,37 @@ def test_a_kept_alive_connection_is_timed_per_request(server: Server) -> None:
     assert_cut_at(ending, HEADER_S)
     assert ending.data == b""
     assert cut_since(before, server)["header_timeout"] == 1
+
+
+class _Connection:
+    """What Arrivals reads of a connection: its loop's clock, when its request started, cut()."""
+
+    def __init__(self, arrivals: Any, clock: list[float]) -> None:
+        self._arrivals, self._clock = arrivals, clock
+        self._started = clock[0]
+        self.reason: str | None = None
+        self.loop = self
+
+    def time(self) -> float:
+        return self._clock[0]
+
+    def cut(self, reason: str) -> None:
+        self.reason = reason
+        self._arrivals.leave(self)
+
+
+def test_the_cap_never_cuts_a_connection_too_young_to_have_sent_its_request() -> None:
+    from proxy.http.inbound import Arrivals
+
+    cuts: list[str] = []
+    arrivals = Arrivals(InboundLimits(header_timeout_s=10, body_timeout_s=30, max_incomplete=4), cuts.append)
+    clock = [100.0]
+    burst = [_Connection(arrivals, clock) for _ in range(12)]
+    for connection in burst:  # accepted in one pass of the loop, none read yet
+        arrivals.enter(connection)  # type: ignore[arg-type]
+    assert [c.reason for c in burst] == [None] * 12
+    clock[0] += EVICTABLE_AGE_S + 0.01  # still not in: slow clients now
+    late = _Connection(arrivals, clock)
+    arrivals.enter(late)  # type: ignore[arg-type]
+    assert [c.reason for c in burst] == ["too_many_incomplete"] * 9 + [None] * 3
+    assert late.reason is None

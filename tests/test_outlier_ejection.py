@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -436,3 +437,43 @@ def test_settings_defaults_are_the_pools_and_reach_it() -> None:
     assert pool.outliers is rules and all(b.outliers is rules for b in backends)
     with pytest.raises(ValueError):
         RoutingSettings(consecutive_failures=0)
+
+
+class Poisoned(Misbehaving):
+    """A healthy engine that answers 500 to one input (a request that trips a bug in it)."""
+
+    async def _post(self, request: Request) -> JSONResponse:
+        body = await request.body()
+        status = 500 if b"poison" in body else 200
+        self.answers[status] += 1
+        if status == 200:
+            return JSONResponse(_completion("fine"))
+        return JSONResponse({"error": {"message": "engine says 500", "type": "server_error"}}, status_code=500)
+
+
+def test_a_request_that_fails_on_every_backend_ejects_none() -> None:
+    """A tenant sending an input that makes every engine fail must not take healthy backends out of
+    rotation for everyone: a failure counts against a backend only once another answered the request."""
+    backends = [Poisoned(200), Poisoned(200), Poisoned(200)]
+    proxy = _proxy([b.url for b in backends])
+    poison = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "poison"}]})
+    try:
+        with httpx.Client(base_url=proxy.url, timeout=30) as client:
+            for _ in range(10):
+                response = client.post(
+                    "/v1/chat/completions", content=poison, headers={"content-type": "application/json"}
+                )
+                assert response.status_code == 500
+            fine = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
+            assert (
+                client.post(
+                    "/v1/chat/completions", content=fine, headers={"content-type": "application/json"}
+                ).status_code
+                == 200
+            )
+        assert _metric(proxy, "prefix_proxy_backend_ejections_total") == 0
+        assert _metric(proxy, "prefix_proxy_backend_up") == 3
+    finally:
+        proxy.stop()
+        for backend in backends:
+            backend.stop()

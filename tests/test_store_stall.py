@@ -12,7 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
+import redis
 
 from proxy.app import create_app
 from proxy.config import Settings
@@ -111,3 +113,77 @@ def test_a_stalled_redis_fails_no_summarized_conversation(stack: tuple[LiveServe
     # And once Redis answers again, the conversations go on where they were.
     time.sleep(1.2)
     assert all(c.turn(turn)[0] == 200 for c in conversations)
+
+
+def test_what_was_spent_while_the_store_was_down_is_counted_once_it_is_back() -> None:
+    """Requests admitted unreserved during an outage are charged when the store answers again."""
+    backend = LiveServer(create_fake_app(FakeBackendConfig())).start()
+    redis_server = PrivateRedis(free_port()).start()
+    prefix = unique_prefix()
+    settings = Settings(
+        upstream=backend.url + "/v1",
+        sessions={"store": "redis", "redis_url": redis_server.url, "key_prefix": prefix, "retry_after_failure_s": 0.2},
+        tenants=[{"name": "acme", "api_key": "sk-acme", "budget": {"tenant_tokens_per_window": 1_000_000}}],
+    )
+    proxy = LiveServer(create_app(settings)).start()
+    client = redis.Redis.from_url(redis_server.url)
+    headers = {"authorization": "Bearer sk-acme"}
+
+    def ask(content: str) -> int:
+        body = {"model": MODEL, "max_tokens": 20, "messages": [{"role": "user", "content": content}]}
+        response = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["total_tokens"])
+
+    def counted() -> int:
+        return sum(int(client.get(key) or 0) for key in client.scan_iter(match=f"{prefix}u:t:*"))
+
+    try:
+        ask("warm up")
+        time.sleep(0.2)
+        before = counted()
+        redis_server.pause()
+        try:
+            spent = sum(ask(f"question {i} while Redis is stalled") for i in range(3))
+        finally:
+            redis_server.resume()
+        time.sleep(0.3)
+        ask("after")  # the store answers again: what was held is charged
+        time.sleep(0.5)
+        assert counted() >= before + spent
+    finally:
+        proxy.stop()
+        redis_server.stop()
+        backend.stop()
+
+
+def test_stored_responses_stay_their_owners_while_the_store_stalls() -> None:
+    backend = LiveServer(create_fake_app(FakeBackendConfig())).start()
+    redis_server = PrivateRedis(free_port()).start()
+    tenants = [{"name": "acme", "api_key": "sk-acme"}, {"name": "globex", "api_key": "sk-globex"}]
+    settings = Settings(
+        upstream=backend.url + "/v1",
+        sessions={"store": "redis", "redis_url": redis_server.url, "key_prefix": unique_prefix()},
+        tenants=tenants,
+    )
+    proxy = LiveServer(create_app(settings)).start()
+    acme = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-acme", max_retries=0)
+    globex = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-globex", max_retries=0)
+    try:
+        before = acme.responses.create(model=MODEL, input="hello", max_output_tokens=8)
+        redis_server.pause()
+        try:
+            during = acme.responses.create(model=MODEL, input="more", previous_response_id=before.id)
+            assert acme.responses.retrieve(during.id).id == during.id
+            with pytest.raises(openai.NotFoundError):
+                globex.responses.retrieve(during.id)
+        finally:
+            redis_server.resume()
+        time.sleep(1.2)
+        # Made while the store was down, still the owner's once it is back.
+        follow = acme.responses.create(model=MODEL, input="again", previous_response_id=during.id)
+        assert follow.previous_response_id == during.id
+    finally:
+        proxy.stop()
+        redis_server.stop()
+        backend.stop()

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 
-from proxy.tenants import tenant_cache_salt
+from proxy.tenants import salt_key_of, tenant_cache_salt
 from tests.helpers import LiveServer
 from tests.redis_server import SHARED_URL
 
@@ -72,13 +72,17 @@ def test_no_tenant_can_compute_another_tenants_salt(
     # A configured secret makes the salt stable across restarts and replicas; another secret, another salt.
     first = make_proxy(tenants=TENANTS, cache_salt_secret="s3cret-one")
     cached(first, "sk-acme", "Isolation check 4")
-    assert upstream_salt(fake_backend) == tenant_cache_salt(b"s3cret-one", "acme")
+    assert upstream_salt(fake_backend) == tenant_cache_salt(salt_key_of(b"s3cret-one"), "acme")
     again = make_proxy(tenants=TENANTS, cache_salt_secret="s3cret-one")
     cached(again, "sk-acme", "Isolation check 4")
-    assert upstream_salt(fake_backend) == tenant_cache_salt(b"s3cret-one", "acme")
+    assert upstream_salt(fake_backend) == tenant_cache_salt(salt_key_of(b"s3cret-one"), "acme")
+    # A secret of any length (BLAKE2 keys stop at 64 bytes: the configured one is hashed into one).
+    long = make_proxy(tenants=TENANTS, cache_salt_secret="ab" * 100)
+    cached(long, "sk-acme", "Isolation check 4")
+    assert upstream_salt(fake_backend) == tenant_cache_salt(salt_key_of(b"ab" * 100), "acme")
     other = make_proxy(tenants=TENANTS, cache_salt_secret="s3cret-two")
     cached(other, "sk-acme", "Isolation check 4")
-    assert upstream_salt(fake_backend) != tenant_cache_salt(b"s3cret-one", "acme")
+    assert upstream_salt(fake_backend) != tenant_cache_salt(salt_key_of(b"s3cret-one"), "acme")
 
 
 def test_replicas_sharing_redis_agree_on_a_generated_salt_key(

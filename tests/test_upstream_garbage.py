@@ -474,3 +474,15 @@ def test_a_query_string_or_fragment_in_an_upstream_url_is_a_config_error(url: st
         Settings(upstream=url)
     with pytest.raises(ValidationError, match="query string or fragment"):
         Settings(upstreams=["http://ok:8000/v1", url])
+
+
+def test_a_placeholder_key_is_scrubbed_only_where_it_is_a_credential() -> None:
+    """vLLM's docs use keys like "EMPTY": replacing it everywhere would mangle answers (an upstream
+    key "1" inside "code": 401). A short key is scrubbed in its Authorization form only."""
+    from proxy.backends.upstream import Redactor, key_forms
+
+    scrub = Redactor(key_forms("1"))
+    echoed = b'{"error": {"message": "bad header Authorization: Bearer 1", "code": 401}}'
+    assert scrub(echoed) == b'{"error": {"message": "bad header Authorization: [redacted]", "code": 401}}'
+    long_key = "sk-upstream-0123456789"
+    assert Redactor(key_forms(long_key))(f"key {long_key} refused".encode()) == b"key [redacted] refused"

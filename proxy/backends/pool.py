@@ -159,6 +159,9 @@ class BackendPool:
         # The previous backend's failed answer, closed only once this attempt has its backend (and
         # trial): chosen and claimed with no await between, so no other request takes the trial.
         discarded: httpx.Response | None = None
+        # Backends that answered this request with a failure, counted against them only once
+        # another backend answers it: (backend, status, Retry-After, on trial).
+        failed: list[tuple[Backend, int, str | None, bool]] = []
         index = 0
         while True:
             backend = ranked[index]
@@ -203,16 +206,36 @@ class BackendPool:
             if status >= 429 and backend_failed(status):  # one comparison for every good answer
                 self._count(backend, "http_429" if status == 429 else "http_5xx")
                 if not self.single:
-                    self._answer_failed(backend, response, model, trial)
                     following = self._next_in_service(ranked, index + 1) if retries else None
+                    retry_after = response.headers.get("retry-after")
+                    explicit = retry_after is not None and status in RETRY_AFTER_STATUSES
+                    if explicit:
+                        # The backend's own word about itself (come back later): taken at once.
+                        self._answer_failed(backend, status, retry_after, model, trial)
+                    elif following is not None:
+                        failed.append((backend, status, retry_after, trial))
                     if following is not None:
                         retries -= 1
                         backend.in_flight -= 1
                         self._moved_off(backend, f"answered {status}")
                         discarded, index = response, following
                         continue
+                    if failed:
+                        # Failed on every backend it was tried on: more likely the request's doing
+                        # (an input that makes the engine fail) than all of theirs, and no tenant
+                        # may eject backends for everyone by sending it. Trials stay undecided.
+                        for earlier, _, _, on_trial in failed:
+                            if on_trial:
+                                earlier.end_trial()
+                        if trial and not explicit:
+                            backend.end_trial()
+                    elif not explicit:
+                        self._answer_failed(backend, status, retry_after, model, trial)
             else:
                 self._count(backend, "ok")
+                # Another backend answered what these failed: the failures were theirs.
+                for earlier, earlier_status, retry_after, on_trial in failed:
+                    self._answer_failed(earlier, earlier_status, retry_after, model, on_trial)
                 if probing or backend.consecutive_failures:
                     self._answered(backend, status, probing, trial)
                 if self._echo is not None:
@@ -260,11 +283,10 @@ class BackendPool:
         backend.record_success()
         logger.info("backend %s answered again (ejected: %s); re-admitted", backend.name, reason)
 
-    def _answer_failed(self, backend: Backend, response: httpx.Response, model: str | None, trial: bool) -> None:
-        status = response.status_code
-        wait = (
-            self.outliers.retry_after_s(response.headers.get("retry-after")) if status in RETRY_AFTER_STATUSES else None
-        )
+    def _answer_failed(
+        self, backend: Backend, status: int, retry_after: str | None, model: str | None, trial: bool
+    ) -> None:
+        wait = self.outliers.retry_after_s(retry_after) if status in RETRY_AFTER_STATUSES else None
         reason = RETRY_AFTER if wait is not None else UNAVAILABLE if status in UNAVAILABLE_STATUSES else ERRORS
         if backend.failed(trial=trial, at_once=reason != ERRORS):
             self._eject(backend, reason, model, wait, spare_last=True, why=f"answered {status}")

@@ -191,13 +191,26 @@ def credential_forms(api_key: str | None, url: httpx.URL) -> tuple[str, ...]:
     """The credentials an upstream with this key and URL is sent, as its answer may echo them: the
     key (``Bearer <key>`` contains it), and for a URL's ``user:password@`` the Basic token, the
     pair decoded and as the URL spells it, and the password alone."""
-    forms: list[str] = [api_key] if api_key else []
+    forms: list[str] = list(key_forms(api_key))
     if url.userinfo:
         pair = f"{url.username}:{url.password}"
         forms += [base64.b64encode(pair.encode()).decode(), pair, url.userinfo.decode("ascii", "replace")]
         if len(url.password) >= MIN_REDACTED_PASSWORD:
             forms.append(url.password)
     return tuple(forms)
+
+
+# A key shorter than this is a placeholder (vLLM's docs use "EMPTY", "token-abc123"), not worth
+# hiding, and replacing it wherever it occurs would mangle the answer ("1" in "code": 401): only
+# its Authorization form is scrubbed.
+MIN_REDACTED_KEY = 12
+
+
+def key_forms(api_key: str | None) -> tuple[str, ...]:
+    """What of an API key the proxy sent an upstream answer may echo, to scrub."""
+    if not api_key:
+        return ()
+    return (api_key,) if len(api_key) >= MIN_REDACTED_KEY else (f"Bearer {api_key}",)
 
 
 class Redactor:

@@ -82,6 +82,10 @@ class RequestTimeout(ProxyError):
         super().__init__(408, "the request did not arrive within the server's read deadline", code="request_timeout")
 
 
+# How old a connection still arriving must be before the cap may cut it.
+EVICTABLE_AGE_S = 1.0
+
+
 class Arrivals:
     """The connections of one server whose request has not finished arriving, oldest first."""
 
@@ -93,8 +97,17 @@ class Arrivals:
     def enter(self, connection: _Deadlines) -> None:
         waiting = self._waiting
         waiting[connection] = None
+        if len(waiting) <= self.limits.max_incomplete:
+            return
+        # Only a connection that has had time to send its request is cut: asyncio accepts a whole
+        # burst of connections before it reads any of them, and those requests are already in
+        # their sockets' buffers. Past the cap by at most what arrives within EVICTABLE_AGE_S.
+        evictable_before = connection.loop.time() - min(EVICTABLE_AGE_S, self.limits.header_timeout_s / 4)
         while len(waiting) > self.limits.max_incomplete:
-            next(iter(waiting)).cut("too_many_incomplete")  # leaves ``waiting``
+            oldest = next(iter(waiting))
+            if oldest._started > evictable_before:
+                break
+            oldest.cut("too_many_incomplete")  # leaves ``waiting``
 
     def leave(self, connection: _Deadlines) -> None:
         self._waiting.pop(connection, None)

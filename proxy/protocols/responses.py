@@ -81,7 +81,9 @@ def _validate_item(item: Any, param: str) -> None:
     if not isinstance(item, dict):
         raise bad_request(f"{param} must be an object", param=param)
     role = item.get("role")
-    if role is not None and (not isinstance(role, str) or role not in ROLES):
+    # Only a message item has a role vLLM checks (other items' extra keys are ignored there).
+    is_message = item.get("type") in (None, "message")
+    if role is not None and (not isinstance(role, str) or (is_message and role not in ROLES)):
         shown = role if is_text(role) else type(role).__name__
         raise bad_request(f"{param}.role {shown!r} is not a valid role"[:300], param=f"{param}.role")
     content = item.get("content")

@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from proxy.app_state import ProxyState, get_state
 from proxy.backends.pool import BACKEND_EXTENSION
-from proxy.backends.upstream import Redactor, upstream_error_kind
+from proxy.backends.upstream import Redactor, key_forms, upstream_error_kind
 from proxy.http.context import RequestContext, overhead_header
 from proxy.http.dialect import OPENAI, ErrorDialect
 from proxy.http.errors import ProxyError, invalid_upstream_response, json_bytes
@@ -106,8 +106,7 @@ def credential_scrubber(state: ProxyState, ctx: RequestContext) -> Callable[[byt
     first use: most answers carry no error to scrub. The client's own credentials, passed on by an
     open proxy, are the client's to see."""
     credentials = [c for backend in state.backends.backends for c in backend.upstream.credentials]
-    if ctx.upstream_api_key:
-        credentials.append(ctx.upstream_api_key)
+    credentials.extend(key_forms(ctx.upstream_api_key))
     if not credentials:
         return None
     redactor: Redactor | None = None

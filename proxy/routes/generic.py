@@ -93,6 +93,19 @@ def matches(path: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(path, pattern.rstrip("/").lower() or "/") for pattern in patterns)
 
 
+def _ungoverned(state: ProxyState, path: str) -> bool:
+    """A generation route the pipeline does not serve, while tenants or budgets govern generation
+    (and the operator did not allow it by name)."""
+    routes = state.settings.routes
+    if not matches(path, routes.ungoverned_generation):
+        return False
+    if routes.allowed_routes is not None and matches(path, routes.allowed_routes):
+        return False
+    settings = state.settings
+    budgets = settings.budget.tenant_tokens_per_window or settings.budget.session_tokens_per_window
+    return not state.tenants.open or bool(budgets) or bool(settings.model_budgets)
+
+
 def route_label(path: str, admin: bool) -> str:
     return "admin_passthrough" if admin else KNOWN_ROUTES.get(path, "other")
 
@@ -120,6 +133,14 @@ async def passthrough(request: Request) -> Response:
         allowed = settings.allowed_routes is None or admin or matches(path, settings.allowed_routes)
         if reserved or not settings.passthrough or not allowed or matches(path, settings.denied_routes):
             raise ProxyError(404, f"no route {path}", type="not_found_error", code="not_found")
+        if not admin and _ungoverned(state, path):
+            raise ProxyError(
+                404,
+                f"{path} generates outside the proxy's pipeline (no budget, no cache salt): use "
+                "/v1/chat/completions or /v1/completions, or list it in routes.allowed_routes",
+                type="not_found_error",
+                code="not_found",
+            )
         if admin:
             require_admin(state, request)
             ctx.tenant = "admin"

@@ -17,6 +17,7 @@ from proxy.config import BudgetSettings
 from proxy.http.body import parse_json_object, read_body, require_model, validate_completion_request
 from proxy.http.context import RequestContext
 from proxy.http.errors import ProxyError, upstream_unreachable
+from proxy.http.streaming import RelayResponse
 from proxy.openai.jsonio import dumps
 from proxy.openai.usage import Usage
 from proxy.routes.forward import (
@@ -48,7 +49,7 @@ async def completions(state: ProxyState, request: Request, ctx: RequestContext, 
             await budget.settle(Usage.from_openai(answers[0].get("usage")) if answers else None, answered=bool(answers))
             return response
         body, wants_usage = with_upstream_usage(body)
-        return await send_stream(
+        response = await send_stream(
             state,
             request,
             ctx,
@@ -58,6 +59,10 @@ async def completions(state: ProxyState, request: Request, ctx: RequestContext, 
             on_complete=lambda relay: state.sessions.spawn(budget.settle(relay.usage, answered=True)),
             on_incomplete=lambda relay: state.sessions.spawn(budget.settle_cut_short(relay.usage, relay.events)),
         )
+        if not isinstance(response, RelayResponse):
+            # Not a stream: the upstream's error (nothing spent) or a whole JSON answer.
+            await budget.settle(ctx.usage, answered=ctx.status is not None and ctx.status < 400)
+        return response
     except ProxyError:
         await budget.settle(None, answered=False)
         raise
@@ -74,12 +79,15 @@ class CompletionBudget:
         self._state, self._tenant, self._budget, self._limits = state, tenant, budget, limits
         self._prompt, self._amount = prompt, amount
         self._reservation: Reservation | None = None
+        self._unreserved = False
 
     @classmethod
     def admit(cls, state: ProxyState, tenant: Tenant, body: dict[str, Any]) -> CompletionBudget:
         model = str(body.get("model"))
         budget = effective_budget(state.settings.budget, state.settings.model_budgets.get(model), tenant.budget)
         limits = usage_limits(budget, tenant.name, None)
+        if not limits:
+            return cls(state, tenant.name, budget, limits, 0, 0)  # no budget: nothing to size
         prompt = body.get("prompt")
         prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
         # The prompt as JSON: at least one byte per token for text, and for token ids alike.
@@ -94,7 +102,8 @@ class CompletionBudget:
         try:
             reservation = await sessions.reserve(self._limits, self._amount, self._budget.window_s)
         except StoreUnavailable:
-            return  # admitted unreserved: the store's outage is never the client's
+            self._unreserved = True  # admitted: the store's outage is never the client's
+            return
         if not reservation.admitted:
             kind = reservation.rejected_kind or "usage"
             metrics = self._state.metrics
@@ -120,6 +129,9 @@ class CompletionBudget:
 
     async def _settle_to(self, spent: int) -> None:
         reservation, self._reservation = self._reservation, None
+        if self._unreserved:
+            self._unreserved = False
+            await self._state.sessions.charge_unreserved(self._limits, spent, self._budget.window_s)
         if reservation is None or not reservation.keys:
             return
         sessions = self._state.sessions

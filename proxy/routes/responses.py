@@ -104,7 +104,7 @@ async def retrieve(state: ProxyState, request: Request, ctx: RequestContext, ten
 
 async def _lookup(state: ProxyState, tenant: Tenant, response_id: str) -> dict[str, Any] | None:
     try:
-        return await state.sessions.call(state.sessions.store.get_response(tenant.name, response_id))
+        return await state.sessions.get_response(tenant.name, response_id)
     except StoreUnavailable:
         return None
 
@@ -132,11 +132,8 @@ async def _remember(
         "session": session,
         "tokens": usage.prompt_tokens + usage.completion_tokens if usage else 0,
     }
-    store = state.sessions.store
     with contextlib.suppress(StoreUnavailable):
-        await state.sessions.call(
-            store.put_response(tenant.name, response_id, info, state.settings.responses.chain_ttl_s)
-        )
+        await state.sessions.put_response(tenant.name, response_id, info, state.settings.responses.chain_ttl_s)
 
 
 async def _locate(state: ProxyState, request: Request, ctx: RequestContext, response_id: str) -> str | None:

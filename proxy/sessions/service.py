@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -37,6 +38,8 @@ from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLi
 from proxy.sessions.store import SessionStore
 
 logger = logging.getLogger("prefix_proxy.sessions")
+# Sets of limits (tenant, tenant and session) whose unreserved spend is held for a store outage.
+MAX_PENDING_CHARGES = 10_000
 T = TypeVar("T")
 
 
@@ -75,6 +78,8 @@ class SessionService:
         self._down_until = 0.0
         self._degraded = False
         self._background: set[asyncio.Task[Any]] = set()
+        # Tokens spent by requests admitted unreserved, per set of limits, until the store is back.
+        self._pending_charges: OrderedDict[tuple[tuple[str, ...], int], tuple[list[UsageLimit], int]] = OrderedDict()
         # What this replica last saw of the sessions it served, for when the shared store cannot
         # answer. In-process: it never waits, never fails.
         self.local: MemorySessionStore | None = None
@@ -120,6 +125,8 @@ class SessionService:
             self._degraded = False
             self._metrics.store_up.set(1)
             logger.warning("session store recovered; session features are back")
+            if self._pending_charges:
+                self.spawn(self._flush_charges())
         return result
 
     def _mark_down(self, exc: BaseException) -> None:
@@ -189,12 +196,30 @@ class SessionService:
         return await self.call(self.store.reserve(limits, amount, window_s, time.time()))
 
     async def charge_unreserved(self, limits: list[UsageLimit], spent: int, window_s: int) -> None:
-        """Count what a request admitted without a reservation (the store was down) spent, once the
-        store answers again: budgets count every token, late rather than never. Never raises."""
+        """Count what a request admitted without a reservation (the store was down) spent: now if
+        the store answers, else once it does (kept per limit meanwhile, bounded). Budgets count
+        every token, late rather than never. Never raises."""
         if not limits or spent <= 0:
             return
-        with contextlib.suppress(StoreUnavailable):
+        try:
             await self.call(self.store.charge(limits, spent, window_s, time.time()))
+        except StoreUnavailable:
+            key = (tuple(limit.key for limit in limits), window_s)
+            held = self._pending_charges.pop(key, None)
+            self._pending_charges[key] = (limits, spent + (held[1] if held else 0))
+            while len(self._pending_charges) > MAX_PENDING_CHARGES:
+                self._pending_charges.popitem(last=False)
+
+    async def _flush_charges(self) -> None:
+        """The store is back: what was spent unreserved meanwhile goes on its counters."""
+        while self._pending_charges:
+            key, (limits, spent) = self._pending_charges.popitem(last=False)
+            try:
+                await self.call(self.store.charge(limits, spent, key[1], time.time()))
+            except StoreUnavailable:
+                self._pending_charges[key] = (limits, spent)
+                self._pending_charges.move_to_end(key, last=False)
+                return
 
     async def record(
         self,
@@ -247,6 +272,26 @@ class SessionService:
             record.summary = mine.summary
             with contextlib.suppress(StoreUnavailable):
                 await self.call(self.store.set_summary(record.tenant, record.session_id, mine.summary))
+
+    async def put_response(self, tenant: str, response_id: str, info: dict[str, Any], ttl_s: float) -> None:
+        """Remember where a stored response lives (raises :class:`StoreUnavailable`); this
+        replica's copy keeps it either way, so its owner can use it while the store is down."""
+        if self.local is not None:
+            await self.local.put_response(tenant, response_id, info, ttl_s)
+        await self.call(self.store.put_response(tenant, response_id, info, ttl_s))
+
+    async def get_response(self, tenant: str, response_id: str) -> dict[str, Any] | None:
+        """Where a stored response lives, from the store or (store down, or the response made
+        while it was) this replica's copy."""
+        try:
+            found = await self.call(self.store.get_response(tenant, response_id))
+        except StoreUnavailable:
+            if self.local is None:
+                raise
+            return await self.local.get_response(tenant, response_id)
+        if found is None and self.local is not None:
+            found = await self.local.get_response(tenant, response_id)
+        return found
 
     async def set_summary(self, tenant: str, session_id: str, summary: dict[str, Any] | None) -> None:
         """Store a session's summary (raises :class:`StoreUnavailable`); this replica's copy keeps it
