@@ -186,8 +186,10 @@ class TenantDirectory:
         if self._redis_lookup is None:
             return None
         now = time.monotonic()
-        cached = self._cache.get(digest) or self._unknown.get(digest)
+        cache = self._cache if digest in self._cache else self._unknown
+        cached = cache.get(digest)
         if cached is not None and cached[1] > now:
+            cache.move_to_end(digest)
             return cached[0]
         try:
             raw = await self._redis_lookup(digest)
