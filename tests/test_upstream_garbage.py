@@ -24,26 +24,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from bench.hostile_upstream import OK_CHAT, OK_MESSAGE
 from proxy.config import Settings
 from tests.helpers import LiveServer
 
 DONE = b"data: [DONE]\n\n"
-CHAT = {
-    "id": "chatcmpl-1",
-    "object": "chat.completion",
-    "model": "m",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "fine"}, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-}
-MESSAGE = {
-    "id": "msg_1",
-    "type": "message",
-    "role": "assistant",
-    "model": "m",
-    "content": [{"type": "text", "text": "fine"}],
-    "stop_reason": "end_turn",
-    "usage": {"input_tokens": 5, "output_tokens": 1},
-}
+# What a well-behaved upstream answers (the fuzz upstream's own bodies).
+CHAT, MESSAGE = OK_CHAT, OK_MESSAGE
 
 
 def data(payload: Any) -> bytes:
