@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,6 +24,7 @@ from proxy.chat.budget import (
 from proxy.chat.compaction import CompactionJob
 from proxy.config import BudgetSettings
 from proxy.http.errors import ProxyError
+from proxy.observability.metrics import Metrics
 from proxy.openai.usage import Usage
 from proxy.protocols.channel import CHAT, SummaryChannel
 from proxy.sessions.identity import conversation_root
@@ -57,6 +57,13 @@ def budget_exhausted(kind: str, retry_after_s: int) -> ProxyError:
         code=f"{kind}_budget_exceeded",
         headers={"retry-after": str(retry_after_s)},
     )
+
+
+def budget_refused(metrics: Metrics, tenant: str, reservation: Reservation) -> ProxyError:
+    """The 429 of a reservation the store did not admit, counted."""
+    kind = reservation.rejected_kind or "usage"
+    metrics.budget_rejections.labels(kind, metrics.tenant_label(tenant)).inc()
+    return budget_exhausted(kind, reservation.retry_after_s)
 
 
 @dataclass
@@ -279,9 +286,7 @@ class ChatTurn:
             self.unreserved = limits  # charged once the answer's usage is known
             return
         if not reservation.admitted:
-            kind = reservation.rejected_kind or "usage"
-            self.state.metrics.budget_rejections.labels(kind, self.state.metrics.tenant_label(self.tenant.name)).inc()
-            raise budget_exhausted(kind, reservation.retry_after_s)
+            raise budget_refused(self.state.metrics, self.tenant.name, reservation)
         self.reservation = reservation
 
     async def finish(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
@@ -379,9 +384,4 @@ class ChatTurn:
         await self._settle_early(spent)
 
     async def _settle_early(self, spent: int) -> None:
-        if self.reservation is not None and self.reservation.keys:
-            store = self.state.sessions.store
-            with contextlib.suppress(StoreUnavailable):
-                await self.state.sessions.call(
-                    store.settle(self.reservation, spent - self.reservation.amount, self.budget.window_s)
-                )
+        await self.state.sessions.settle(self.reservation, spent, self.budget.window_s)

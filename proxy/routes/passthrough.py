@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -12,7 +11,7 @@ from starlette.routing import Route
 
 from proxy.app_state import ProxyState
 from proxy.chat.budget import completion_allowance, effective_budget, prompt_ceiling, usage_limits
-from proxy.chat.turn import budget_exhausted
+from proxy.chat.turn import budget_refused
 from proxy.config import BudgetSettings
 from proxy.http.body import parse_json_object, read_body, require_model, validate_completion_request
 from proxy.http.context import RequestContext
@@ -105,10 +104,7 @@ class CompletionBudget:
             self._unreserved = True  # admitted: the store's outage is never the client's
             return
         if not reservation.admitted:
-            kind = reservation.rejected_kind or "usage"
-            metrics = self._state.metrics
-            metrics.budget_rejections.labels(kind, metrics.tenant_label(self._tenant)).inc()
-            raise budget_exhausted(kind, reservation.retry_after_s)
+            raise budget_refused(self._state.metrics, self._tenant, reservation)
         self._reservation = reservation
 
     async def settle(self, usage: Usage | None, *, answered: bool) -> None:
@@ -132,11 +128,7 @@ class CompletionBudget:
         if self._unreserved:
             self._unreserved = False
             await self._state.sessions.charge_unreserved(self._limits, spent, self._budget.window_s)
-        if reservation is None or not reservation.keys:
-            return
-        sessions = self._state.sessions
-        with contextlib.suppress(StoreUnavailable):
-            await sessions.call(sessions.store.settle(reservation, spent - reservation.amount, self._budget.window_s))
+        await self._state.sessions.settle(reservation, spent, self._budget.window_s)
 
 
 async def embeddings(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:

@@ -195,6 +195,14 @@ class SessionService:
             return Reservation(True)
         return await self.call(self.store.reserve(limits, amount, window_s, time.time()))
 
+    async def settle(self, reservation: Reservation | None, spent: int, window_s: int) -> None:
+        """Correct a reservation to the ``spent`` tokens (the rest given back). Never raises: the
+        store down, the reservation stands, as an over-count, never an under-count."""
+        if reservation is None or not reservation.keys:
+            return
+        with contextlib.suppress(StoreUnavailable):
+            await self.call(self.store.settle(reservation, spent - reservation.amount, window_s))
+
     async def charge_unreserved(self, limits: list[UsageLimit], spent: int, window_s: int) -> None:
         """Count what a request admitted without a reservation (the store was down) spent: now if
         the store answers, else once it does (kept per limit meanwhile, bounded). Budgets count
@@ -251,15 +259,12 @@ class SessionService:
         now = time.time()
         if self.local is not None:
             await self.local.record_turn(view.tenant, view.session_id, turn, now)
-        try:
-            # Settle first: budget accuracy matters more than the session's counters.
-            if reservation is not None and reservation.keys and usage is not None:
-                # An answer without (readable) usage keeps what it reserved: it is not free.
-                spent = usage.prompt_tokens + usage.completion_tokens
-                await self.call(self.store.settle(reservation, spent - reservation.amount, window_s))
+        # Settle first: budget accuracy matters more than the session's counters. An answer
+        # without (readable) usage keeps what it reserved: it is not free.
+        if usage is not None:
+            await self.settle(reservation, usage.prompt_tokens + usage.completion_tokens, window_s)
+        with contextlib.suppress(StoreUnavailable):
             await self.call(self.store.record_turn(view.tenant, view.session_id, turn, now))
-        except StoreUnavailable:
-            pass
 
     async def _newest_summary(self, record: SessionRecord) -> None:
         """A summary this replica made while the store was down is newer than the store's: it wins
