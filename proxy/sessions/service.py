@@ -278,42 +278,42 @@ class SessionService:
             with contextlib.suppress(StoreUnavailable):
                 await self.call(self.store.set_summary(record.tenant, record.session_id, mine.summary))
 
-    async def put_response(self, tenant: str, response_id: str, info: dict[str, Any], ttl_s: float) -> None:
-        """Remember where a stored response lives (raises :class:`StoreUnavailable`); this
-        replica's copy keeps it either way, so its owner can use it while the store is down."""
+    async def _write_both(self, operation: Callable[[SessionStore], Awaitable[None]]) -> None:
+        """Write to this replica's copy, then to the store (raises :class:`StoreUnavailable`): the
+        copy keeps it either way."""
         if self.local is not None:
-            await self.local.put_response(tenant, response_id, info, ttl_s)
-        await self.call(self.store.put_response(tenant, response_id, info, ttl_s))
+            await operation(self.local)
+        await self.call(operation(self.store))
 
-    async def get_response(self, tenant: str, response_id: str) -> dict[str, Any] | None:
-        """Where a stored response lives, from the store or (store down, or the response made
-        while it was) this replica's copy."""
+    async def _read_either(self, operation: Callable[[SessionStore], Awaitable[T]]) -> T:
+        """Read from the store, or (store down) from this replica's copy; raises
+        :class:`StoreUnavailable` only when neither can say."""
         try:
-            found = await self.call(self.store.get_response(tenant, response_id))
+            return await self.call(operation(self.store))
         except StoreUnavailable:
             if self.local is None:
                 raise
-            return await self.local.get_response(tenant, response_id)
+            return await operation(self.local)
+
+    async def put_response(self, tenant: str, response_id: str, info: dict[str, Any], ttl_s: float) -> None:
+        """Remember where a stored response lives, so its owner can use it while the store is down."""
+        await self._write_both(lambda store: store.put_response(tenant, response_id, info, ttl_s))
+
+    async def get_response(self, tenant: str, response_id: str) -> dict[str, Any] | None:
+        """Where a stored response lives: the store's word, or this replica's copy (the store down,
+        or the response made while it was)."""
+        found = await self._read_either(lambda store: store.get_response(tenant, response_id))
         if found is None and self.local is not None:
             found = await self.local.get_response(tenant, response_id)
         return found
 
     async def set_summary(self, tenant: str, session_id: str, summary: dict[str, Any] | None) -> None:
-        """Store a session's summary (raises :class:`StoreUnavailable`); this replica's copy keeps it
-        either way, so the conversation keeps its summary while the store is down."""
-        if self.local is not None:
-            await self.local.set_summary(tenant, session_id, summary)
-        await self.call(self.store.set_summary(tenant, session_id, summary))
+        """Store a session's summary, kept here too: the conversation keeps it while the store is down."""
+        await self._write_both(lambda store: store.set_summary(tenant, session_id, summary))
 
     async def get(self, tenant: str, session_id: str) -> SessionRecord | None:
-        """A session's record from the store, or (store down) this replica's copy of it; raises
-        :class:`StoreUnavailable` only when neither can say."""
-        try:
-            return await self.call(self.store.get(tenant, session_id))
-        except StoreUnavailable:
-            if self.local is None:
-                raise
-            return await self.local.get(tenant, session_id)
+        """A session's record from the store, or (store down) this replica's copy of it."""
+        return await self._read_either(lambda store: store.get(tenant, session_id))
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run session bookkeeping in the background (from synchronous code: the end of a stream;
