@@ -29,7 +29,7 @@ from proxy.chat.compaction import CompactionService
 from proxy.config import Settings
 from proxy.http.direct import DirectRoutes, serve_direct
 from proxy.http.errors import ProxyError, error_body, json_response
-from proxy.http.paths import InvalidPath, canonicalize_scope
+from proxy.http.paths import InvalidPath, canonicalize_scope, invalid_path
 from proxy.observability.capture import CaptureWriter
 from proxy.observability.metrics import Metrics
 from proxy.observability.tracker import CacheBreakTracker
@@ -125,16 +125,6 @@ def unexpected_error(exc: Exception) -> Response:
     return json_response(error_body("internal proxy error", "server_error", None, "internal_error"), 500)
 
 
-def invalid_path() -> Response:
-    body = error_body(
-        "the path names no route (dot segments above the root, or an encoded separator)",
-        "invalid_request_error",
-        None,
-        "invalid_path",
-    )
-    return json_response(body, 400)
-
-
 class ProxyApp(FastAPI):
     """FastAPI, with the forwarded API's fixed paths served directly (:mod:`proxy.http.direct`).
 
@@ -148,7 +138,7 @@ class ProxyApp(FastAPI):
             try:
                 canonicalize_scope(scope)
             except InvalidPath:
-                await invalid_path()(scope, receive, send)
+                await invalid_path().response()(scope, receive, send)
                 return
         endpoint = self.direct.match(scope)
         if endpoint is None:

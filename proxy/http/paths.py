@@ -16,6 +16,8 @@ from urllib.parse import quote
 
 from starlette.types import Scope
 
+from proxy.http.errors import ProxyError
+
 # RFC 3986 path characters other than unreserved ones, kept as they are when re-encoding.
 PATH_SAFE = "/:@!$&'()*+,;="
 
@@ -26,6 +28,15 @@ _ENCODED_SEPARATOR = re.compile(r"%(?:2[fFeE5]|5[cC])")
 class InvalidPath(ValueError):
     """A path that names no route in any spelling: dot segments above the root, or separators
     encoded twice."""
+
+
+def invalid_path() -> ProxyError:
+    """The client's answer to an :class:`InvalidPath`."""
+    return ProxyError(
+        400,
+        "the path names no route (dot segments above the root, or an encoded separator)",
+        code="invalid_path",
+    )
 
 
 def canonical_path(path: str) -> str:

@@ -28,7 +28,7 @@ from proxy.http.body import MAX_MODEL_CHARS, is_text
 from proxy.http.context import RequestContext, overhead_header
 from proxy.http.errors import ProxyError
 from proxy.http.inbound import RequestTimeout
-from proxy.http.paths import PATH_SAFE, InvalidPath, canonical_path
+from proxy.http.paths import PATH_SAFE, InvalidPath, canonical_path, invalid_path
 from proxy.http.streaming import RelayResponse, StreamEnd
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
 from proxy.routes.admin import require_admin
@@ -125,7 +125,7 @@ async def passthrough(request: Request) -> Response:
     ctx.deadline = ctx.started + state.settings.request_timeout_s
     try:
         if path is None:
-            raise ProxyError(400, "the path names no route (dot segments above the root)", code="invalid_path")
+            raise invalid_path()
         folded = path.lower()
         reserved = request.scope.get(OWNED_SPELLING, False) or any(
             folded == r or folded.startswith(r + "/") for r in RESERVED
