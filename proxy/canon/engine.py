@@ -58,6 +58,9 @@ class CanonResult:
     # Volatile lines moved to the end of the last stable system message (relocate_target system_end),
     # which a summary merged into that message must go before.
     system_tail: str = ""
+    # Indices into ``body["messages"]`` of the messages canonicalization made (a block of moved
+    # volatile lines, a restated question): text the client sent, but not as a message of its own.
+    inserted: tuple[int, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -113,7 +116,21 @@ def canonicalize(
         actions.extend(relocation.actions)
         stable_count, system_tail = relocation.stable_count, relocation.system_tail
 
-    return CanonResult(out, actions, stable_prefix_hash(out, stable_count), stable_count, system_tail)
+    inserted = _inserted(body["messages"], messages, stable_count) if len(messages) != len(body["messages"]) else ()
+    return CanonResult(out, actions, stable_prefix_hash(out, stable_count), stable_count, system_tail, inserted)
+
+
+def _inserted(sent: list[Any], canonical: list[Any], stable_count: int) -> tuple[int, ...]:
+    """System messages after the stable prefix that the client did not send (relocation only ever
+    inserts system messages there; one equal to a message the client sent counts as the client's)."""
+    sent_system = [m for m in sent if isinstance(m, dict) and m.get("role") == "system"]
+    return tuple(
+        index
+        for index in range(stable_count, len(canonical))
+        if isinstance(canonical[index], dict)
+        and canonical[index].get("role") == "system"
+        and canonical[index] not in sent_system
+    )
 
 
 def _copy_message(message: Any) -> Any:

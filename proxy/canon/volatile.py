@@ -58,6 +58,13 @@ _REQUEST_ID = re.compile(
 _CONTEXT_BLOCK = re.compile(r"<context>.*?</context>", re.DOTALL)
 
 
+# Kinds of span that move at a conversation's first request, before their place is seen to vary:
+# what an agent reports about its machine (working directory, git status, recent commits, the
+# date) changes between turns by nature, and moving it only once it has changed cannot help the
+# turn where it first changes (everything after it, the tools included, is recomputed then).
+FIRST_SIGHT_KINDS = frozenset({"environment"})
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Span:
     start: int
