@@ -16,6 +16,7 @@ from proxy.canon import (
 )
 from proxy.canon.layout import ForwardedLayouts
 from proxy.canon.normalize import NormalTextMemo
+from proxy.canon.tools import ToolOrders
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import BUILTIN_DETECTORS, DetectionCache, Detector, marker_detector, regex_detector
 from proxy.config import CanonSettings
@@ -51,6 +52,7 @@ class Canonicalizer:
             else None
         )
         self.tool_memory = ToolCallMemory()
+        self.tool_orders = ToolOrders()
         self.varying = VaryingPlaces(max(settings.learned_apps_max, 1)) if settings.move_only_varying else None
         self.layouts = ForwardedLayouts(settings.layout_memory_entries) if settings.remember_layouts else None
         self.detection_cache = DetectionCache()
@@ -102,6 +104,7 @@ class Canonicalizer:
             normal_texts=self.normal_texts,
             varying=self.varying,
             layouts=self.layouts,
+            tool_orders=self.tool_orders,
         )
 
     def record_reply(self, forwarded: dict[str, Any], tenant: str, calls: list[ToolCall]) -> None:

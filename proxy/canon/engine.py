@@ -1,7 +1,8 @@
 """The canonicalization engine: request -> (canonical request, actions). No I/O.
 
 Stages, in order:
-1. tools, tool_choice, functions, response_format: canonical order and JSON;
+1. tools, tool_choice, functions, response_format: canonical order and JSON, for an app
+   seen to send them in varying order (``tools.ToolOrders``);
 2. (opt-in) whitespace / Unicode normalization of client-authored text;
 3. history tool calls: exact ids and argument bytes the backend generated;
 4. (``relocate`` mode) volatile lines of the leading system prompt moved behind
@@ -30,7 +31,7 @@ from proxy.canon.learned import LearnedVolatility
 from proxy.canon.normalize import NormalTextMemo, normalize_messages
 from proxy.canon.relocation import Memories, Placement, relocate
 from proxy.canon.toolcalls import ToolCallMemory, restore_tool_calls
-from proxy.canon.tools import canonicalize_tool_fields
+from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import BUILTIN_DETECTORS, DetectionCache, Detector
 from proxy.config import CanonMode, RelocateTarget
@@ -78,11 +79,13 @@ def canonicalize(
     normal_texts: NormalTextMemo | None = None,
     varying: VaryingPlaces | None = None,
     layouts: ForwardedLayouts | None = None,
+    tool_orders: ToolOrders | None = None,
 ) -> CanonResult:
     """Canonicalize a chat-completions body. ``namespace`` (the tenant) scopes the memories.
 
     Without ``varying`` every detected span counts as varying (moved at first sight); without
-    ``layouts`` a block always goes to its default place.
+    ``layouts`` a block always goes to its default place; without ``tool_orders`` tools are always
+    put in canonical order (with it, only an app's seen to arrive in another order).
 
     ``detection_cache`` and ``normal_texts`` only save work (each must belong to these
     ``options``); the result does not depend on them.
@@ -93,7 +96,7 @@ def canonicalize(
     out = dict(body)
     messages = [_copy_message(m) for m in body["messages"]]
     out["messages"] = messages
-    actions = canonicalize_tool_fields(out)
+    actions = canonicalize_tool_fields(out, tool_orders, namespace)
 
     if options.normalize_whitespace or options.normalize_unicode:
         changed = normalize_messages(

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.canon.tools import canonicalize_tool_fields
+from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
 from proxy.http.body import is_text, require_model
 from proxy.http.errors import bad_request
 from proxy.http.relay import SSERelay
@@ -133,10 +133,11 @@ class AnthropicView:
     actions: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, body: dict[str, Any]) -> AnthropicView:
-        """The view of a validated request; its tools canonicalized first (on a copy)."""
+    def of(cls, body: dict[str, Any], tool_orders: ToolOrders | None = None, namespace: str = "") -> AnthropicView:
+        """The view of a validated request; its tools canonicalized first (on a copy), as the chat
+        engine does (``tool_orders``: only an app's seen to vary; ``namespace``: the tenant)."""
         body = dict(body)
-        actions = [str(action) for action in canonicalize_tool_fields(body)]
+        actions = [str(action) for action in canonicalize_tool_fields(body, tool_orders, namespace)]
         messages: list[dict[str, Any]] = []
         sources: list[Source] = []
         system = body.get("system")

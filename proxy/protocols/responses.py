@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.canon.tools import canonicalize_tool_fields
+from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
 from proxy.http.body import is_text, require_model
 from proxy.http.errors import bad_request
 from proxy.http.relay import SSERelay
@@ -122,15 +122,16 @@ class ResponsesView:
     actions: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, body: dict[str, Any]) -> ResponsesView:
-        """The view of a validated request, its tools canonicalized first (on a copy).
+    def of(cls, body: dict[str, Any], tool_orders: ToolOrders | None = None, namespace: str = "") -> ResponsesView:
+        """The view of a validated request, its tools canonicalized first (on a copy), as the chat
+        engine does (``tool_orders``: only an app's seen to vary; ``namespace``: the tenant).
 
         A chained request's ``instructions`` stay out of the view, as they are: vLLM renders them
         above the stored history and drops system messages from what it stores, so lines moved
         out of them would not stay where they were put, and the next turn would miss from there.
         """
         body = dict(body)
-        actions = [str(action) for action in canonicalize_tool_fields(body)]
+        actions = [str(action) for action in canonicalize_tool_fields(body, tool_orders, namespace)]
         messages: list[dict[str, Any]] = []
         sources: list[list[int] | Source] = []
         instructions = body.get("instructions")

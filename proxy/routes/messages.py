@@ -31,7 +31,14 @@ MESSAGES = ProtocolRoute(
 async def messages(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
     body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
     anthropic.validate_request(body)
-    return await forward_turn(state, request, ctx, tenant, anthropic.AnthropicView.of(body), MESSAGES)
+    return await forward_turn(
+        state,
+        request,
+        ctx,
+        tenant,
+        anthropic.AnthropicView.of(body, state.canonicalizer.tool_orders, tenant.name),
+        MESSAGES,
+    )
 
 
 async def count_tokens(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:

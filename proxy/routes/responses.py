@@ -58,7 +58,7 @@ def not_found(response_id: str, param: str) -> ProxyError:
 async def create(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
     body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
     responses.validate_request(body)
-    view = responses.ResponsesView.of(body)
+    view = responses.ResponsesView.of(body, state.canonicalizer.tool_orders, tenant.name)
     options = TurnOptions()
     chain: str | None = None
     previous = view.previous_response_id
