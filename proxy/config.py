@@ -22,7 +22,7 @@ CONFIG_FILE_ENV = "PREFIX_PROXY_CONFIG"
 
 CanonMode = Literal["off", "safe", "relocate"]
 # The built-in volatile-span detectors (proxy.canon.volatile.BUILTIN_DETECTORS).
-DetectorName = Literal["context_block", "datetime", "weekday", "uuid", "request_id"]
+DetectorName = Literal["context_block", "datetime", "weekday", "uuid", "request_id", "environment"]
 
 SESSION_HEADERS = (
     "x-session-id",

@@ -126,12 +126,169 @@ def detect_request_ids(text: str) -> Iterable[Span]:
             yield Span(match.start(), match.end(), "request_id")
 
 
+# -- agents' environment blocks ------------------------------------------------------------------
+#
+# Coding agents tell the model about the machine they run on: the working directory, whether it is a
+# git repository, the platform, today's date, the branch, `git status --short` and recent commits
+# (Claude Code's `<env>` block and `gitStatus:` section, opencode's `<env>` and `<files>`). Such a block
+# is recognized by what its lines read as, not by one client's wording: facts of the form
+# ``key: value`` whose key names something about the environment (or whose value is an absolute path),
+# porcelain status lines, commit lines (a hash and a subject), and, under a header, file paths. A run
+# of them (blank lines and headers between them allowed), or a tag-delimited block made mostly of
+# them, is one span, its introducing line ("Here is useful information about the environment ...:")
+# included. It moves at a conversation's first request (FIRST_SIGHT_KINDS).
+
+_ENV_KEY = re.compile(
+    r"^\s*(?:[-*•]\s+)?(?:"
+    r"(?:current\s+)?(?:working|project|workspace|home|root|repo(?:sitory)?|git)\s*(?:dir(?:ectory)?|folder|root|path)"
+    r"|cwd|pwd|workspace|(?:is\s+)?(?:the\s+)?(?:directory|folder)\s+a\s+git\s+repo(?:sitory)?"
+    r"|git\s*(?:status|repo(?:sitory)?|branch)|(?:current|main|default|base)\s+branch|branch"
+    r"|platform|os(?:\s+version)?|operating\s+system|kernel|shell|terminal|architecture|arch"
+    r"|today'?s\s+date|current\s+(?:date|time|date\s+and\s+time)|date|time|timezone|time\s+zone|locale"
+    r"|(?:node|python|go|rust|java)(?:\.js)?\s+version|user(?:name)?|hostname|host"
+    r")(?:\s*\([^)\n]{0,100}\))?\s*[:=]",
+    re.IGNORECASE,
+)
+_PATH_VALUE = re.compile(r"^\s*(?:[-*•]\s+)?[\w .'()-]{2,48}:\s*(?:/|~/|[A-Za-z]:\\)\S*\s*$")
+_PORCELAIN = re.compile(r"^\s?[MADRCUT?!]{1,2}\s+\S*[./]\S*\s*$")
+_COMMIT = re.compile(r"^\s*(?:[-*•]\s+)?(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b\s+\S")
+_TREE = r"(?:[│├└─|`+\\ -]+\s*)?"  # tree-drawing prefixes of a file listing
+_FILE_PATH = re.compile(
+    rf"^\s*{_TREE}[\w@.+~-]*(?:[/\\][\w@.+~ -]*)+/?\s*$"  # a path with a separator
+    rf"|^\s*{_TREE}[\w@+~-][\w@.+~-]*\.\w{{1,10}}/?\s*$"  # a file name with an extension
+)
+_PARENTHESIZED = re.compile(r"^\s*\([^)]{1,60}\)\s*$")
+_TAG_OPEN = re.compile(r"^\s*<([A-Za-z][\w-]{0,40})(?:\s[^<>]*)?>\s*$")
+_HEADER_MAX_CHARS = 100
+# A tag block is an environment block when at least this share of its inner lines are facts or paths.
+_ENV_BLOCK_SHARE = 0.6
+_MAX_BLOCK_LINES = 400
+
+_FACT, _PATH, _HEADER, _BLANK, _OTHER = range(5)
+
+
+def _line_kind(line: str) -> int:
+    stripped = line.strip()
+    if not stripped:
+        return _BLANK
+    if _ENV_KEY.match(line) or _PATH_VALUE.match(line) or _COMMIT.match(line) or _PORCELAIN.match(line):
+        return _FACT
+    if _FILE_PATH.match(line) or _PARENTHESIZED.match(line):
+        return _PATH
+    if stripped.endswith(":") and len(stripped) <= _HEADER_MAX_CHARS:
+        return _HEADER
+    return _OTHER
+
+
+def _environment_runs(kinds: list[int]) -> list[tuple[int, int]]:
+    """Runs of facts (at least two), with the headers, blank lines and (under a header) paths between
+    them; as (first line, last line)."""
+    found: list[tuple[int, int]] = []
+    index = 0
+    while index < len(kinds):
+        if kinds[index] != _FACT:
+            index += 1
+            continue
+        first = last = index
+        facts = 1
+        cursor = index + 1
+        under_header = False
+        while cursor < len(kinds):
+            kind = kinds[cursor]
+            if kind == _FACT or (kind == _PATH and under_header):
+                facts += kind == _FACT
+                last = cursor
+            elif kind == _HEADER:
+                # A header belongs to the run only with facts or paths under it.
+                following = next((k for k in kinds[cursor + 1 :] if k != _BLANK), _OTHER)
+                if following not in (_FACT, _PATH):
+                    break
+                under_header = True
+                facts += 1
+                last = cursor
+            elif kind == _BLANK:
+                if cursor + 1 < len(kinds) and kinds[cursor + 1] == _BLANK:
+                    break  # two blank lines end a section
+                under_header = False
+            else:
+                break
+            cursor += 1
+        if facts >= 2:
+            found.append((first, last))
+        index = cursor
+    return found
+
+
+def _environment_tags(lines: list[str], kinds: list[int]) -> list[tuple[int, int]]:
+    """Tag-delimited blocks (``<env>`` ... ``</env>`` on lines of their own) made mostly of facts
+    and paths."""
+    found: list[tuple[int, int]] = []
+    for index, line in enumerate(lines):
+        match = _TAG_OPEN.match(line)
+        if match is None:
+            continue
+        closing = f"</{match.group(1)}>"
+        for end in range(index + 1, min(len(lines), index + _MAX_BLOCK_LINES)):
+            if lines[end].strip() == closing:
+                inner = [k for k in kinds[index + 1 : end] if k != _BLANK]
+                facts = inner.count(_FACT)
+                paths = inner.count(_PATH)
+                if inner and (facts or paths >= 3) and (facts + paths) >= _ENV_BLOCK_SHARE * len(inner):
+                    found.append((index, end))
+                break
+            if _TAG_OPEN.match(lines[end]):
+                break  # nested blocks: the innermost is judged on its own
+    return found
+
+
+def detect_environment_blocks(text: str) -> Iterable[Span]:
+    if ":" not in text and "</" not in text:
+        return ()
+    key = xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
+    cached = _ENVIRONMENT_SPANS.get(key)
+    if cached is None:
+        cached = tuple(_environment_spans(text))
+        _ENVIRONMENT_SPANS[key] = cached
+        if len(_ENVIRONMENT_SPANS) > _ENVIRONMENT_CACHE_ENTRIES:
+            _ENVIRONMENT_SPANS.popitem(last=False)
+    else:
+        _ENVIRONMENT_SPANS.move_to_end(key)
+    return cached
+
+
+# A system prompt re-sent unchanged is a hash lookup (only hashes and offsets are kept).
+_ENVIRONMENT_CACHE_ENTRIES = 4096
+_ENVIRONMENT_SPANS: OrderedDict[int, tuple[Span, ...]] = OrderedDict()
+
+
+def _environment_spans(text: str) -> list[Span]:
+    lines = text.split("\n")
+    kinds = [_line_kind(line) for line in lines]
+    blocks = sorted(_environment_tags(lines, kinds) + _environment_runs(kinds))
+    merged: list[tuple[int, int]] = []
+    for first, last in blocks:
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    starts = [0]
+    for line in lines[:-1]:
+        starts.append(starts[-1] + len(line) + 1)
+    spans = []
+    for first, last in merged:
+        if first > 0 and kinds[first - 1] == _HEADER:
+            first -= 1  # the line introducing the block goes with it
+        spans.append(Span(starts[first], starts[last] + len(lines[last]), "environment"))
+    return spans
+
+
 BUILTIN_DETECTORS: dict[DetectorName, Detector] = {
     "context_block": detect_context_blocks,
     "datetime": detect_datetimes,
     "weekday": detect_weekdays,
     "uuid": detect_uuids,
     "request_id": detect_request_ids,
+    "environment": detect_environment_blocks,
 }
 
 
