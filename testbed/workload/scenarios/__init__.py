@@ -31,6 +31,7 @@ BUILTIN: tuple[Scenario, ...] = (
     constant_context.SCENARIO,
     open_webui.SCENARIO,
     coding_agent.SCENARIO,
+    coding_agent.COMMITS_SCENARIO,
     responses_agent.SCENARIO,
 )
 

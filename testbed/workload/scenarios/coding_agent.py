@@ -351,21 +351,28 @@ def _file(rng: random.Random, path: str, lines: int) -> str:
 
 class CodingAgentSession(Session):
     protocol = "messages"
+    scenario_name = NAME
 
     def __init__(self, index: int, rng: random.Random) -> None:
         tasks = list(TASKS)
         first = tasks.pop(index % len(tasks))
         rng.shuffle(tasks)
-        super().__init__(NAME, index, rng, [first, *tasks[: rng.randint(2, 4)]])
+        super().__init__(self.scenario_name, index, rng, [first, *tasks[: rng.randint(2, 4)]])
         repo = REPOS[index % len(REPOS)]
         self._cwd = f"/home/dev/src/{repo}"
-        date = f"2025-{6 + index // 28:02d}-{1 + index % 28:02d}"
-        status = "\n".join(f"{rng.choice(' M?')}{rng.choice('M?')} {f}" for f in rng.sample(FILES, rng.randint(1, 4)))
-        commits = "\n".join(
+        self._date = f"2025-{6 + index // 28:02d}-{1 + index % 28:02d}"
+        self._branch = rng.choice(BRANCHES)
+        self._status = [f"{rng.choice(' M?')}{rng.choice('M?')} {f}" for f in rng.sample(FILES, rng.randint(1, 4))]
+        self._commits = [
             f"{hashlib.sha1(f'{index}:{n}'.encode()).hexdigest()[:7]} {rng.choice(COMMIT_MESSAGES)}" for n in range(5)
+        ]
+        self._instructions = self._render_instructions()
+
+    def _render_instructions(self) -> str:
+        git = GIT_TEMPLATE.format(
+            branch=self._branch, status="\n".join(self._status), commits="\n".join(self._commits[:5])
         )
-        git = GIT_TEMPLATE.format(branch=rng.choice(BRANCHES), status=status, commits=commits)
-        self._instructions = f"{INSTRUCTIONS}\n{ENV_TEMPLATE.format(cwd=self._cwd, date=date)}\n\n{git}"
+        return f"{INSTRUCTIONS}\n{ENV_TEMPLATE.format(cwd=self._cwd, date=self._date)}\n\n{git}"
 
     @property
     def uses_tools(self) -> bool:
@@ -434,8 +441,30 @@ def to_anthropic_messages(messages: list[Message]) -> list[dict[str, Any]]:
     return out
 
 
+class CommittingAgentSession(CodingAgentSession):
+    """The coding agent in a repository where the developer commits between turns: the agent's
+    next request starts a fresh snapshot of git status (another changed file, a new commit on top
+    of ``Recent commits:``), as Claude Code's does when it is restarted with ``--continue``."""
+
+    scenario_name = "coding_agent_commits"
+
+    def next_request(self) -> dict[str, Any] | None:
+        if not self._in_turn and self._turn > 0:
+            number = len(self._commits)
+            digest = hashlib.sha1(f"{self.session_id}:commit:{number}".encode()).hexdigest()[:7]
+            self._commits.insert(0, f"{digest} {self.rng.choice(COMMIT_MESSAGES)}")
+            self._status = [f" M {self.rng.choice(FILES)}"]
+            self._instructions = self._render_instructions()
+        return super().next_request()
+
+
 SCENARIO = Scenario(
     NAME,
     "coding agent on /v1/messages: long system prompt with a per-session environment block, 20 tools, tool loops",
     CodingAgentSession,
+)
+COMMITS_SCENARIO = Scenario(
+    CommittingAgentSession.scenario_name,
+    "the coding agent with a commit between turns: its git status and recent commits change every turn",
+    CommittingAgentSession,
 )

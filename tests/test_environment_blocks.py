@@ -1,0 +1,143 @@
+"""Agents' environment blocks: recognized from what they are, moved behind the tools from a
+conversation's first request, the same way on every turn of it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from proxy.canon.canonicalizer import Canonicalizer
+from proxy.canon.volatile import detect_environment_blocks
+from proxy.config import CanonSettings
+from testbed.demo import run_demo
+from testbed.workload.corpus import dify_nodes
+from tests.helpers import LiveServer
+
+CLAUDE_CODE = """You are Claude Code, Anthropic's official CLI for Claude.
+You are an interactive CLI tool that helps users with software engineering tasks.
+
+# Tone and style
+- Be concise, direct, and to the point.
+- Platform conventions: follow the repository's style.
+
+Here is useful information about the environment you are running in:
+<env>
+Working directory: /home/dev/src/billing
+Is directory a git repo: Yes
+Platform: linux
+OS Version: Linux 6.1.0-27-amd64
+Today's date: 2026-12-01
+</env>
+You are powered by the model named tiny-llama.
+
+IMPORTANT: Always use the TodoWrite tool to plan and track tasks.
+
+gitStatus: This is the git status at the start of the conversation. Note that this status is a snapshot in time, \
+and will not update during the conversation.
+Current branch: main
+
+Main branch (you will usually use this for PRs): main
+
+Status:
+ M src/app.py
+?? notes.txt
+
+Recent commits:
+{commits}"""
+
+OPENCODE = """You are opencode, an interactive CLI agent.
+
+Here is some useful information about the environment you are running in:
+<env>
+  Working directory: /home/u/proj
+  Is directory a git repo: yes
+  Platform: linux
+  Today's date: Tue Dec 01 2026
+</env>
+<files>
+  src/
+  src/app.py
+  README.md
+  pyproject.toml
+</files>
+
+Be brief and answer in the user's language."""
+
+COMMITS = ["a1b2c3d Add retry budget", "9f8e7d6 Fix the parser's off-by-one", "4c5d6e7 Initial import"]
+
+
+def spans(text: str) -> list[str]:
+    return [text[s.start : s.end] for s in detect_environment_blocks(text)]
+
+
+def test_claude_code_environment_and_git_status_are_whole_blocks() -> None:
+    text = CLAUDE_CODE.format(commits="\n".join(COMMITS))
+    env, git = spans(text)
+    assert env.startswith("Here is useful information about the environment") and env.endswith("</env>")
+    assert git.startswith("gitStatus:") and git.endswith(COMMITS[-1])
+    assert "Recent commits:" in git and "Status:\n M src/app.py\n?? notes.txt" in git
+    # The instructions around them are no environment.
+    assert "Platform conventions" not in env + git and "TodoWrite" not in env + git
+
+
+def test_a_file_listing_in_a_tag_block_goes_with_the_environment() -> None:
+    (block,) = spans(OPENCODE)
+    assert block.startswith("Here is some useful information") and block.endswith("</files>")
+
+
+# The team's copy of the real Dify prompts (84 system prompts) where the checkout has it beside it;
+# else the 11 the package bundles.
+SHARED_DIFY = Path(__file__).resolve().parents[2] / "shared" / "data" / "dify_prompts.jsonl"
+
+
+def dify_system_prompts() -> list[str]:
+    if not SHARED_DIFY.exists():
+        return [node.system for node in dify_nodes().values() if node.system]
+    records = [json.loads(line) for line in SHARED_DIFY.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [m["text"] for r in records for m in r["messages"] if m["role"] == "system" and m["text"]]
+
+
+def test_instructions_are_not_environment() -> None:
+    prompts = dify_system_prompts()
+    assert len(prompts) >= 11
+    found = {prompt[:60]: spans(prompt) for prompt in prompts}
+    assert not {k: v for k, v in found.items() if v}
+    rules = "Rules:\n- Time: answer within a minute.\n- Date formats: ISO 8601.\nPlatform: web and mobile."
+    assert spans(rules) == []
+
+
+def chat(system: str, turns: list[str], replies: list[str]) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for number, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        if number < len(replies):
+            messages.append({"role": "assistant", "content": replies[number]})
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("Bash", "Read")]
+    return {"model": "m", "messages": messages, "tools": tools}
+
+
+def texts(body: dict[str, Any]) -> list[str]:
+    return [json.dumps(m, sort_keys=True) for m in body["messages"]]
+
+
+def test_moved_at_the_first_request_and_kept_in_place_while_unchanged() -> None:
+    canonicalizer = Canonicalizer(CanonSettings())
+    system = CLAUDE_CODE.format(commits="\n".join(COMMITS))
+    first = canonicalizer.apply(chat(system, ["Fix the retry logic."], []), "t")
+    assert any(a.kind == "volatile_environment" for a in first.actions)
+    stable = first.body["messages"][0]["content"]
+    assert "<env>" not in stable and "Recent commits:" not in stable and "TodoWrite" in stable
+    second = canonicalizer.apply(chat(system, ["Fix the retry logic.", "Now run the tests."], ["Done."]), "t")
+    # The second turn extends what the first forwarded: the block stays before the first question.
+    assert texts(second.body)[: len(first.body["messages"])] == texts(first.body)
+
+
+def test_a_commit_between_turns_costs_only_the_block(fake_backend: LiveServer) -> None:
+    result = run_demo(sessions=3, scenarios="coding_agent,coding_agent_commits", progress=False)
+    assert result.errors == 0
+    direct, proxied = result.direct["coding_agent_commits"], result.proxied["coding_agent_commits"]
+    assert proxied.requests == direct.requests > 0
+    assert proxied.prefill_tokens <= 0.6 * direct.prefill_tokens, (proxied.prefill_tokens, direct.prefill_tokens)
+    unchanged = result.proxied["coding_agent"].prefill_tokens
+    assert unchanged <= result.direct["coding_agent"].prefill_tokens
