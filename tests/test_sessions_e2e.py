@@ -156,10 +156,14 @@ def test_context_over_hard_limit_is_answered_by_the_proxy(make_proxy: Callable[.
 
 def test_over_the_models_context_the_engine_judges(proxy: LiveServer) -> None:
     """The limit derived from the model (max_model_len - max_tokens) is the engine's to enforce:
-    the proxy forwards, and relays whatever the engine answers (never stricter than it)."""
+    the proxy forwards, and relays whatever the engine answers (never stricter than it). vLLM 0.32
+    clamps a max_tokens the context cannot hold, and refuses a prompt that is itself too long."""
     models = httpx.get(proxy.url + "/v1/models").json()["data"]
     max_model_len = models[0]["max_model_len"]
     response = chat(proxy, [SYSTEM, {"role": "user", "content": "hello " * 50}], max_tokens=max_model_len - 20)
+    assert response.status_code == 200, response.text
+    assert "summary" not in response.headers.get("x-prefix-proxy-actions", "")
+    response = chat(proxy, [SYSTEM, {"role": "user", "content": "hello " * (max_model_len + 10)}], max_tokens=30)
     assert response.status_code == 400
     assert "maximum context length" in response.json()["error"]["message"]  # the engine's own words
 

@@ -120,3 +120,21 @@ def test_the_memory_is_bounded_by_bytes() -> None:
         canonicalize_tool_fields({"model": f"m{app}", "tools": tools()}, orders, "t")
     assert len(orders) * len(orjson.dumps(tools())) <= 64 * 1024
     assert len(orders) >= 1
+
+
+def test_replicas_settle_on_one_reference() -> None:
+    from proxy.replicas.memories import Journal, SharedCanonicalizer
+
+    journals = [Journal(), Journal()]
+    replicas = [SharedCanonicalizer(CanonSettings(), journal) for journal in journals]
+    base = tools()
+    # Each replica sees the app first in another order, at the same time.
+    for number, replica in enumerate(replicas):
+        replica.apply(request(shuffled(base, 10 + number)), "t")
+    entries = [journal.drain() for journal in journals]
+    replicas[0].apply_entries(entries[1])
+    replicas[1].apply_entries(entries[0])
+    forwarded = [orjson.dumps(r.apply(request(shuffled(base, 42)), "t").body["tools"]) for r in replicas]
+    assert forwarded[0] == forwarded[1]
+    assert forwarded[0] in (orjson.dumps(shuffled(base, 10)), orjson.dumps(shuffled(base, 11)))
+    assert all(not journal.entries for journal in journals), "adopted references are not journaled again"

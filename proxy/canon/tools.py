@@ -100,9 +100,18 @@ class ToolOrders:
         known = self._seen.get(key)
         if known is not None and known[1] == canonical:
             return None if known[0] == sent else known[2]
+        self.store(key, sent, canonical, raw)
+        return None
+
+    def store(self, key: int, sent: int, canonical: int, raw: bytes) -> None:
+        """Make ``raw`` the field's reference form (what another replica shares goes through here)."""
         if len(raw) + ENTRY_OVERHEAD <= self._seen.maxsize:
             self._seen[key] = (sent, canonical, raw)
-        return None
+
+    def known(self, key: int) -> tuple[int, int] | None:
+        """The field's reference, as (hash as sent, canonical hash), if any."""
+        entry = self._seen.get(key)
+        return None if entry is None else (entry[0], entry[1])
 
     def __len__(self) -> int:
         return len(self._seen)

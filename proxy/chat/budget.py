@@ -2,9 +2,9 @@
 
 Context budget (per request): the tokens a session may send. Hard limit =
 ``context_limit_tokens`` if configured, else the model's ``max_model_len`` minus
-the request's ``max_tokens``. Crossing ``soft_ratio`` of it marks the session
-due for compaction (and, over the limit, compacted before it is sent). Only a
-configured ``context_limit_tokens`` is enforced by the proxy (400
+the request's ``max_tokens`` (at most a quarter of the context: vLLM clamps it).
+Crossing ``soft_ratio`` of it marks the session due for compaction (and, over the
+limit, compacted before it is sent). Only a configured ``context_limit_tokens`` is enforced by the proxy (400
 ``context_length_exceeded``); over the limit derived from the model the request
 is forwarded, for the engine to judge: the proxy is never stricter than it.
 
@@ -71,12 +71,22 @@ def requested_completion_tokens(body: dict[str, Any]) -> int | None:
     return None
 
 
+# vLLM clamps max_tokens to what the context leaves after the prompt, so a max_tokens that asks for
+# most of the context (Claude Code sends 32000, to a 32k model too) promises no room for the answer:
+# of a limit derived from the model it reserves at most this share. Without the cap every request
+# of such a client would count as over its context budget and be compacted on every turn.
+MAX_OUTPUT_SHARE = 0.25
+
+
 def context_limit(budget: BudgetSettings, max_model_len: int | None, body: dict[str, Any]) -> int | None:
+    """The request's context budget: ``context_limit_tokens``, else the model's context less the
+    room its answer asks for (at most :data:`MAX_OUTPUT_SHARE` of it)."""
     if budget.context_limit_tokens is not None:
         return budget.context_limit_tokens
     if max_model_len is None:
         return None
-    return max_model_len - (requested_completion_tokens(body) or 0)
+    reserve = min(requested_completion_tokens(body) or 0, int(max_model_len * MAX_OUTPUT_SHARE))
+    return max_model_len - reserve
 
 
 # Before a session has ground truth the fast estimate uses CAUTIOUS_TOKENS_PER_BYTE: 2 bytes a token

@@ -9,6 +9,7 @@ replicas through the base class, without journaling them again. What each entry 
 - ``V`` a value's hash seen at a place (the place varies once two differ);
 - ``P`` a forwarded prompt's chain hash; ``B`` a block of moved lines inserted at a position;
 - ``T`` a tool call the backend generated (or first sent), by position key;
+- ``O`` the reference form of an app's tools (the first seen, which reorderings are given back as);
 - ``S`` a model whose chat template refuses a second system message (1), or not (0).
 
 Only changes are journaled: a prompt, place value or block already known is not sent again, so a
@@ -26,6 +27,7 @@ from proxy.canon import LearnedVolatility, ToolCallMemory
 from proxy.canon.canonicalizer import Canonicalizer
 from proxy.canon.layout import Block, ForwardedLayouts
 from proxy.canon.toolcalls import GeneratedCall
+from proxy.canon.tools import ToolOrders
 from proxy.canon.varying import _VARIED, Place, VaryingPlaces
 from proxy.config import CanonSettings
 from proxy.recent import RecentSet
@@ -34,6 +36,8 @@ Entry = list[Any]
 
 # Larger tool-call arguments stay local: one entry must not weigh on every replica's memory.
 MAX_SHARED_ARGUMENT_BYTES = 64 * 1024
+# Tool definitions are shared up to this size (a coding agent's run to about 100 KB, once per app).
+MAX_SHARED_TOOLS_BYTES = 256 * 1024
 
 
 class Journal:
@@ -111,6 +115,25 @@ class SharedLayouts(ForwardedLayouts):
         super().remember_block(position, block, app)
 
 
+class SharedToolOrders(ToolOrders):
+    """Every replica gives an app's reordered tools back as the same reference form. Two replicas
+    that saw different first forms at once settle on the one whose hash is smaller."""
+
+    def __init__(self, journal: Journal) -> None:
+        super().__init__()
+        self._journal = journal
+
+    def store(self, key: int, sent: int, canonical: int, raw: bytes) -> None:
+        super().store(key, sent, canonical, raw)
+        if len(raw) <= MAX_SHARED_TOOLS_BYTES:
+            self._journal.add(["O", key, sent, canonical, raw.decode("utf-8", "surrogatepass")])
+
+    def apply(self, key: int, sent: int, canonical: int, raw: bytes) -> None:
+        known = self.known(key)
+        if known is None or known[1] != canonical or sent < known[0]:
+            super().store(key, sent, canonical, raw)
+
+
 class SharedToolCalls(ToolCallMemory):
     def __init__(self, journal: Journal) -> None:
         super().__init__()
@@ -138,6 +161,7 @@ class SharedCanonicalizer(Canonicalizer):
         if self.layouts is not None:
             self.layouts = SharedLayouts(journal, settings.layout_memory_entries)
         self.tool_memory = SharedToolCalls(journal)
+        self.tool_orders = SharedToolOrders(journal)
 
     def keep_structure(self, model: str | None) -> None:
         if not self.keeps_structure(model):
@@ -176,6 +200,11 @@ class SharedCanonicalizer(Canonicalizer):
             self.layouts.apply_block(int(entry[1]), block, int(entry[3]))
         elif kind == "T" and isinstance(self.tool_memory, SharedToolCalls):
             self.tool_memory.apply(int(entry[1]), GeneratedCall(id=str(entry[2]), arguments=str(entry[3])))
+        elif kind == "O" and isinstance(self.tool_orders, SharedToolOrders):
+            raw = str(entry[4]).encode("utf-8", "surrogatepass")
+            if xxhash.xxh3_64_intdigest(raw) != int(entry[2]):
+                raise ValueError("tool reference does not match its hash")
+            self.tool_orders.apply(int(entry[1]), int(entry[2]), int(entry[3]), raw)
         elif kind == "S":
             if entry[2]:
                 Canonicalizer.keep_structure(self, entry[1])

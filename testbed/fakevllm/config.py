@@ -22,6 +22,10 @@ class FakeBackendConfig:
     block_size: int = 16
     cache_capacity_blocks: int = 65536
     max_model_len: int = 32768
+    # vLLM 0.32 clamps max_tokens to what the context leaves after the prompt and refuses only a
+    # prompt that leaves no room (seen with Claude Code's max_tokens 32000 on a 32k model). False:
+    # refuse prompt + max_tokens over max_model_len, as older releases did.
+    clamp_max_tokens: bool = True
     # A Hugging Face tokenizer.json (or a directory holding one); None: bundled cl100k + ChatML.
     tokenizer_path: str | None = None
     eos_token: str = "<|im_end|>"

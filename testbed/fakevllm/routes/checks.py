@@ -42,15 +42,14 @@ class RequestChecks:
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         """vLLM's context-length validation; returns the effective max_tokens."""
         limit = self.config.max_model_len
-        if max_tokens is None:
-            if num_prompt_tokens >= limit:
-                raise Rejected(
-                    400,
-                    f"This model's maximum context length is {limit} tokens. However, you requested "
-                    f"{num_prompt_tokens} tokens in the messages, Please reduce the length of the messages.",
-                )
-            max_tokens = limit - num_prompt_tokens
-        elif num_prompt_tokens + max_tokens > limit:
+        if num_prompt_tokens >= limit:
+            raise Rejected(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens} tokens in the messages, Please reduce the length of the messages.",
+            )
+        room = limit - num_prompt_tokens
+        if max_tokens is not None and max_tokens > room and not self.config.clamp_max_tokens:
             raise Rejected(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -60,7 +59,7 @@ class RequestChecks:
         fit_error = self.engine.check_fits(num_prompt_tokens)
         if fit_error:
             raise Rejected(400, fit_error)
-        return max_tokens
+        return room if max_tokens is None else min(max_tokens, room)
 
     async def check_generation(self, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest) -> None:
         """What chat and text completions check first: ``fake_options``, the model, n and streaming."""
