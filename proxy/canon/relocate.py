@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Iterable
 
 from proxy.canon.volatile import Span
@@ -86,3 +88,134 @@ def runs(lines: list[str], indices: list[int], *, bridge_blank: bool) -> list[tu
         else:
             found.append((index, index))
     return found
+
+
+# -- whole regions: what moves is a block of the client's text, never a part of one ---------------
+
+_FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
+_OPEN_TAG = re.compile(r"^\s*<([A-Za-z][\w.:-]*)(?:\s[^<>]*)?>\s*$")
+_CLOSE_TAG = re.compile(r"^\s*</([A-Za-z][\w.:-]*)\s*>\s*$")
+
+
+def weak_lines(lines: list[str]) -> set[int]:
+    """Lines that cannot anchor a template: blank, without a letter or digit (```, ---), a closing
+    tag (</doc>), or occurring more than once in the text."""
+    counts = Counter(lines)
+    return {
+        i
+        for i, line in enumerate(lines)
+        if not line.strip() or counts[line] > 1 or not any(c.isalnum() for c in line) or _CLOSE_TAG.match(line)
+    }
+
+
+def widen(lines: list[str], varying: set[int], weak: set[int]) -> set[int]:
+    """Each run of varying lines extended over the weak lines around it, up to strong lines (blank
+    lines at the ends of a widened run left out: they stay paragraph breaks)."""
+    widened = set(varying)
+    for index in sorted(varying):
+        low = index
+        while low - 1 >= 0 and low - 1 in weak and low - 1 not in widened:
+            low -= 1
+        high = index
+        while high + 1 < len(lines) and high + 1 in weak and high + 1 not in widened:
+            high += 1
+        while low < index and _blank(lines[low]):
+            low += 1
+        while high > index and _blank(lines[high]):
+            high -= 1
+        widened.update(range(low, high + 1))
+    return widened
+
+
+def text_blocks(lines: list[str]) -> list[tuple[int, int]]:
+    """The blocks of a text as (first, last), delimiters included: fenced code (``` or ~~~) and a
+    ``<tag ...>`` line ... its ``</tag>`` line (outside fences), then the runs of lines after a line
+    ending with ':' up to the next blank line (a list or a document it introduces)."""
+    found = _fences(lines)
+    fenced = {i for first, last in found for i in range(first, last + 1)}
+    open_tags: list[tuple[str, int]] = []
+    for index, line in enumerate(lines):
+        if index in fenced:
+            continue
+        closing = _CLOSE_TAG.match(line)
+        if closing:
+            name = closing.group(1)
+            for depth in range(len(open_tags) - 1, -1, -1):
+                if open_tags[depth][0] == name:
+                    found.append((open_tags[depth][1], index))
+                    del open_tags[depth:]
+                    break
+            continue
+        opening = _OPEN_TAG.match(line)
+        if opening and not line.rstrip().endswith("/>"):
+            open_tags.append((opening.group(1), index))
+    runs_: list[tuple[int, int]] = []
+    for index, line in enumerate(lines[:-1]):
+        if _introduces(line) and not _blank(lines[index + 1]):
+            last = index + 1
+            while last + 1 < len(lines) and not _blank(lines[last + 1]):
+                last += 1
+            runs_.append((index + 1, last))
+    return found + runs_
+
+
+def _fences(lines: list[str]) -> list[tuple[int, int]]:
+    """Fenced code blocks: an opening fence and the next line that closes it (a fence never closed
+    fences nothing)."""
+    found: list[tuple[int, int]] = []
+    index = 0
+    while index < len(lines):
+        match = _FENCE.match(lines[index])
+        if match:
+            marker = match.group(1)
+            for close in range(index + 1, len(lines)):
+                stripped = lines[close].strip()
+                if len(stripped) >= len(marker) and stripped == marker[0] * len(stripped):
+                    found.append((index, close))
+                    index = close
+                    break
+        index += 1
+    return found
+
+
+def close_blocks(lines: list[str], moving: set[int], blocks: list[tuple[int, int]] | None = None) -> set[int]:
+    """``moving`` with, for each of its lines, the innermost block holding it (delimiters included)
+    when that block is at most half of the text's non-blank lines, and then the line introducing
+    each moving run (a line ending with ':' right before it)."""
+    if not moving:
+        return set(moving)
+    if blocks is None:
+        blocks = text_blocks(lines)
+    limit = sum(1 for line in lines if not _blank(line)) // 2
+    closed = set(moving)
+    for index in moving:
+        # A fenced or tagged block first: an introduced run may end inside one (at a blank line).
+        holding = [(not _structural(lines, first), last - first, first, last) for first, last in blocks]
+        holding = [h for h in holding if h[2] <= index <= h[3]]
+        if not holding:
+            continue
+        _, _, first, last = min(holding)
+        if sum(1 for line in lines[first : last + 1] if not _blank(line)) <= limit:
+            closed.update(range(first, last + 1))
+    for first, _ in runs(lines, sorted(closed), bridge_blank=False):
+        if first > 0 and _introduces(lines[first - 1]):
+            closed.add(first - 1)
+    return closed
+
+
+def _structural(lines: list[str], first: int) -> bool:
+    return bool(_FENCE.match(lines[first]) or _OPEN_TAG.match(lines[first]))
+
+
+def bridge_blanks(lines: list[str], moving: set[int]) -> set[int]:
+    """``moving`` with the blank lines between two of its lines (nothing else between): a moved
+    block keeps its inner paragraph breaks."""
+    bridged = set(moving)
+    for first, last in runs(lines, sorted(moving), bridge_blank=True):
+        bridged.update(range(first, last + 1))
+    return bridged
+
+
+def _introduces(line: str) -> bool:
+    stripped = line.rstrip()
+    return stripped.endswith((":", "：")) and any(c.isalnum() for c in stripped)

@@ -16,6 +16,7 @@ Whole lines move, byte for byte (``relocate.partition_lines``). Which lines, and
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +38,18 @@ from proxy.canon.learned import LearnedVolatility, line_hash
 from proxy.canon.querytemplate import restore_query_blocks
 from proxy.canon.relocate import (
     already_at_end,
+    bridge_blanks,
+    close_blocks,
     lines_touched,
     partition_lines,
     runs,
     split_lines,
+    text_blocks,
+    weak_lines,
+    widen,
 )
 from proxy.canon.varying import VaryingPlaces
-from proxy.canon.volatile import DetectionCache, Detector, Span, detect_spans
+from proxy.canon.volatile import FIRST_SIGHT_KINDS, DetectionCache, Detector, Span, detect_spans
 from proxy.openai.messages import is_text_parts
 
 
@@ -127,9 +133,11 @@ def relocate(
 
 
 def _app_key(namespace: str, body: dict[str, Any]) -> str:
-    tools = body.get("tools") or body.get("functions") or []
-    names = ",".join(str((t.get("function") or t).get("name", "")) if isinstance(t, dict) else "" for t in tools)
-    return f"{namespace}\x00{body.get('model', '')}\x00{names}"
+    """(tenant, model): what is learned about a system prompt survives a changed tool set (a chat whose
+    tools grow mid-conversation). Templates under one key are told apart by their lines (learned) and
+    by their text around the candidates (varying places); the forwarded prompts' identity
+    (``chain_header``) still covers the tools, which the backend renders."""
+    return f"{namespace}\x00{body.get('model', '')}"
 
 
 # -- splitting a system message -----------------------------------------------------------------
@@ -151,8 +159,8 @@ class _Split:
     lines: list[tuple[int, int]] = field(default_factory=list)
 
 
-# The line hashes to move in one text, or None: decide from detectors and memories.
-Forced = frozenset[int] | None
+# The line hashes to move in one text (each as often as it moved), or None: decide from detectors and memories.
+Forced = Counter[int] | None
 
 
 def _split_message(
@@ -161,7 +169,7 @@ def _split_message(
     memories: Memories,
     key: str,
     index: int,
-    forced: dict[int, frozenset[int]] | None = None,
+    forced: dict[int, Counter[int]] | None = None,
 ) -> _Split | None:
     content = message.get("content")
     if isinstance(content, str):
@@ -171,10 +179,10 @@ def _split_message(
     return None
 
 
-def _forced(forced: dict[int, frozenset[int]] | None, part: int) -> Forced:
+def _forced(forced: dict[int, Counter[int]] | None, part: int) -> Forced:
     if forced is None:
         return None
-    return forced.get(part, frozenset())
+    return forced.get(part, Counter())
 
 
 def _split_text(
@@ -188,15 +196,26 @@ def _split_text(
     spans = detect_spans(text, placement.detectors, memories.detection_cache)
     detected = lines_touched(text, spans)
     learned_lines: set[int] = set()
+    blocks: list[tuple[int, int]] | None = None
     if memories.learned is not None:
-        learned_lines = _reindex(lines, detected, memories.learned.observe(key, _without(lines, detected)))
+        unaligned = _reindex(lines, detected, memories.learned.observe(key, _without(lines, detected)))
+        if unaligned:
+            # A region that varies, whole: over the lines too weak to anchor it (fences, rules, blank or
+            # repeated lines), then the block holding it (a fenced or tagged block, an introduced list).
+            blocks = text_blocks(lines)
+            learned_lines = close_blocks(lines, widen(lines, unaligned, weak_lines(lines)), blocks)
     candidates = detected | learned_lines
     # The app is the template around the candidates: requests of two apps that share a model, and
     # text (a context prompt, an instruction), do not vary each other's places.
     skeleton = _skeleton(lines, detected, learned_lines) if memories.varying is not None and candidates else 0
     place_key = f"{key}\x00{skeleton:x}"
     varied = _varied_spans(text, spans, memories.varying, place_key, where)
-    moving = lines_touched(text, varied) | _varied_learned(lines, learned_lines, memories.varying, place_key, where)
+    moving = set(_varied_learned(lines, learned_lines, memories.varying, place_key, where))
+    varied_lines = lines_touched(text, varied)
+    if varied_lines:
+        # A detected span moves the block holding it too (a date inside <env>...</env>).
+        moving |= close_blocks(lines, varied_lines, blocks)
+    moving = bridge_blanks(lines, moving)
     if not moving:
         return _Split(text, learned=len(learned_lines), candidates=len(candidates))
     stable, moved = partition_lines(lines, moving)
@@ -211,9 +230,27 @@ def _split_text(
     )
 
 
-def _split_forced(text: str, lines: list[str], forced: frozenset[int]) -> _Split:
-    """Move exactly the lines with these hashes."""
-    moving = {i for i, line in enumerate(lines) if line.strip() and line_hash(line) in forced}
+def _split_forced(text: str, lines: list[str], forced: Counter[int]) -> _Split:
+    """Move the lines with these hashes, as often as each was moved: of a line the text holds more
+    often (a fence, a ``---``), the occurrences nearest the lines only the block holds."""
+    where: dict[int, list[int]] = {}
+    for i, line in enumerate(lines):
+        if line.strip():
+            hashed = line_hash(line)
+            if hashed in forced:
+                where.setdefault(hashed, []).append(i)
+    moving: set[int] = set()
+    ambiguous: list[tuple[int, list[int]]] = []
+    for hashed, found in where.items():
+        if len(found) <= forced[hashed]:
+            moving.update(found)
+        else:
+            ambiguous.append((forced[hashed], found))
+    anchors = sorted(moving)
+    for count, found in ambiguous:
+        nearest = sorted(found, key=lambda i: (min((abs(i - a) for a in anchors), default=0), i))
+        moving.update(nearest[:count])
+    moving = bridge_blanks(lines, moving)
     if not moving:
         return _Split(text)
     stable, moved = partition_lines(lines, moving)
@@ -226,7 +263,7 @@ def _split_parts(
     memories: Memories,
     key: str,
     index: int,
-    forced: dict[int, frozenset[int]] | None,
+    forced: dict[int, Counter[int]] | None,
 ) -> _Split:
     """Content given as text parts (``[{"type": "text", "text": ...}]``): each part is split like a
     string; parts keep their order, a part left empty is dropped, and the moved lines of all parts
@@ -305,7 +342,10 @@ def _varied_spans(
     varied = []
     for span in spans:
         ordinal = ordinals[span.kind] = ordinals.get(span.kind, -1) + 1
-        if varying.observe(key, (*where, span.kind, ordinal), text[span.start : span.end]):
+        # A kind that varies by nature (an agent's environment) moves at first sight: moving it only
+        # once it changed could not help the turn where it first changes.
+        value = text[span.start : span.end]
+        if span.kind in FIRST_SIGHT_KINDS or varying.observe(key, (*where, span.kind, ordinal), value):
             varied.append(span)
     return varied
 
@@ -488,18 +528,11 @@ class _Layout:
     def _split_again(
         messages: list[dict[str, Any]], system_count: int, block: Block, placement: Placement, memories: Memories
     ) -> list[_Split | None]:
-        forced: dict[int, dict[int, set[int]]] = {}
+        forced: dict[int, dict[int, Counter[int]]] = {}
         for index, part, line in block:
-            forced.setdefault(index, {}).setdefault(part, set()).add(line)
+            forced.setdefault(index, {}).setdefault(part, Counter())[line] += 1
         return [
-            _split_message(
-                messages[index],
-                placement,
-                memories,
-                "",
-                index,
-                {part: frozenset(hashes) for part, hashes in forced.get(index, {}).items()},
-            )
+            _split_message(messages[index], placement, memories, "", index, forced.get(index, {}))
             for index in range(system_count)
         ]
 

@@ -9,6 +9,7 @@ from testbed.workload.scenarios import (
     coding_agent,
     constant_context,
     dify_rag,
+    dify_workflow,
     fc_agent,
     inline_query,
     long_session,
@@ -33,6 +34,7 @@ BUILTIN: tuple[Scenario, ...] = (
     coding_agent.SCENARIO,
     coding_agent.COMMITS_SCENARIO,
     responses_agent.SCENARIO,
+    dify_workflow.SCENARIO,
 )
 
 for _scenario in BUILTIN:
