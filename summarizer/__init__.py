@@ -8,7 +8,7 @@
 """
 
 from summarizer.anchor import Anchored, anchor, summary_message
-from summarizer.compactor import Compaction, CompactionFailed, Compactor, CompactorOptions
+from summarizer.compactor import Compaction, CompactionFailed, Compactor, CompactorOptions, client_messages
 from summarizer.policy import SummaryPolicy, is_due, plan_chunk
 from summarizer.state import SummaryState
 
@@ -21,6 +21,7 @@ __all__ = [
     "SummaryPolicy",
     "SummaryState",
     "anchor",
+    "client_messages",
     "is_due",
     "plan_chunk",
     "summary_message",

@@ -39,6 +39,17 @@ class Anchored:
     actions: list[str] = field(default_factory=list)
     # Index of the first message after the summary (or after the system prefix when there is none).
     history_start: int = 0
+    # Where the summary went in the input (the messages before it are kept as they were).
+    insert_at: int = 0
+
+    def position(self, index: int) -> int | None:
+        """Where the input's message ``index`` is in :attr:`messages`; None when the summary
+        replaced it."""
+        if index < self.insert_at:
+            return index
+        if index < self.insert_at + self.removed:
+            return None
+        return self.history_start + self.restored + index - self.insert_at - self.removed
 
 
 def anchor(
@@ -82,7 +93,7 @@ def anchor(
     history_start = len(out)
     out.extend(restored)
     out.extend(rest)
-    return Anchored(out, removed, removed_bytes, len(restored), actions, history_start)
+    return Anchored(out, removed, removed_bytes, len(restored), actions, history_start, insert_at)
 
 
 def _merged_into(system: dict[str, Any], state: SummaryState, tail: str) -> dict[str, Any] | None:

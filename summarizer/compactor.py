@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,11 @@ from summarizer.prompt import DEFAULT_INSTRUCTION, build_request
 from summarizer.state import SummaryState
 
 Complete = Callable[[dict[str, Any]], Awaitable[tuple[str, int]]]
+
+
+def client_messages(messages: list[dict[str, Any]], start: int, inserted: Collection[int]) -> list[dict[str, Any]]:
+    """``messages[start:]`` less the ones the proxy inserted (indices into ``messages``)."""
+    return [m for index, m in enumerate(messages[start:], start) if index not in inserted]
 
 
 class CompactionFailed(Exception):
@@ -52,9 +57,17 @@ class Compactor:
         return plan_chunk(messages, history_start, self._policy) is not None
 
     async def compact(
-        self, state: SummaryState, forwarded: dict[str, Any], messages: list[dict[str, Any]], history_start: int
+        self,
+        state: SummaryState,
+        forwarded: dict[str, Any],
+        messages: list[dict[str, Any]],
+        history_start: int,
+        inserted: Collection[int] = (),
     ) -> Compaction | None:
-        """Fold the oldest turns of ``messages`` (the forwarded conversation, reply included) into ``state``."""
+        """Fold the oldest turns of ``messages`` (the forwarded conversation, reply included) into ``state``.
+
+        ``inserted``: indices of ``messages`` the proxy made (a block of moved volatile lines): never
+        part of the repair tail, which restores only what the client sent."""
         chunk = plan_chunk(messages, history_start, self._policy)
         if chunk is None:
             return None
@@ -79,7 +92,7 @@ class Compactor:
             tokens=tokens,
             version=state.version + 1,
             updated=time.time(),
-            tail=list(messages[chunk.end :]) if self._options.repair else [],
+            tail=client_messages(messages, chunk.end, inserted) if self._options.repair else [],
         )
         folded_bytes = sum(len(str(m.get("content") or "").encode()) for m in folded)
         return Compaction(new_state, len(folded), folded_bytes)

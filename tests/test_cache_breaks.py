@@ -207,3 +207,25 @@ def test_memory_is_bounded() -> None:
         observe(memory, [{"role": "system", "content": f"app {index}"}, user(f"q {index}")], key=f"c{index}")
     assert len(memory) == 50
     assert len(memory._links) <= 50 * 8 and len(memory._conversations) <= 50
+
+
+def test_a_changed_system_prompt_with_other_tools_is_system_changed() -> None:
+    """Another agent (a sub-agent, a side task) changes the prompt from the system prompt on; its tools
+    with it. Only tools changing under an identical system prompt read tools_changed."""
+    memory = BreakMemory()
+    chat = Conversation(memory, "c1")
+    chat.send("hi " * 30, tools=TOOLS)
+    chat.messages[0]["content"] = SYSTEM.replace("10:00:00", "10:00:07")
+    result = chat.send("again " * 30, tools=TOOLS[:1])
+    assert (result.cause, result.message, result.line) == ("system_changed", 0, 2)
+    assert result.expected_bytes == 0 and result.tokens_lost > 0
+    # A system prompt no longer there at all, other tools: system_changed too.
+    result = observe(memory, [user("a title for: hi")], key="c1")
+    assert (result.cause, result.message, result.line) == ("system_changed", 0, None)
+    # A conversation's first request, compared with the app's closest prompt: the same rule.
+    other = Conversation(memory, "c2", SYSTEM.replace("support bot", "search sub-agent"))
+    result = other.send("find " * 30, tools=[{"type": "function", "function": {"name": "grep"}}])
+    assert (result.cause, result.message, result.line) == ("system_changed", 0, 1)
+    same_system = Conversation(memory, "c3", SYSTEM.replace("10:00:00", "10:00:07"))
+    result = same_system.send("hello " * 30, tools=list(reversed(TOOLS)))
+    assert (result.cause, result.message) == ("tools_changed", -1)

@@ -86,3 +86,36 @@ def test_causes_reach_header_counter_and_access_log(
     causes = [line["cache_break"]["cause"] for line in logged if "cache_break" in line]
     assert causes == ["new_conversation", "none", "none", "system_changed", "cache_evicted"]
     assert not any("booking assistant" in line for line in access_lines)
+
+
+def test_messages_and_responses_are_explained_too(servers: tuple[LiveServer, LiveServer]) -> None:
+    """/v1/messages and /v1/responses: explained on their chat-shaped view, header and all."""
+    _, proxy = servers
+    headers = {"x-session-id": "anthropic-1"}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Book a room for two nights, please."}]
+    body = {"model": "fake-model", "max_tokens": 30, "system": SYSTEM}
+    first = httpx.post(proxy.url + "/v1/messages", json={**body, "messages": messages}, headers=headers)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-prefix-proxy-cache-break"].startswith("new_conversation; message=0; tokens=")
+    text = "".join(block.get("text", "") for block in first.json()["content"])
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "With breakfast."}]
+    second = httpx.post(proxy.url + "/v1/messages", json={**body, "messages": messages}, headers=headers)
+    assert second.status_code == 200, second.text
+    assert second.headers["x-prefix-proxy-cache-break"] == "none"
+
+    items: list[dict[str, Any]] = [{"role": "user", "content": "Book a table for four."}]
+    request = {"model": "fake-model", "instructions": SYSTEM, "max_output_tokens": 30, "store": False}
+    first = httpx.post(proxy.url + "/v1/responses", json={**request, "input": items})
+    assert first.status_code == 200, first.text
+    # The same system prompt as the Messages conversation (same tenant and model): it is cached.
+    assert first.headers["x-prefix-proxy-cache-break"].startswith("new_conversation; message=1; tokens=")
+    text = "".join(
+        part.get("text", "")
+        for item in first.json()["output"]
+        if item.get("type") == "message"
+        for part in item.get("content", [])
+    )
+    items += [{"role": "assistant", "content": text}, {"role": "user", "content": "At eight."}]
+    second = httpx.post(proxy.url + "/v1/responses", json={**request, "input": items})
+    assert second.status_code == 200, second.text
+    assert second.headers["x-prefix-proxy-cache-break"] == "none"

@@ -147,3 +147,68 @@ def test_summary_request_stays_in_the_conversations_cache_namespace() -> None:
     request = build_request(forwarded, conversation(2), instruction="Summarize.", max_tokens=100)
     assert request["cache_salt"] == "pp-tenant-salt"
     assert "cache_salt" not in build_request({**forwarded, "cache_salt": None}, [], instruction="", max_tokens=1)
+
+
+BLOCK = {"role": "system", "content": "Current time: 17:44:59"}  # a block relocation inserted
+
+
+def test_anchored_positions_follow_the_summary_and_the_restored_messages() -> None:
+    messages = conversation(3)  # S q0 a0 q1 a1 q2 a2
+    # The summary replaces q0 and a0; the proxy's block sits before q2 (index 5 of the input).
+    sent = [SYSTEM, *messages[1:5], BLOCK, messages[5]]
+    anchored = anchor(sent, state_covering(messages[1:3]), insert_at=1)
+    assert [anchored.position(i) for i in range(len(sent))] == [0, None, None, 2, 3, 4, 5]
+    assert anchored.messages[4] == BLOCK
+    # A repaired window: q0 and a0 restored before what the client re-sent.
+    window = [SYSTEM, *messages[3:5], BLOCK, messages[5]]
+    repaired = anchor(window, SummaryState(tail=messages[1:5]), insert_at=1, repair=True)
+    assert repaired.restored == 2
+    assert [repaired.messages[p] for p in map(repaired.position, range(len(window))) if p is not None] == window
+
+
+async def test_the_repair_tail_of_a_compaction_leaves_the_proxys_blocks_out() -> None:
+    async def complete(body: dict[str, Any]) -> tuple[str, int]:
+        return "summary", 3
+
+    messages = conversation(6)
+    forwarded = [*messages[:-2], BLOCK, *messages[-2:]]  # the block before the last question
+    compactor = Compactor(complete, SummaryPolicy(keep_last_turns=2), CompactorOptions(repair=True))
+    result = await compactor.compact(SummaryState(), {"model": "m"}, forwarded, 1, inserted={len(messages) - 2})
+    assert result is not None and result.state.tail
+    assert BLOCK not in result.state.tail
+    assert result.state.tail == messages[-4:]  # the kept turns, as the client sent them
+
+
+async def test_the_saved_repair_tail_never_holds_a_message_the_proxy_inserted() -> None:
+    from proxy.chat.compaction import CompactionJob, CompactionService
+    from proxy.config import SessionSettings, SummarizerSettings
+    from proxy.observability.metrics import Metrics
+    from proxy.protocols.channel import CHAT
+    from proxy.sessions.memory import MemorySessionStore
+    from proxy.sessions.service import SessionService
+    from proxy.tenants import Tenant
+
+    metrics = Metrics()
+    sessions = SessionService(MemorySessionStore(ttl_s=60), SessionSettings(), metrics)
+    service = CompactionService(SummarizerSettings(), sessions, None, None, metrics)  # type: ignore[arg-type]
+    forwarded = [SYSTEM, BLOCK, *conversation(2)[1:]]  # the block before the first question
+    job = CompactionJob(
+        tenant=Tenant("t"),
+        session_id="s",
+        summary=SummaryState(),
+        forwarded={"model": "m", "messages": forwarded},
+        messages=forwarded,
+        history_start=1,
+        channel=CHAT,
+        upstream_auth={},
+        routing_key="k",
+        prefix_hash="p",
+        slides_window=True,
+        tokens_per_byte=None,
+        inserted=frozenset({1}),
+    )
+    await service.after_answer(job, due=False)
+    record = await sessions.get("t", "s")
+    assert record is not None
+    tail = SummaryState.from_json(record.summary).tail
+    assert tail == forwarded[2:] and BLOCK not in tail

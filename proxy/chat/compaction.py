@@ -29,7 +29,15 @@ from proxy.protocols.channel import SummaryChannel
 from proxy.sessions.service import SessionService, StoreUnavailable
 from proxy.tenants import Tenant, TenantDirectory
 from proxy.tokenization.counter import TYPICAL_TOKENS_PER_BYTE
-from summarizer import Compaction, CompactionFailed, Compactor, CompactorOptions, SummaryPolicy, SummaryState
+from summarizer import (
+    Compaction,
+    CompactionFailed,
+    Compactor,
+    CompactorOptions,
+    SummaryPolicy,
+    SummaryState,
+    client_messages,
+)
 from summarizer.prompt import DEFAULT_INSTRUCTION
 
 logger = logging.getLogger("prefix_proxy.summarizer")
@@ -57,6 +65,9 @@ class CompactionJob:
     # The client slides a window: the uncovered tail is kept for its repair.
     slides_window: bool
     tokens_per_byte: float | None
+    # Indices of ``messages`` the proxy inserted (blocks of moved volatile lines): the client never
+    # sent them as messages, so no repair tail keeps them (a repair restores what the client sent).
+    inserted: frozenset[int] = frozenset()
 
 
 class CompactionService:
@@ -126,7 +137,7 @@ class CompactionService:
         """
         # The tail is kept for clients seen to slide a window: every other session stores none.
         if job.slides_window:
-            await self._save_tail(job, job.messages[job.history_start :])
+            await self._save_tail(job, client_messages(job.messages, job.history_start, job.inserted))
         if due and not self._backing_off(job):
             self._sessions.spawn(self._run_locked(job, wait=False))
 
@@ -192,7 +203,9 @@ class CompactionService:
         metrics.compactions.labels("started").inc()
         started = time.perf_counter()
         try:
-            compaction = await compactor.compact(current, dict(job.forwarded), job.messages, job.history_start)
+            compaction = await compactor.compact(
+                current, dict(job.forwarded), job.messages, job.history_start, job.inserted
+            )
         except CompactionFailed as exc:
             metrics.compactions.labels("failed").inc()
             self._backoff[(job.tenant.name, job.session_id)] = time.monotonic() + self.settings.retry_backoff_s

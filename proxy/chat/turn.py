@@ -98,6 +98,8 @@ class ChatTurn:
     summarize: bool = True
     # Tokens of that history, which the request does not show but the backend renders.
     history_tokens: int = 0
+    # Indices into ``canonical["messages"]`` of the messages canonicalization made (CanonResult.inserted).
+    inserted: tuple[int, ...] = ()
 
     @property
     def routing_key(self) -> str:
@@ -126,6 +128,24 @@ class ChatTurn:
     def session_id(self) -> str | None:
         return self.session.session_id if self.session else None
 
+    @property
+    def lane_key(self) -> str | None:
+        """The conversation this request continues, for the miss explanation: the session, or for a
+        side lane of a named session, the session and the lane's root (docs/analysis.md)."""
+        if self.session is None:
+            return None
+        if self.session.lane is None:
+            return self.session.session_id
+        return f"{self.session.session_id}\x1f{self.session.lane:x}"
+
+    def forwarded_inserted(self) -> frozenset[int]:
+        """Indices into ``forwarded["messages"]`` of the messages canonicalization made (moved by the
+        summary and the restored messages before them; gone where the summary replaced them)."""
+        if self.anchored is None:
+            return frozenset(self.inserted)
+        positions = (self.anchored.position(index) for index in self.inserted)
+        return frozenset(position for position in positions if position is not None)
+
     @classmethod
     async def begin(
         cls,
@@ -145,7 +165,9 @@ class ChatTurn:
         budget = effective_budget(state.settings.budget, state.settings.model_budgets.get(model), tenant.budget)
         named = session_id or state.sessions.explicit_id(headers, body)
         try:
-            session = await state.sessions.resolve(tenant.name, canonical["messages"], named)
+            # Lanes only in a session the client names: one the proxy knows (a Responses chain) is
+            # continued by the request whatever it holds.
+            session = await state.sessions.resolve(tenant.name, canonical["messages"], named, lanes=session_id is None)
         except StoreUnavailable:
             session = None
         turn = cls(
@@ -161,6 +183,7 @@ class ChatTurn:
             channel=channel,
             summarize=summarize,
             history_tokens=history_tokens,
+            inserted=canon.inserted,
         )
         if session is not None and session.record is not None:
             turn.summary = SummaryState.from_json(session.record.summary)
@@ -187,9 +210,10 @@ class ChatTurn:
         return turn
 
     def _anchor(self) -> None:
-        """Apply the session's summary (and window repair) to the canonical request."""
+        """Apply the session's summary (and window repair) to the canonical request. Not to a side
+        lane: the summary and its tail are of the session's conversation, which it does not extend."""
         settings = self.state.settings.summarizer
-        if not settings.enabled or self.session is None or not self.summarize:
+        if not settings.enabled or self.session is None or not self.summarize or self.session.side_lane:
             return
         model = self.canonical.get("model")
         self.anchored = anchor(
@@ -231,6 +255,8 @@ class ChatTurn:
         mode = self.state.settings.summarizer.sliding_window_repair
         if mode == "off" or self.session is None or (mode == "named" and not self.session.explicit):
             return False
+        if self.session.side_lane:
+            return False  # a side task's window is not the conversation's
         return not self.summary.tail_prefix or self.summary.tail_prefix == self.prefix_hash
 
     @property
@@ -334,6 +360,7 @@ class ChatTurn:
             prefix_hash=self.prefix_hash,
             slides_window=self.slides_window,
             tokens_per_byte=self.session.tokens_per_byte,
+            inserted=self.forwarded_inserted(),
         )
 
     def _compaction_due(self, usage: Usage | None, messages: list[dict[str, Any]]) -> bool:

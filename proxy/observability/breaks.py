@@ -249,7 +249,12 @@ class BreakMemory:
         if (old.namespace, old.model) != (prompt.namespace, prompt.model):
             return self._break("unknown", None, None, prompt, previous, -1)
         if old.tools != prompt.tools:
-            return self._break("tools_changed", -1, None, prompt, previous, -1)
+            if _same_system(old, prompt):
+                return self._break("tools_changed", -1, None, prompt, previous, -1)
+            # The prompt changed from the system prompt on (another agent, a side task): its tools
+            # with it, which is no sign of a client re-sending its tools differently.
+            message, line = _system_difference(old, prompt)
+            return self._break("system_changed", message, line, prompt, previous, -1)
         common = _common_prefix(old, prompt)
         if common == len(old):
             # The prompt extends the previous one: a break only if the reply came back rewritten.
@@ -304,13 +309,10 @@ class BreakMemory:
         app = self._closest_app_prompt(prompt)
         if app is not None and reach < prompt.system_count:
             old = app.prompt
-            if old.tools != prompt.tools:
+            if old.tools != prompt.tools and _same_system(old, prompt):
                 cause, message, line = "tools_changed", -1, None
             else:
-                message = _common_prefix(old, prompt)
-                line = None
-                if message < min(old.system_count, prompt.system_count):
-                    line = _first_difference(old.system_lines[message], prompt.system_lines[message])
+                message, line = _system_difference(old, prompt)
                 cause = "system_changed"
             system_end = min(prompt.bytes_at(prompt.system_count), old.bytes_at(old.system_count))
             result = CacheBreak(cause, message, line)
@@ -369,6 +371,22 @@ def _common_prefix(old: PromptDigest, new: PromptDigest) -> int:
         if old.digests[index] != new.digests[index]:
             return index
     return count
+
+
+def _same_system(old: PromptDigest, new: PromptDigest) -> bool:
+    """The leading system messages are the same (a break in front of them is in the tools)."""
+    count = old.system_count
+    return count == new.system_count and old.digests[:count] == new.digests[:count]
+
+
+def _system_difference(old: PromptDigest, new: PromptDigest) -> tuple[int, int | None]:
+    """The first message that differs, and its first differing line when both prompts have a
+    system message there."""
+    message = _common_prefix(old, new)
+    line = None
+    if message < min(old.system_count, new.system_count):
+        line = _first_difference(old.system_lines[message], new.system_lines[message])
+    return message, line
 
 
 def _first_difference(old: tuple[int, ...], new: tuple[int, ...]) -> int:

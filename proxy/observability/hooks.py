@@ -27,10 +27,14 @@ class Observed:
 
 
 def before_upstream(state: ProxyState, ctx: RequestContext, turn: ChatTurn, forwarded: dict[str, Any]) -> Observed:
-    """Explain the request against what was forwarded before (sets ``ctx.cache_break``)."""
+    """Explain the request against what was forwarded before (sets ``ctx.cache_break``).
+
+    ``forwarded``: the request as forwarded, in chat shape (whatever the client's protocol). Its
+    predecessor is its lane's previous prompt: a side task in a named session (a title request, a
+    sub-agent) is compared with its own earlier requests, never taken for the chat's next turn."""
     ctx.cache_break = state.cache_breaks.observe(
         ctx.tenant,
-        turn.session_id,
+        turn.lane_key,
         forwarded,
         ctx.actions,
         summary_at=summary_index(turn.anchored),

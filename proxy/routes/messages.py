@@ -25,6 +25,7 @@ MESSAGES = ProtocolRoute(
     read_usage=anthropic.read_usage,
     reply_of=anthropic.reply_message,
     channel=anthropic.AnthropicChannel,
+    observed=True,
 )
 
 

@@ -56,7 +56,8 @@ class ProtocolRoute:
     # A stream request as sent upstream (asking for usage if the protocol makes that optional), and
     # whether the client asked for the usage itself.
     stream_request: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] = field(default=lambda body: (body, True))
-    # Explain cache misses against earlier prompts and capture traffic (docs/analysis.md).
+    # Explain cache misses against earlier prompts and capture traffic (docs/analysis.md), on the
+    # request's chat-shaped view.
     observed: bool = False
 
 
@@ -118,7 +119,10 @@ async def forward_turn(
         ctx.restructured = _roles(forwarded_view) != _roles(chat)
         if state.settings.log_prompts:
             ctx.logged_messages = forwarded_view["messages"]
-        observed = before_upstream(state, ctx, turn, outgoing) if route.observed else None
+        # Explained in chat shape for every protocol (what the digests read); not a request whose
+        # history the backend holds (a Responses chain): its view is the new turn alone.
+        observe = route.observed and options.summarize
+        observed = before_upstream(state, ctx, turn, forwarded_view) if observe else None
 
         answers: list[dict[str, Any]] = []
         open_turn = turn

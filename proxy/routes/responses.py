@@ -42,6 +42,7 @@ RESPONSES = ProtocolRoute(
     read_usage=responses.read_usage,
     reply_of=responses.reply_message,
     channel=responses.ResponsesChannel,
+    observed=True,
 )
 
 

@@ -131,12 +131,13 @@ class MemorySessionStore:
         record.prompt_tokens += turn.prompt_tokens
         record.cached_tokens += turn.cached_tokens
         record.completion_tokens += turn.completion_tokens
-        record.context_tokens = turn.prompt_tokens
         record.tokens_per_byte = turn.tokens_per_byte
         record.fingerprints += len(turn.new_fingerprints)
-        record.last_pair = turn.reply_pair
-        record.last_request_pair = turn.request_pair
-        record.first_pair = turn.first_pair
+        if not turn.side_lane:
+            record.context_tokens = turn.prompt_tokens
+            record.last_pair = turn.reply_pair
+            record.last_request_pair = turn.request_pair
+            record.first_pair = turn.first_pair
         self._store(record)
         for fingerprint in turn.new_fingerprints:
             fingerprint_key = _tenant_key(tenant, fingerprint)

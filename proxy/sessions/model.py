@@ -45,6 +45,10 @@ class TurnRecord:
     reply_pair: int = 0
     request_pair: int = 0
     first_pair: int = 0
+    # A side lane of a named session (a title or tags request, a sub-agent: it shares the session
+    # but does not extend its conversation): it counts the tokens and the request, and leaves the
+    # conversation's place (pairs, context) and fingerprints as they were.
+    side_lane: bool = False
 
 
 @dataclass(frozen=True)

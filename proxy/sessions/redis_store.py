@@ -155,27 +155,23 @@ class RedisSessionStore:
         key = self._session_key(tenant, session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hsetnx(key, "created", now)
-            pipe.hset(
-                key,
-                mapping={
-                    "last_seen": now,
-                    "context_tokens": turn.prompt_tokens,
-                    "tokens_per_byte": turn.tokens_per_byte,
-                },
-            )
+            pipe.hset(key, mapping={"last_seen": now, "tokens_per_byte": turn.tokens_per_byte})
             pipe.hincrby(key, "requests", 1)
             pipe.hincrby(key, "prompt_tokens", turn.prompt_tokens)
             pipe.hincrby(key, "cached_tokens", turn.cached_tokens)
             pipe.hincrby(key, "completion_tokens", turn.completion_tokens)
             pipe.hincrby(key, "fingerprints", len(turn.new_fingerprints))
-            pipe.hset(
-                key,
-                mapping={
-                    "last_pair": turn.reply_pair,
-                    "last_request_pair": turn.request_pair,
-                    "first_pair": turn.first_pair,
-                },
-            )
+            if not turn.side_lane:
+                # A side lane leaves the conversation's place as it was (as the memory store does).
+                pipe.hset(
+                    key,
+                    mapping={
+                        "context_tokens": turn.prompt_tokens,
+                        "last_pair": turn.reply_pair,
+                        "last_request_pair": turn.request_pair,
+                        "first_pair": turn.first_pair,
+                    },
+                )
             pipe.expire(key, self._ttl)
             if self._cluster:
                 # One slot per transaction: the indexes and fingerprints live elsewhere.

@@ -58,10 +58,20 @@ class SessionView:
     # The request's last non-system message and its fingerprint, as resolved: the reply's pair
     # starts from it.
     last_message: MessageFingerprint | None = None
+    # A side lane of a named session: the request shares the session but does not extend its
+    # conversation (a title or tags request, a sub-agent, a compaction). Its root (the first pair,
+    # 0 without one) names the lane; None: the session's own conversation.
+    lane: int | None = None
+
+    @property
+    def side_lane(self) -> bool:
+        return self.lane is not None
 
     @property
     def slid(self) -> bool:
         """The client's history no longer starts where its previous request's did: a sliding window."""
+        if self.lane is not None:
+            return False  # another lane: it never moves the conversation's window
         first = self.record.first_pair if self.record else 0
         return bool(first and self.fingerprints and self.fingerprints[0] != first)
 
@@ -147,19 +157,24 @@ class SessionService:
             use_user=self._settings.use_user,
         )
 
-    async def resolve(self, tenant: str, messages: list[dict[str, Any]], explicit: str | None = None) -> SessionView:
+    async def resolve(
+        self, tenant: str, messages: list[dict[str, Any]], explicit: str | None = None, *, lanes: bool = True
+    ) -> SessionView:
         """``explicit``: the session the request names (:meth:`explicit_id`), or one the proxy itself
-        knows it belongs to (a Responses chain); else the session is inferred from ``messages``."""
+        knows it belongs to (a Responses chain); else the session is inferred from ``messages``.
+
+        ``lanes``: a named request that does not extend the session's conversation is a side lane
+        of it (:func:`_extends`); off for a session the proxy knows the request continues."""
         fingerprints, last = conversation_fingerprints(messages)
         try:
-            view = await self._find(self.store, self.call, tenant, fingerprints, explicit)
+            view = await self._find(self.store, self.call, tenant, fingerprints, explicit, lanes)
             if self.local is not None and view.record is not None:
                 await self._newest_summary(view.record)
         except StoreUnavailable:
             if self.local is None:
                 raise
             # The shared store cannot answer: what this replica knows of the session instead.
-            view = await self._find(self.local, _direct, tenant, fingerprints, explicit)
+            view = await self._find(self.local, _direct, tenant, fingerprints, explicit, lanes)
             self._metrics.store_fallbacks.inc()
         view.last_message = last
         return view
@@ -171,10 +186,14 @@ class SessionService:
         tenant: str,
         fingerprints: list[int],
         explicit: str | None,
+        lanes: bool = True,
     ) -> SessionView:
         if explicit:
             record = await call(store.get(tenant, explicit))
-            return SessionView(tenant, explicit, record, fingerprints, set(), explicit=True)
+            view = SessionView(tenant, explicit, record, fingerprints, set(), explicit=True)
+            if lanes and record is not None and not await _extends(store, call, record, fingerprints):
+                view.lane = fingerprints[0] if fingerprints else 0
+            return view
         # The last message is the new turn: only the history before it can identify a conversation,
         # so a request without history (a first message) always opens a new session.
         history = fingerprints[:-1]
@@ -239,10 +258,13 @@ class SessionService:
         reservation: Reservation | None,
         window_s: int,
     ) -> None:
-        """Account one finished request. Never raises: a lost update only costs accuracy."""
-        new = [fp for fp in view.fingerprints if fp not in view.known]
+        """Account one finished request. Never raises: a lost update only costs accuracy.
+
+        A side lane counts its tokens and its request, and records no fingerprint (its pairs are not
+        the session's conversation, which must not seem to extend it)."""
+        new = [] if view.side_lane else [fp for fp in view.fingerprints if fp not in view.known]
         reply_fp = reply_fingerprint(messages, reply, view.last_message) if reply is not None else None
-        if reply_fp is not None:
+        if reply_fp is not None and not view.side_lane:
             new.append(reply_fp)
         prompt = usage.prompt_tokens if usage else 0
         tokens_per_byte = prompt / request_bytes if usage and request_bytes > 0 else (view.tokens_per_byte or 0.0)
@@ -255,6 +277,7 @@ class SessionService:
             reply_pair=reply_fp or 0,
             request_pair=view.fingerprints[-1] if view.fingerprints else 0,
             first_pair=view.fingerprints[0] if view.fingerprints else 0,
+            side_lane=view.side_lane,
         )
         now = time.time()
         if self.local is not None:
@@ -331,6 +354,36 @@ class SessionService:
 
 async def _direct(operation: Awaitable[T]) -> T:
     return await operation
+
+
+async def _extends(
+    store: SessionStore,
+    call: Callable[[Awaitable[Any]], Awaitable[Any]],
+    record: SessionRecord,
+    fingerprints: list[int],
+) -> bool:
+    """Whether a request naming a session continues that session's conversation.
+
+    It does when the session has no turn yet, when it opens as the session's latest request did
+    (its first pair), or when its history (the pairs before its newest message) shares a pair with
+    the conversation: a window that slid still re-sends later pairs. The latest request's and
+    reply's pairs are on the record; only a request that shares neither, nor the first pair, costs a
+    lookup of its history (one store round trip). Anything else (a title or tags request that
+    quotes the chat as text, a sub-agent with a conversation of its own) is a side lane.
+    """
+    if not record.requests or not record.first_pair:
+        return True
+    if fingerprints and fingerprints[0] == record.first_pair:
+        return True
+    history = fingerprints[:-1]
+    if not history:
+        return False
+    if (record.last_pair and record.last_pair in history) or (
+        record.last_request_pair and record.last_request_pair in history
+    ):
+        return True
+    matches, _ = await call(store.lookup(record.tenant, history))
+    return record.session_id in matches
 
 
 def _forked(record: SessionRecord, history: list[int]) -> bool:
