@@ -94,9 +94,11 @@ def test_agent_loop_hits_the_cache_across_sessions(
     # Later turns of the loop extend the previous one.
     assert all((r.usage.cache_read_input_tokens or 0) > first.cache_read_input_tokens for r in replies[1:])
     forwarded = last_forwarded(fake_backend)["body"]
-    assert forwarded["system"][1]["cache_control"] == {"type": "ephemeral"}
-    assert "2025-06-03" not in str(forwarded["system"])
-    assert {"role": "system", "content": "Today's date: 2025-06-03"} in forwarded["messages"]
+    # The instructions block stays as the client sent it; the environment block moves whole, its
+    # tags included (an agent's environment moves from a conversation's first request on).
+    assert forwarded["system"] == [system("2025-06-03")[0]]
+    env = {"role": "system", "content": "<env>\nWorking directory: /repo\nToday's date: 2025-06-03\n</env>"}
+    assert env in forwarded["messages"]
 
 
 def test_usage_is_the_backends(client: anthropic.Anthropic, fake_backend: LiveServer) -> None:
