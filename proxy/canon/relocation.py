@@ -120,7 +120,9 @@ def relocate(
                 messages[:] = trial
                 return Relocation(actions + outcome.actions, outcome.stable_count)
     if not proposed:
-        if layout is not None and candidates:
+        # Recorded with or without candidates: lines learned later (another prompt of the app seen
+        # since) must not move in a conversation that was forwarded with them in place.
+        if layout is not None:
             layout.record_forwarded(messages)
         return Relocation(actions, system_count)
     if placement.target == "system_end" or not _has_user_after(messages, system_count):
