@@ -110,7 +110,10 @@ def test_anthropic_moved_lines_become_an_inline_system_message_byte_exact() -> N
     assert out["system"][2]["cache_control"] == {"type": "ephemeral"}
     assert "2025-06-02" not in out["system"][2]["text"]
     inserted = [m for m in out["messages"] if m["role"] == "system"]
-    assert inserted == [{"role": "system", "content": "Today's date: 2025-06-02"}]
+    # The agent's environment block moves whole, its tags with it.
+    env = "<env>\nWorking directory: /repo\nToday's date: 2025-06-02\n</env>\n"
+    assert inserted == [{"role": "system", "content": env}]
+    assert out["system"][2]["text"].rstrip() == "Be careful."
     # Where vLLM renders it: before the last user message, which is after the tool result of the
     # same client message (vLLM renders tool results first): that message is split around it, its
     # blocks the client's own objects. The messages before are the client's own objects.

@@ -1,0 +1,210 @@
+"""The clients: how each is installed, pointed at a base URL, and run headless for one turn.
+
+Every run gets a fresh ``HOME`` (and XDG directories under it) and a fresh git repository, so no
+session, config or cache leaks between runs. ``base_url`` is the server root (``http://host:port``);
+clients that want the OpenAI API root get ``base_url + "/v1"``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.clients import install
+
+DUMMY_KEY = "sk-bench-dummy-key"
+
+
+@dataclass
+class Workspace:
+    """One run's directories and endpoint."""
+
+    home: Path
+    repo: Path
+    base_url: str
+    model: str
+    state: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def openai_base(self) -> str:
+        return self.base_url + "/v1"
+
+
+class Client:
+    name = ""
+    protocol = ""  # the route the client speaks: chat, messages, responses
+    coding_agent = True
+    session_header = ""  # the header it sends that names its session, when it sends one
+
+    def install(self) -> Path:
+        raise NotImplementedError
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        """Write the client's config under ``ws.home``; returns its environment variables."""
+        raise NotImplementedError
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        """The command line of turn ``index`` (0-based): the first starts the session, later ones continue it."""
+        raise NotImplementedError
+
+
+class ClaudeCode(Client):
+    name = "claude-code"
+    protocol = "messages"
+    session_header = "x-claude-code-session-id"
+
+    def install(self) -> Path:
+        return install.npm_package(self.name, "@anthropic-ai/claude-code@2.1.197", "claude")
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        ws.state["session"] = str(uuid.uuid4())
+        model = ws.model
+        return {
+            "ANTHROPIC_BASE_URL": ws.base_url,
+            "ANTHROPIC_API_KEY": DUMMY_KEY,
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "ANTHROPIC_MODEL": model,
+            "ANTHROPIC_SMALL_FAST_MODEL": model,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+            "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+            "CLAUDE_CODE_SUBAGENT_MODEL": model,
+        }
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        session = ["--session-id", ws.state["session"]] if index == 0 else ["--resume", ws.state["session"]]
+        return [str(binary), "-p", prompt, *session, "--model", ws.model, "--output-format", "json"]
+
+
+class Codex(Client):
+    name = "codex"
+    protocol = "responses"
+    session_header = "session_id"
+    wire_api = "responses"
+
+    def install(self) -> Path:
+        return install.npm_package(self.name, "@openai/codex@0.171.0", "codex")
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        codex_home = ws.home / ".codex"
+        codex_home.mkdir(parents=True, exist_ok=True)
+        (codex_home / "config.toml").write_text(
+            f'model = "{ws.model}"\n'
+            'model_provider = "bench"\n'
+            "check_for_update_on_startup = false\n"
+            "[model_providers.bench]\n"
+            'name = "bench"\n'
+            f'base_url = "{ws.openai_base}"\n'
+            'env_key = "BENCH_API_KEY"\n'
+            f'wire_api = "{self.wire_api}"\n'
+            "[analytics]\nenabled = false\n"
+            '[otel]\nexporter = "none"\n'
+        )
+        return {"CODEX_HOME": str(codex_home), "BENCH_API_KEY": DUMMY_KEY}
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        if index == 0:
+            return [str(binary), "exec", "--json", "--sandbox", "read-only", prompt]
+        return [str(binary), "exec", "resume", "--last", "--json", prompt]
+
+
+class OpenCode(Client):
+    name = "opencode"
+    protocol = "chat"
+    session_header = "x-session-id"
+
+    def install(self) -> Path:
+        return install.npm_package(self.name, "opencode-ai@1.18.33", "opencode")
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        config_dir = ws.home / ".config" / "opencode"
+        config_dir.mkdir(parents=True, exist_ok=True)
+        config = {
+            "$schema": "https://opencode.ai/config.json",
+            "provider": {
+                "bench": {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "bench",
+                    "options": {"baseURL": ws.openai_base, "apiKey": DUMMY_KEY},
+                    "models": {ws.model: {"name": ws.model}},
+                }
+            },
+            "model": f"bench/{ws.model}",
+            "small_model": f"bench/{ws.model}",
+            "autoupdate": False,
+            "share": "disabled",
+        }
+        (config_dir / "opencode.json").write_text(json.dumps(config, indent=2))
+        return {
+            "OPENCODE_DISABLE_AUTOUPDATE": "1",
+            "OPENCODE_DISABLE_MODELS_FETCH": "1",
+            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+            "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+        }
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        more = [] if index == 0 else ["--continue"]
+        return [str(binary), "run", "-m", f"bench/{ws.model}", *more, prompt]
+
+
+class QwenCode(Client):
+    name = "qwen-code"
+    protocol = "chat"
+
+    def install(self) -> Path:
+        return install.npm_package(self.name, "@qwen-code/qwen-code@0.15.10", "qwen")
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        settings_dir = ws.home / ".qwen"
+        settings_dir.mkdir(parents=True, exist_ok=True)
+        settings = {
+            "security": {"auth": {"selectedType": "openai"}},
+            "privacy": {"usageStatisticsEnabled": False},
+            "telemetry": {"enabled": False},
+            "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
+            "model": {"name": ws.model},
+        }
+        (settings_dir / "settings.json").write_text(json.dumps(settings, indent=2))
+        return {"OPENAI_BASE_URL": ws.openai_base, "OPENAI_API_KEY": DUMMY_KEY, "OPENAI_MODEL": ws.model}
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        more = [] if index == 0 else ["--continue"]
+        return [str(binary), "--auth-type", "openai", "-m", ws.model, "-o", "json", *more, prompt]
+
+
+class Aider(Client):
+    name = "aider"
+    protocol = "chat"
+
+    def install(self) -> Path:
+        return install.pip_package(self.name, "aider-chat==0.86.2", "aider", timeout=1200.0)
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        return {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "AIDER_CHECK_UPDATE": "false", "AIDER_ANALYTICS": "false"}
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        return [
+            str(binary),
+            "--model", f"openai/{ws.model}",
+            "--openai-api-base", ws.openai_base,
+            "--openai-api-key", DUMMY_KEY,
+            "--message", prompt,
+            "--yes-always",
+            "--restore-chat-history",
+            "--no-auto-commits",
+            "--no-check-update",
+            "--no-show-model-warnings",
+            "--analytics-disable",
+            "--no-gitignore",
+            "--no-pretty",
+            "--no-fancy-input",
+            "--no-detect-urls",
+        ]  # fmt: skip
+
+
+CLIENTS: dict[str, type[Client]] = {c.name: c for c in (ClaudeCode, Codex, OpenCode, QwenCode, Aider)}
