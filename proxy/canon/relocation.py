@@ -32,7 +32,6 @@ from proxy.canon.layout import (
     chain_header,
     extend,
     message_digest,
-    prefix_chain,
 )
 from proxy.canon.learned import LearnedVolatility, line_hash
 from proxy.canon.querytemplate import restore_query_blocks
@@ -500,6 +499,36 @@ class _Layout:
         self._layouts = layouts
         self._header = header
         self._app = xxhash.xxh3_64_intdigest(app_key.encode("utf-8", "surrogatepass"))
+        # One request asks for the chains of the same messages several times (does it continue,
+        # where were blocks, what to record): each message is serialized and hashed once, and a
+        # chain is extended from the longest prefix already chained.
+        self._digests: dict[int, tuple[Any, int]] = {}
+        # By the digest of the first message chained (0: none): the digests chained and the chain.
+        self._chains: dict[int, tuple[list[int], list[int]]] = {}
+
+    def _digest(self, message: Any) -> int:
+        known = self._digests.get(id(message))
+        if known is not None and known[0] is message:
+            return known[1]
+        digest = message_digest(message)
+        self._digests[id(message)] = (message, digest)
+        return digest
+
+    def _prefix_chain(self, messages: list[dict[str, Any]]) -> list[int]:
+        """``prefix_chain(header, digests of messages)``, sharing the work with earlier calls."""
+        digests = [self._digest(m) for m in messages]
+        start = digests[0] if digests else 0
+        chained, chain = self._chains.get(start, ([], [self._header]))
+        common = 0
+        for old, new in zip(chained, digests, strict=False):
+            if old != new:
+                break
+            common += 1
+        chain = chain[: common + 1]
+        for digest in digests[common:]:
+            chain.append(extend(chain[-1], digest))
+        self._chains[start] = (digests, chain)
+        return list(chain)
 
     def app_had_blocks(self) -> bool:
         return self._layouts.app_had_blocks(self._app)
@@ -508,7 +537,7 @@ class _Layout:
         """Whether the request, as laid out, extends a prompt forwarded before at least as far as its
         system messages: an earlier turn of this conversation went out this way, or another request
         of the app sent this very system prompt (its lines did not differ from what was sent there)."""
-        chain = prefix_chain(self._header, [message_digest(m) for m in messages])
+        chain = self._prefix_chain(messages)
         return any(self._layouts.knows_prompt(chain[k]) for k in range(len(messages) - 1, system_count - 1, -1))
 
     def restorations(
@@ -517,10 +546,10 @@ class _Layout:
         """Where blocks were inserted in this conversation before, each with the same lines split out
         again (earliest position first; blocks whose lines are not all in the system prompt skipped)."""
         history = messages[system_count:]
-        chain = prefix_chain(self._header, [message_digest(m) for m in history])
+        chain = self._prefix_chain(history)
         present: set[MovedLine] | None = None
         for offset, message in enumerate(history):
-            for block in self._layouts.blocks_at(extend(chain[offset], message_digest(message))):
+            for block in self._layouts.blocks_at(extend(chain[offset], self._digest(message))):
                 if present is None:
                     present = _system_lines(messages[:system_count])
                 if present.issuperset(block):
@@ -543,11 +572,11 @@ class _Layout:
         if position >= len(messages):
             return
         history = messages[system_count:position]
-        chain = prefix_chain(self._header, [message_digest(m) for m in history])
-        self._layouts.remember_block(extend(chain[-1], message_digest(messages[position])), lines, self._app)
+        chain = self._prefix_chain(history)
+        self._layouts.remember_block(extend(chain[-1], self._digest(messages[position])), lines, self._app)
 
     def record_forwarded(self, messages: list[dict[str, Any]]) -> None:
         """Remember the forwarded prompt, and its leading system messages on their own."""
-        chain = prefix_chain(self._header, [message_digest(m) for m in messages])
+        chain = self._prefix_chain(messages)
         self._layouts.remember_prompt(chain[-1])
         self._layouts.remember_prompt(chain[leading_system_count(messages)])
