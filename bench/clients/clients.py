@@ -7,12 +7,13 @@ clients that want the OpenAI API root get ``base_url + "/v1"``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.clients import install
+from bench.clients import install, openwebui
 
 DUMMY_KEY = "sk-bench-dummy-key"
 
@@ -48,6 +49,12 @@ class Client:
     def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
         """The command line of turn ``index`` (0-based): the first starts the session, later ones continue it."""
         raise NotImplementedError
+
+    def serve(
+        self, binary: Path, ws: Workspace, env: dict[str, str], log: Path
+    ) -> contextlib.AbstractContextManager[object]:
+        """A server the client needs for the whole run (after ``prepare``, until the last turn): none by default."""
+        return contextlib.nullcontext()
 
 
 class ClaudeCode(Client):
@@ -207,4 +214,39 @@ class Aider(Client):
         ]  # fmt: skip
 
 
-CLIENTS: dict[str, type[Client]] = {c.name: c for c in (ClaudeCode, Codex, OpenCode, QwenCode, Aider)}
+class OpenWebUI(Client):
+    """The real Open WebUI server, driven over its HTTP and socket.io API as its web front end (see openwebui.py):
+    each turn is one message in each of ``openwebui.CHATS`` chats."""
+
+    name = "open-webui"
+    protocol = "chat"
+    coding_agent = False
+    session_header = "x-openwebui-chat-id"
+
+    def install(self) -> Path:
+        return openwebui.install_open_webui()
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        from testbed.serving import free_port
+
+        return openwebui.environment(ws.home, ws.openai_base, free_port())
+
+    def serve(
+        self, binary: Path, ws: Workspace, env: dict[str, str], log: Path
+    ) -> contextlib.AbstractContextManager[object]:
+        return openwebui.serve(binary, ws.home, ws.model, env, log)
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        python = binary.with_name("python")  # the server's venv: it has python-socketio
+        return [
+            str(python),
+            "-m",
+            "bench.clients.openwebui",
+            "turn",
+            str(ws.home / openwebui.STATE),
+            str(index),
+            prompt,
+        ]
+
+
+CLIENTS: dict[str, type[Client]] = {c.name: c for c in (ClaudeCode, Codex, OpenCode, QwenCode, Aider, OpenWebUI)}

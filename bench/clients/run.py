@@ -276,6 +276,7 @@ def run_client(
         ws.home.mkdir(parents=True)
         make_repo(ws.repo)
         env = client_env(ws, client.prepare(ws))
+        stack.enter_context(client.serve(binary, ws, env, log_dir / f"{tag}.server.log"))  # Open WebUI's server
         for turn in range(turns):
             result.turns.append(
                 _one_turn(client, binary, ws, env, turn, turn_timeout, log_dir / f"{tag}.turn{turn + 1}.log")
