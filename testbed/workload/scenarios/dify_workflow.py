@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import random
 import zlib
-from dataclasses import dataclass, field
 
 from testbed.workload.corpus import dify_node
 from testbed.workload.registry import Scenario
 from testbed.workload.scenarios.common import mt_bench_turns, user_turn_count
-from testbed.workload.scenarios.dify_rag import retrieve
+from testbed.workload.scenarios.dify_rag import RagApp, retrieve
 from testbed.workload.session import Message, Session
 
 NAME = "dify_workflow"
@@ -108,15 +107,8 @@ CODE = (
 )
 
 
-@dataclass(frozen=True)
-class WorkflowApp:
-    app_name: str
-    node_id: str
-    fills: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def instruction(self) -> str:
-        return dify_node(self.app_name, self.node_id).fill_system(self.fills)
+# A workflow's LLM node: the same (app, node, fills) as a RAG app's.
+WorkflowApp = RagApp
 
 
 APPS = (
