@@ -33,7 +33,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 @contextlib.contextmanager
-def backend_for(engine: str) -> Iterator[Backend]:
+def backend_for(engine: str, max_model_len: int = 32768) -> Iterator[Backend]:
     if engine == "fake":
         with fake_backend() as backend:
             yield backend
@@ -43,7 +43,7 @@ def backend_for(engine: str) -> Iterator[Backend]:
     why = unavailable_reason(install=True)
     if why:
         raise Unavailable(why)
-    with RealVLLM(port=None, max_model_len=8192, extra_env={"VLLM_SERVER_DEV_MODE": "1"}) as engine_:
+    with RealVLLM(port=None, max_model_len=max_model_len, extra_env={"VLLM_SERVER_DEV_MODE": "1"}) as engine_:
         import httpx
 
         def reset() -> None:
@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--engine", choices=("fake", "real-vllm"), default="fake")
     p.add_argument("--modes", default="direct,proxy")
+    p.add_argument(
+        "--max-model-len", type=int, default=32768, help="the real engine's context (the tiny model holds 32768)"
+    )
     p.add_argument("--scenarios", default=None, help="plain,commits (default: plain)")
     p.add_argument("--commits-between-turns", action="store_true", help="the commits scenario (coding agents)")
     p.add_argument("--turn-timeout", type=float, default=240.0, help="seconds per client process")
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = WORK / "logs" / f"run-{stamp}"
     runs: list[RunResult] = []
     model = "?"
-    with backend_for(args.engine) as backend:
+    with backend_for(args.engine, args.max_model_len) as backend:
         model = backend.model
         for client, binary in ready:
             for scenario in scenarios:
