@@ -45,28 +45,15 @@ def _dumps(value: Any) -> bytes | None:
         return None
 
 
-def canonicalize_tool_list(tools: list[Any]) -> list[Any]:
-    raw = _dumps(tools)
-    if raw is None:
-        return _canonical_tools([sort_keys_deep(tool) for tool in tools])
-    # Clients re-send the same tools on every request: canonicalize each distinct list once.
-    return list(_canonical_tools_of(raw))
-
-
 @lru_cache(maxsize=1024)
 def _canonical_form(raw: bytes) -> tuple[Any, int]:
-    """The canonical form of a serialized field (tools as a tuple), and the hash of its
-    serialization."""
-    value = orjson.loads(raw)
-    canonical: Any = _canonical_tools_of(raw) if isinstance(value, list) else sort_keys_deep(value)
-    dumped = _dumps(list(canonical) if isinstance(canonical, tuple) else canonical)
-    return canonical, xxhash.xxh3_64_intdigest(dumped if dumped is not None else raw)
-
-
-@lru_cache(maxsize=1024)
-def _canonical_tools_of(raw: bytes) -> tuple[Any, ...]:
-    sorted_keys = orjson.loads(orjson.dumps(orjson.loads(raw), option=orjson.OPT_SORT_KEYS))
-    return tuple(_canonical_tools(sorted_keys))
+    """The canonical form of a serialized field (tools as a tuple, in canonical order; keys sorted
+    at every level), and the hash of its serialization. Clients re-send the same tools on every
+    request: each distinct value is canonicalized once."""
+    value = orjson.loads(orjson.dumps(orjson.loads(raw), option=orjson.OPT_SORT_KEYS))
+    canonical: Any = tuple(_canonical_tools(value)) if isinstance(value, list) else value
+    dumped = orjson.dumps(list(canonical) if isinstance(canonical, tuple) else canonical)
+    return canonical, xxhash.xxh3_64_intdigest(dumped)
 
 
 def _canonical_tools(tools: list[Any]) -> list[Any]:

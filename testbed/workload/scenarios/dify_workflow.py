@@ -36,6 +36,7 @@ import zlib
 from testbed.workload.corpus import dify_node
 from testbed.workload.registry import Scenario
 from testbed.workload.scenarios.common import mt_bench_turns, user_turn_count
+from testbed.workload.scenarios.dify_rag import APPS as RAG_APPS
 from testbed.workload.scenarios.dify_rag import RagApp, retrieve
 from testbed.workload.session import Message, Session
 
@@ -107,25 +108,8 @@ CODE = (
 )
 
 
-# A workflow's LLM node: the same (app, node, fills) as a RAG app's.
-WorkflowApp = RagApp
-
-
-APPS = (
-    WorkflowApp("Python Coding Prompt", "llm"),
-    WorkflowApp(
-        "运营一条龙",
-        "1721714550947",
-        {
-            "1721707099211.output": "Practical tips, honest reviews and short punchy sentences.",
-            "1721690653676.output": (
-                "Dify: an open-source LLM app development platform\nRAG: retrieval-augmented generation"
-            ),
-            "1721651035904.nouns": "knowledge base, workflow, agent",
-            "1721651035904.style": "friendly, energetic and witty",
-        },
-    ),
-)
+# A workflow's LLM nodes: a coding prompt, and the Twitter writer of the RAG apps (same fills).
+APPS = (RagApp("Python Coding Prompt", "llm"), RAG_APPS[1])
 
 
 def answering_rules() -> str:
