@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import xxhash
+from cachetools import LRUCache
 
 from proxy.config import DetectorName
 
@@ -247,18 +248,12 @@ def detect_environment_blocks(text: str) -> Iterable[Span]:
     key = xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
     cached = _ENVIRONMENT_SPANS.get(key)
     if cached is None:
-        cached = tuple(_environment_spans(text))
-        _ENVIRONMENT_SPANS[key] = cached
-        if len(_ENVIRONMENT_SPANS) > _ENVIRONMENT_CACHE_ENTRIES:
-            _ENVIRONMENT_SPANS.popitem(last=False)
-    else:
-        _ENVIRONMENT_SPANS.move_to_end(key)
+        cached = _ENVIRONMENT_SPANS[key] = tuple(_environment_spans(text))
     return cached
 
 
 # A system prompt re-sent unchanged is a hash lookup (only hashes and offsets are kept).
-_ENVIRONMENT_CACHE_ENTRIES = 4096
-_ENVIRONMENT_SPANS: OrderedDict[int, tuple[Span, ...]] = OrderedDict()
+_ENVIRONMENT_SPANS: LRUCache[int, tuple[Span, ...]] = LRUCache(4096)
 
 
 def _environment_spans(text: str) -> list[Span]:
