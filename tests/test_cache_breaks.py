@@ -122,6 +122,20 @@ def test_sliding_window_is_history_trimmed() -> None:
     assert (result.cause, result.message) == ("history_trimmed", 1)
 
 
+def test_another_first_question_on_the_same_key_is_a_new_conversation_not_an_edit() -> None:
+    # A chat app's title task, then its follow-up task, in the chat's session: one-shot requests
+    # with the same system prompt and another question each.
+    memory = BreakMemory()
+    Conversation(memory, "c1").send("### Task: write a title for this chat " * 10)
+    result = Conversation(memory, "c1").send("### Task: suggest follow-up questions " * 10)
+    assert result.cause == "new_conversation"
+    edited = Conversation(memory, "c2")
+    edited.send("first " * 20)
+    edited.send("second " * 20)
+    edited.messages[3] = user("an edited second question " * 10)
+    assert edited.send("third " * 20).cause == "history_edited"
+
+
 def test_reply_re_sent_differently_is_model_output_rewritten_but_tool_call_ids_are_not() -> None:
     memory = BreakMemory()
     messages = [{"role": "system", "content": SYSTEM}, user("book it " * 10)]

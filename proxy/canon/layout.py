@@ -45,6 +45,9 @@ class ForwardedLayouts:
         self._max_blocks = max(1, max_entries // 4)
         # Apps (hashed) that have had a block inserted: only their requests look for one.
         self._apps: RecentSet[int] = RecentSet(max(1, max_entries // 16))
+        # Openings (hashed, by app) of one-shot requests' user turns: a user turn that opens the way an
+        # earlier one of the app did is a template (see relocation.TEMPLATE_OPENING_CHARS).
+        self._openings: RecentSet[int] = RecentSet(max(1, max_entries // 16))
 
     def remember_prompt(self, key: int) -> None:
         self._prompts.add(key)
@@ -69,6 +72,10 @@ class ForwardedLayouts:
 
     def app_had_blocks(self, app: int) -> bool:
         return app in self._apps
+
+    def remember_opening(self, key: int) -> bool:
+        """Remember a user turn's opening; True when it was remembered already."""
+        return self._openings.add(key)
 
     def __len__(self) -> int:
         return len(self._prompts) + len(self._blocks)

@@ -11,7 +11,8 @@ Whole lines move, byte for byte (``relocate.partition_lines``). Which lines, and
    learned has changed since. Either way the turn extends what its backend already holds.
 3. Otherwise proposed lines go to the default place: one system message just before (or
    after) the last user turn, or the end of the system message (``system_end``, and for
-   a request with no user turn after the system prompt).
+   a request with no user turn after the system prompt). A one-shot request whose user turn
+   opens the way an earlier one of the app did (a template) gets them after that turn.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ from proxy.canon.relocate import (
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import FIRST_SIGHT_KINDS, DetectionCache, Detector, Span, detect_spans
 from proxy.openai.messages import is_text_parts
+
+# A user turn is a template when its first this-many characters, with more after them, are what the
+# app sent in that place before: a human's question rarely opens with 256 characters seen before.
+TEMPLATE_OPENING_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,8 @@ def relocate(
         if layout is not None:
             layout.record_forwarded(messages)
         return Relocation(actions + moved, system_count, system_tail)
-    outcome = _insert(messages, splits, _fresh_position(messages, placement), placement, layout, fresh=True)
+    position, target = _fresh_position(messages, system_count, placement, layout)
+    outcome = _insert(messages, splits, position, placement, layout, fresh=True, target=target)
     return Relocation(actions + outcome.actions, outcome.stable_count)
 
 
@@ -398,9 +404,11 @@ def _insert(
     layout: _Layout | None,
     *,
     fresh: bool,
+    target: str | None = None,
 ) -> _Inserted:
     """Take the moved lines out of the system messages and insert them as one system message at
-    ``position`` (an index into ``messages`` as the client sent them)."""
+    ``position`` (an index into ``messages`` as the client sent them); ``target`` names a fresh
+    position (the configured one unless said otherwise)."""
     system_count = len(splits)
     actions: list[Action] = []
     moved_blocks: list[str] = []
@@ -429,9 +437,10 @@ def _insert(
     block = "\n\n".join(moved_blocks)
     position -= len(emptied)
     messages.insert(position, {"role": "system", "content": block})
-    actions.append(Action("volatile_moved", placement.target if fresh else "restored"))
+    target = target or placement.target
+    actions.append(Action("volatile_moved", target if fresh else "restored"))
     detected = any(split is not None and split.spans for split in splits)
-    if fresh and placement.restore_query_blocks and not detected:
+    if fresh and target == "before_last_user" and placement.restore_query_blocks and not detected:
         # Only learned lines: detected spans (dates, retrieved context) are not a restatement.
         count = restore_query_blocks(messages, block, stable_count, _last_user_index(messages))
         if count:
@@ -464,11 +473,21 @@ def _moved_lines(splits: Sequence[_Split | None]) -> Block:
     )
 
 
-def _fresh_position(messages: list[dict[str, Any]], placement: Placement) -> int:
+def _fresh_position(
+    messages: list[dict[str, Any]], system_count: int, placement: Placement, layout: _Layout | None
+) -> tuple[int, str]:
+    """Where moved lines go when nothing was forwarded with them before, and that place's name."""
     last_user = _last_user_index(messages)
-    if placement.target == "after_last_user" and last_user < len(messages):
-        return last_user + 1
-    return last_user
+    if last_user < len(messages):
+        if placement.target == "after_last_user":
+            return last_user + 1, "after_last_user"
+        if layout is not None and last_user == system_count == len(messages) - 1 and layout.templated(messages[-1]):
+            # A one-shot request whose question opens as an earlier one of the app did: the user turn
+            # is a template (a task instruction around data: a chat's title or follow-up task, a
+            # workflow's LLM node). Before it, lines that change would cost every such request the
+            # whole template; after it, they cost only themselves.
+            return last_user + 1, "after_templated_user"
+    return last_user, placement.target
 
 
 def _span_actions(spans: Iterable[Span]) -> list[Action]:
@@ -532,6 +551,15 @@ class _Layout:
 
     def app_had_blocks(self) -> bool:
         return self._layouts.app_had_blocks(self._app)
+
+    def templated(self, message: dict[str, Any]) -> bool:
+        """Whether the message opens (its first TEMPLATE_OPENING_CHARS, with more after them) the way
+        a message this app sent in this place before did; remembers the opening either way."""
+        texts = _texts(message.get("content"))
+        if not texts or len(texts[0]) <= TEMPLATE_OPENING_CHARS:
+            return False
+        opening = texts[0][:TEMPLATE_OPENING_CHARS].encode("utf-8", "surrogatepass")
+        return self._layouts.remember_opening(xxhash.xxh3_64_intdigest(opening, seed=self._app))
 
     def continues(self, messages: list[dict[str, Any]], system_count: int) -> bool:
         """Whether the request, as laid out, extends a prompt forwarded before at least as far as its

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from proxy.observability.digests import ASSISTANT, SYSTEM, PromptDigest, chain
+from proxy.observability.digests import ASSISTANT, SYSTEM, USER, PromptDigest, chain
 from proxy.tokenization.counter import TYPICAL_TOKENS_PER_BYTE
 
 CAUSES = (
@@ -270,6 +270,15 @@ class BreakMemory:
                 result.lost_bytes = max(0, lost - result.break_bytes)
                 return result
             return CacheBreak()
+        if (
+            common == old.system_count == prompt.system_count
+            and old.role(common) == USER == prompt.role(common)
+            and common not in (old.summary_at, prompt.summary_at)
+            and not _shifted(old, prompt, common)
+        ):
+            # Same system prompt, another first question: another conversation (a chat's title or
+            # follow-up task after the one before it), not an edit of this one's history.
+            return self._first_turn(prompt, reach)
         start = max(common, reach)
         cause, line = self._cause(old, prompt, common, moved_volatile)
         return self._break(cause, common, line, prompt, previous, start)

@@ -108,8 +108,17 @@ class SharedLayouts(ForwardedLayouts):
             self._journal.add(["B", position, [list(line) for line in block], app])
         super().remember_block(position, block, app)
 
+    def remember_opening(self, key: int) -> bool:
+        seen = super().remember_opening(key)
+        if not seen:
+            self._journal.add(["U", key])
+        return seen
+
     def apply_prompt(self, key: int) -> None:
         super().remember_prompt(key)
+
+    def apply_opening(self, key: int) -> None:
+        super().remember_opening(key)
 
     def apply_block(self, position: int, block: Block, app: int) -> None:
         super().remember_block(position, block, app)
@@ -195,6 +204,8 @@ class SharedCanonicalizer(Canonicalizer):
             self.varying.apply(str(entry[1]), (int(message), int(part), str(detector), int(ordinal)), int(entry[3]))
         elif kind == "P" and isinstance(self.layouts, SharedLayouts):
             self.layouts.apply_prompt(int(entry[1]))
+        elif kind == "U" and isinstance(self.layouts, SharedLayouts):
+            self.layouts.apply_opening(int(entry[1]))
         elif kind == "B" and isinstance(self.layouts, SharedLayouts):
             block = tuple((int(m), int(p), int(h)) for m, p, h in entry[2])
             self.layouts.apply_block(int(entry[1]), block, int(entry[3]))
