@@ -181,9 +181,9 @@ def _line_kind(line: str) -> int:
     return _OTHER
 
 
-def _environment_runs(kinds: list[int]) -> list[tuple[int, int]]:
-    """Runs of facts (at least two), with the headers, blank lines and (under a header) paths between
-    them; as (first line, last line)."""
+def _environment_runs(lines: list[str], kinds: list[int]) -> list[tuple[int, int]]:
+    """Runs of facts (at least two different ones: one line repeated describes nothing more), with the
+    headers, blank lines and (under a header) paths between them; as (first line, last line)."""
     found: list[tuple[int, int]] = []
     index = 0
     while index < len(kinds):
@@ -191,13 +191,14 @@ def _environment_runs(kinds: list[int]) -> list[tuple[int, int]]:
             index += 1
             continue
         first = last = index
-        facts = 1
+        facts = {lines[index].strip()}
         cursor = index + 1
         under_header = False
         while cursor < len(kinds):
             kind = kinds[cursor]
             if kind == _FACT or (kind == _PATH and under_header):
-                facts += kind == _FACT
+                if kind == _FACT:
+                    facts.add(lines[cursor].strip())
                 last = cursor
             elif kind == _HEADER:
                 # A header belongs to the run only with facts or paths under it.
@@ -205,7 +206,7 @@ def _environment_runs(kinds: list[int]) -> list[tuple[int, int]]:
                 if following not in (_FACT, _PATH):
                     break
                 under_header = True
-                facts += 1
+                facts.add(f"\x00header {cursor}")
                 last = cursor
             elif kind == _BLANK:
                 if cursor + 1 < len(kinds) and kinds[cursor + 1] == _BLANK:
@@ -214,7 +215,7 @@ def _environment_runs(kinds: list[int]) -> list[tuple[int, int]]:
             else:
                 break
             cursor += 1
-        if facts >= 2:
+        if len(facts) >= 2:
             found.append((first, last))
         index = cursor
     return found
@@ -259,7 +260,7 @@ _ENVIRONMENT_SPANS: LRUCache[int, tuple[Span, ...]] = LRUCache(4096)
 def _environment_spans(text: str) -> list[Span]:
     lines = text.split("\n")
     kinds = [_line_kind(line) for line in lines]
-    blocks = sorted(_environment_tags(lines, kinds) + _environment_runs(kinds))
+    blocks = sorted(_environment_tags(lines, kinds) + _environment_runs(lines, kinds))
     merged: list[tuple[int, int]] = []
     for first, last in blocks:
         if merged and first <= merged[-1][1] + 1:

@@ -271,8 +271,9 @@ class BreakMemory:
                 return result
             return CacheBreak()
         if (
-            common == old.system_count == prompt.system_count
-            and old.role(common) == USER == prompt.role(common)
+            old.role(common) == USER == prompt.role(common)
+            # Only system messages before it (moved blocks included): the first question differs.
+            and all(old.role(index) == SYSTEM == prompt.role(index) for index in range(common))
             and common not in (old.summary_at, prompt.summary_at)
             and not _shifted(old, prompt, common)
         ):
