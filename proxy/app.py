@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import httpx
@@ -32,13 +32,16 @@ from proxy.http.errors import ProxyError, error_body, json_response
 from proxy.http.paths import InvalidPath, canonicalize_scope, invalid_path
 from proxy.observability.capture import CaptureWriter
 from proxy.observability.metrics import Metrics
+from proxy.observability.tracing import start_tracing
 from proxy.observability.tracker import CacheBreakTracker
+from proxy.reload import on_sighup
 from proxy.replicas.build import build_shared
 from proxy.routes import admin, chat, generic, health, messages, passthrough, responses
 from proxy.sessions.memory import MemorySessionStore
 from proxy.sessions.redis_store import RedisSessionStore
 from proxy.sessions.service import SessionService, StoreUnavailable
 from proxy.sessions.store import SessionStore
+from proxy.startup import announce
 from proxy.tenants import SALT_SECRET_NAME, SaltKey, TenantDirectory
 from proxy.tokenization import TokenCounter
 
@@ -147,7 +150,13 @@ class ProxyApp(FastAPI):
             await serve_direct(self, endpoint, unexpected_error, scope, receive, send)
 
 
-def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    reload: Callable[[], Settings] | None = None,
+) -> FastAPI:
+    """The proxy app for ``settings``; ``reload`` gives the settings again on SIGHUP (``serve``)."""
     settings = settings or Settings()
     metrics = Metrics(settings.metrics_max_label_values, tenants=[t.name for t in settings.tenants])
     upstream = build_backends(settings, metrics, transport)
@@ -185,6 +194,7 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
     )
     state.cache_breaks = CacheBreakTracker(settings.cache_breaks, metrics)
     state.capture = CaptureWriter.from_settings(settings.capture)
+    state.tracing = start_tracing(settings.tracing)
     kv_bytes_per_token = (
         resolve_shape(settings.kv_model, settings.kv_config_json).bytes_per_token(settings.kv_dtype)
         if settings.kv_model or settings.kv_config_json
@@ -216,9 +226,15 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
                 )
             await asyncio.sleep(SALT_KEY_RETRY_S)
 
+    async def announce_start() -> None:
+        """The start-up line, once the upstreams and the store were probed (in the background: a
+        backend that is slow to answer must not delay serving)."""
+        announce(settings, await health.check_dependencies(state))
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        background = [asyncio.create_task(refresh_gauges())]
+        background = [asyncio.create_task(refresh_gauges()), asyncio.create_task(announce_start())]
+        stop_reloading = on_sighup(state, reload) if reload is not None else None
         if redis_store is not None and not salt_key.settled:
             agreeing = asyncio.create_task(agree_on_salt_key())
             # Before the first request when the store answers; in the background when it does not.
@@ -232,6 +248,8 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
         try:
             yield
         finally:
+            if stop_reloading is not None:
+                stop_reloading()
             for task in background:
                 task.cancel()
             await sessions.drain()
@@ -241,6 +259,9 @@ def create_app(settings: Settings | None = None, *, transport: httpx.AsyncBaseTr
             await upstream.aclose()
             if state.capture is not None:
                 state.capture.close()
+            if state.tracing is not None:
+                # Exports what is queued: off the event loop (a collector that hangs blocks a thread).
+                await asyncio.to_thread(state.tracing.shutdown)
 
     app = ProxyApp(title="prefix-proxy", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.proxy = state

@@ -19,6 +19,7 @@ from proxy.tokenization import TokenCounter
 
 if TYPE_CHECKING:
     from proxy.observability.capture import CaptureWriter
+    from proxy.observability.tracing import RequestTracer
     from proxy.observability.tracker import CacheBreakTracker
 
 
@@ -36,6 +37,7 @@ class ProxyState:
     compaction: CompactionService
     cache_breaks: CacheBreakTracker = field(init=False)
     capture: CaptureWriter | None = field(init=False, default=None)
+    tracing: RequestTracer | None = field(init=False, default=None)
 
 
 def get_state(request: Request) -> ProxyState:

@@ -1,10 +1,28 @@
-"""The ``prefix-proxy`` command."""
+"""The prefix-proxy command: an OpenAI-compatible proxy that makes vLLM's prefix cache hit.
+
+Configuration problems are one line each on stderr, naming the file key, flag or variable, and the
+command exits 2."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from proxy import __version__
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    upstreams = getattr(args, "upstream", None) or []
+    return {
+        "upstream": upstreams[0] if len(upstreams) == 1 else None,
+        "upstreams": upstreams if len(upstreams) > 1 else None,
+        "host": getattr(args, "host", None),
+        "port": getattr(args, "port", None),
+    }
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -12,16 +30,23 @@ def _serve(args: argparse.Namespace) -> int:
     from proxy.observability.access_log import configure_logging
     from proxy.serve import serve
 
-    upstreams = args.upstream or []
-    settings = load_settings(
-        args.config,
-        upstream=upstreams[0] if len(upstreams) == 1 else None,
-        upstreams=upstreams if len(upstreams) > 1 else None,
-        host=args.host,
-        port=args.port,
-    )
+    settings = load_settings(args.config, **_flags(args))
     configure_logging(settings.log_level)
-    serve(settings)
+    serve(settings, reload=lambda: load_settings(args.config, **_flags(args)))
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    from proxy.config import check_settings
+
+    lines, problems = check_settings(args.config, **_flags(args))
+    for line in lines:
+        print(line)
+    if problems:
+        for problem in problems:
+            print(f"prefix-proxy: {problem}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print("config OK", file=sys.stderr)
     return 0
 
 
@@ -51,8 +76,16 @@ def _kv(args: argparse.Namespace) -> int:
     from proxy.capacity.command import kv_capacity
     from proxy.capacity.kvcache import describe, resolve_shape
 
-    print(describe(args.model, args.context, args.dtype, args.config_json))
-    capacity = kv_capacity(args, resolve_shape(args.model, args.config_json).bytes_per_token(args.dtype))
+    if not args.model and not args.config_json:
+        print("prefix-proxy kv: give --model (a preset, e.g. llama-3.1-8b) or --config-json FILE", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    try:
+        shape = resolve_shape(args.model, args.config_json)
+        print(describe(args.model, args.context, args.dtype, args.config_json))
+        capacity = kv_capacity(args, shape.bytes_per_token(args.dtype))
+    except (ValueError, OSError) as error:
+        print(f"prefix-proxy kv: {error}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     if capacity:
         print(capacity)
     return 0
@@ -72,6 +105,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefix-proxy", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"prefix-proxy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the proxy in front of an OpenAI-compatible upstream")
@@ -80,21 +114,40 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="upstream base URL, e.g. http://127.0.0.1:8000/v1; repeat for several backends",
     )
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
+    serve.add_argument("--host", help="listen address (default 127.0.0.1; setting host)")
+    serve.add_argument("--port", type=int, help="listen port (default 8080; setting port)")
     serve.add_argument("--config", help="YAML or TOML config file (env PREFIX_PROXY_CONFIG)")
     serve.set_defaults(handler=_serve)
 
+    check = commands.add_parser(
+        "check-config",
+        help="print the effective settings (secrets masked) and where each came from; exit 2 on any problem",
+    )
+    check.add_argument("--config", help="YAML or TOML config file (env PREFIX_PROXY_CONFIG)")
+    check.add_argument("--upstream", action="append", help="as serve --upstream")
+    check.add_argument("--host", help="as serve --host")
+    check.add_argument("--port", type=int, help="as serve --port")
+    check.set_defaults(handler=_check_config)
+
     fake = commands.add_parser("fake-backend", help="run the bundled vLLM-faithful test backend")
-    fake.add_argument("--host", default="127.0.0.1")
-    fake.add_argument("--port", type=int, default=8000)
-    fake.add_argument("--model", default="fake-model")
-    fake.add_argument("--block-size", type=int, default=16)
-    fake.add_argument("--capacity-blocks", type=int, default=65536)
-    fake.add_argument("--max-model-len", type=int, default=32768)
+    fake.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
+    fake.add_argument("--port", type=int, default=8000, help="listen port (default %(default)s)")
+    fake.add_argument("--model", default="fake-model", help="the served model's name (default %(default)s)")
+    fake.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default %(default)s)")
+    fake.add_argument(
+        "--capacity-blocks", type=int, default=65536, help="KV blocks in the prefix cache (default %(default)s)"
+    )
+    fake.add_argument("--max-model-len", type=int, default=32768, help="context length in tokens (default %(default)s)")
     fake.add_argument("--tokenizer", help="path to a Hugging Face tokenizer.json (default: bundled cl100k)")
-    fake.add_argument("--prefill-ms-per-1k-tokens", type=float, default=0.0)
-    fake.add_argument("--ms-per-output-token", type=float, default=0.0)
+    fake.add_argument(
+        "--prefill-ms-per-1k-tokens",
+        type=float,
+        default=0.0,
+        help="simulated prefill time per 1,000 computed tokens (default %(default)s: instant)",
+    )
+    fake.add_argument(
+        "--ms-per-output-token", type=float, default=0.0, help="simulated decode time per token (default %(default)s)"
+    )
     fake.set_defaults(handler=_fake_backend)
 
     from testbed.demo import add_arguments as add_demo_arguments
@@ -133,8 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from proxy.config_sources import ConfigError
+
     args = build_parser().parse_args(argv)
-    return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except ConfigError as error:
+        for problem in error.problems:
+            print(f"prefix-proxy: {problem}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
 
 
 if __name__ == "__main__":

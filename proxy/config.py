@@ -1,4 +1,7 @@
-"""Configuration: CLI flags > environment (PREFIX_PROXY_*) > config file (YAML/TOML) > defaults."""
+"""Configuration: CLI flags > environment (PREFIX_PROXY_*) > config file (YAML/TOML) > defaults.
+
+Strict: an unknown key anywhere (file, ``PREFIX_PROXY_*`` variable) is an error, and every problem
+is reported as one line naming its source (:mod:`proxy.config_sources`)."""
 
 from __future__ import annotations
 
@@ -8,19 +11,51 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
-    YamlConfigSettingsSource,
 )
 
-CONFIG_FILE_ENV = "PREFIX_PROXY_CONFIG"
+from proxy.config_sources import ConfigError, Sources, effective, explain, read_config_file
+
+ENV_PREFIX = "PREFIX_PROXY_"
+CONFIG_FILE_ENV = f"{ENV_PREFIX}CONFIG"
 
 CanonMode = Literal["off", "safe", "relocate"]
+
+
+def _mode_from_yaml(value: Any) -> Any:
+    """YAML 1.1 reads an unquoted ``off`` (and ``no``, ``false``) as false: that is the mode "off".
+    ``on``/``yes``/``true`` name no mode."""
+    if value is False:
+        return "off"
+    if value is True:
+        raise ValueError("true is not a mode (YAML reads on/yes/true as true): write relocate, safe or off")
+    return value
+
+
+ModeSetting = Annotated[CanonMode, BeforeValidator(_mode_from_yaml)]
+
+
+class Section(BaseModel):
+    """A settings section: a key it does not know is an error (a misspelling must not run on defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 # The built-in volatile-span detectors (proxy.canon.volatile.BUILTIN_DETECTORS).
 DetectorName = Literal["context_block", "datetime", "weekday", "uuid", "request_id", "environment"]
 
@@ -36,7 +71,7 @@ SESSION_HEADERS = (
 RelocateTarget = Literal["before_last_user", "after_last_user", "system_end"]
 
 
-class VolatileRule(BaseModel):
+class VolatileRule(Section):
     """A user rule that marks spans of system prompts as volatile."""
 
     name: str
@@ -45,8 +80,8 @@ class VolatileRule(BaseModel):
     end_marker: str | None = None
 
 
-class CanonSettings(BaseModel):
-    mode: CanonMode = "relocate"
+class CanonSettings(Section):
+    mode: ModeSetting = "relocate"
     relocate_target: RelocateTarget = "before_last_user"
     # Opt-in: re-format client text the backend has not seen (trailing blanks, CRLF; Unicode NFC).
     # It changes the bytes the model is told; see docs/canonicalization.md.
@@ -66,7 +101,7 @@ class CanonSettings(BaseModel):
     rules: list[VolatileRule] = Field(default_factory=list)
     builtin_detectors: list[DetectorName] = Field(default_factory=lambda: list(get_args(DetectorName)))
     # Per-model overrides of the mode, e.g. {"my-model": "safe"}.
-    model_modes: dict[str, CanonMode] = Field(default_factory=dict)
+    model_modes: dict[str, ModeSetting] = Field(default_factory=dict)
 
 
 def _string_list(value: Any) -> Any:
@@ -79,7 +114,7 @@ def _string_list(value: Any) -> Any:
     return value
 
 
-class BudgetSettings(BaseModel):
+class BudgetSettings(Section):
     """Token budgets. Unset limits mean unlimited; see docs/sessions.md for the semantics."""
 
     # Context budget per request; default: the model's max_model_len minus the request's max_tokens.
@@ -95,7 +130,7 @@ class BudgetSettings(BaseModel):
     exact_counts_via_tokenize: bool = False
 
 
-class BudgetOverrides(BaseModel):
+class BudgetOverrides(Section):
     context_limit_tokens: int | None = None
     soft_ratio: float | None = None
     session_tokens_per_window: int | None = None
@@ -108,14 +143,14 @@ class BudgetOverrides(BaseModel):
         return base.model_copy(update=self.model_dump(exclude_none=True))
 
 
-class TenantSettings(BaseModel):
+class TenantSettings(Section):
     name: str
     api_key: SecretStr
     upstream_api_key: SecretStr | None = None
     budget: BudgetOverrides = Field(default_factory=BudgetOverrides)
 
 
-class SessionSettings(BaseModel):
+class SessionSettings(Section):
     store: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Redis Sentinel ("host:port" each): the master named redis_sentinel_service is found through
@@ -145,9 +180,31 @@ class SessionSettings(BaseModel):
     local_copy_sessions: int = Field(10_000, ge=0)
     # Look up API keys in Redis too (hash <prefix>tenant:<sha256(key)> with name, budget JSON).
     tenants_in_redis: bool = False
+    # /readyz fails while the configured Redis store is down (the proxy then forwards requests
+    # as they are, without sessions); true keeps such a replica ready.
+    ready_when_store_down: bool = False
 
     _split_sentinels = field_validator("redis_sentinels", mode="before")(_string_list)
     _split_headers = field_validator("headers", mode="before")(_string_list)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        """What redis-py accepts (``redis.connection.parse_url``), checked now rather than at the
+        first request."""
+        parts = urlsplit(value)
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("a Redis URL starts with redis://, rediss:// or unix://, e.g. redis://HOST:6379/0")
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ValueError("a Redis URL names its host, e.g. redis://HOST:6379/0")
+        try:
+            parts.port  # noqa: B018 (parsing it is the check)
+        except ValueError:
+            raise ValueError("the port of a Redis URL must be a number from 0 to 65535") from None
+        database = parts.path.lstrip("/")
+        if parts.scheme != "unix" and database and not database.isdigit():
+            raise ValueError("the path of a Redis URL is the database number, e.g. redis://HOST:6379/0")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -164,7 +221,7 @@ class SessionSettings(BaseModel):
 WindowRepair = Literal["off", "named", "inferred"]
 
 
-class SummarizerSettings(BaseModel):
+class SummarizerSettings(Section):
     enabled: bool = True
     keep_last_turns: int = Field(4, ge=0)
     max_summary_tokens: int = Field(512, gt=0)
@@ -200,7 +257,7 @@ class SummarizerSettings(BaseModel):
 RoutingPolicyName = Literal["affinity", "least_in_flight", "round_robin"]
 
 
-class RoutingSettings(BaseModel):
+class RoutingSettings(Section):
     """How requests are spread over several upstreams (``upstreams``); see docs/routing.md."""
 
     # affinity: a conversation (or, without a session, an app's stable prefix) sticks to one backend,
@@ -235,7 +292,7 @@ class RoutingSettings(BaseModel):
     _split_key_headers = field_validator("key_headers", "echo_headers", mode="before")(_string_list)
 
 
-class ReplicaSettings(BaseModel):
+class ReplicaSettings(Section):
     """Several proxy replicas behind a load balancer (docs/routing.md, "Replicas that agree")."""
 
     # Share what each replica's canonicalizer learns (volatile lines, places that vary, where each
@@ -249,7 +306,7 @@ class ReplicaSettings(BaseModel):
     warm_entries: int = Field(10_000, ge=0)
 
 
-class CacheBreakSettings(BaseModel):
+class CacheBreakSettings(Section):
     """Per-request miss explanation (docs/analysis.md): hashes of forwarded prompts, no text."""
 
     enabled: bool = True
@@ -259,7 +316,7 @@ class CacheBreakSettings(BaseModel):
     memory_prompts: int = Field(20_000, gt=0)
 
 
-class CaptureSettings(BaseModel):
+class CaptureSettings(Section):
     """Shadow capture of client requests and backend answers, for ``prefix-proxy analyze``.
 
     Off unless ``path`` is set. The file holds prompt text: it is created with mode 0600.
@@ -318,7 +375,7 @@ UNGOVERNED_GENERATION_ROUTES = [
 ]
 
 
-class RouteSettings(BaseModel):
+class RouteSettings(Section):
     """Routes of the backend the proxy has no handler of its own for (docs/protocols.md).
 
     Patterns are paths, ``*`` matching any run of characters (``/fault_tolerance/*``).
@@ -340,11 +397,27 @@ class RouteSettings(BaseModel):
     ungoverned_generation: list[str] = Field(default_factory=lambda: list(UNGOVERNED_GENERATION_ROUTES))
 
 
-class ResponsesSettings(BaseModel):
+class ResponsesSettings(Section):
     """``/v1/responses``: where stored responses live (vLLM keeps them in its process)."""
 
     # How long the proxy remembers which backend holds a stored response (and its chain).
     chain_ttl_s: int = Field(7 * 24 * 3600, gt=0)
+
+
+class TracingSettings(Section):
+    """OpenTelemetry traces (docs/metrics.md, "Traces (OpenTelemetry)"): a span per request, its
+    context sent upstream as ``traceparent``. Needs the extra: ``pip install 'prefix-proxy[otel]'``."""
+
+    enabled: bool = False
+    # otlp-http (a collector's port 4318), otlp-grpc (4317) or console (stdout, for a look).
+    exporter: Literal["otlp-http", "otlp-grpc", "console"] = "otlp-http"
+    # The collector: http://collector:4318 (OTLP/HTTP; /v1/traces is added to a URL without a
+    # path) or http://collector:4317 (gRPC). Unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+    # OTEL_EXPORTER_OTLP_ENDPOINT, as the SDK reads them, else localhost.
+    endpoint: str | None = None
+    service_name: str = "prefix-proxy"
+    # The share of traces recorded (by trace id); a client's traceparent decides for its trace.
+    sample_ratio: float = Field(1.0, ge=0, le=1)
 
 
 class Settings(BaseSettings):
@@ -352,7 +425,7 @@ class Settings(BaseSettings):
 
     # An error names the setting, never echoes its input: settings hold keys and credentialed URLs.
     model_config = SettingsConfigDict(
-        env_prefix="PREFIX_PROXY_", env_nested_delimiter="__", extra="ignore", hide_input_in_errors=True
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", hide_input_in_errors=True
     )
 
     upstream: str = "http://127.0.0.1:8000/v1"
@@ -427,6 +500,7 @@ class Settings(BaseSettings):
     sessions_active_window_s: float = 900.0
     cache_breaks: CacheBreakSettings = Field(default_factory=CacheBreakSettings)
     capture: CaptureSettings = Field(default_factory=CaptureSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     # Set on a subclass by load_settings(); otherwise the PREFIX_PROXY_CONFIG environment variable.
     config_file: ClassVar[str | None] = None
@@ -434,13 +508,13 @@ class Settings(BaseSettings):
     @field_validator("upstream")
     @classmethod
     def _strip_slash(cls, value: str) -> str:
-        return value.rstrip("/")
+        return _upstream_url(value)
 
     @field_validator("upstreams", mode="before")
     @classmethod
     def _split_upstreams(cls, value: Any) -> Any:
         value = _string_list(value)
-        return [u.rstrip("/") for u in value] if isinstance(value, list) else value
+        return [_upstream_url(u) for u in value] if isinstance(value, list) else value
 
     @property
     def upstream_urls(self) -> list[str]:
@@ -482,24 +556,53 @@ class Settings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         config_file = cls.config_file or os.environ.get(CONFIG_FILE_ENV)
         if config_file:
-            sources.append(_file_source(settings_cls, Path(config_file)))
+            sources.append(InitSettingsSource(settings_cls, read_config_file(Path(config_file))))
         return tuple(sources)
 
 
-def _file_source(settings_cls: type[BaseSettings], path: Path) -> PydanticBaseSettingsSource:
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    if path.suffix in (".yaml", ".yml"):
-        return YamlConfigSettingsSource(settings_cls, yaml_file=path)
-    if path.suffix == ".toml":
-        return TomlConfigSettingsSource(settings_cls, toml_file=path)
-    raise ValueError(f"config file must be .yaml, .yml or .toml, not {path.suffix!r}")
+def _upstream_url(value: str) -> str:
+    """A backend's base URL, checked: http(s), a host; the trailing slash dropped."""
+    text = value.strip().rstrip("/")
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        hint = f"http://{text}" if "://" not in text else "http://HOST:PORT/v1"
+        raise ValueError(f"an upstream is an http(s) base URL such as http://127.0.0.1:8000/v1: write {hint}")
+    try:
+        parts.port  # noqa: B018 (parsing it is the check)
+    except ValueError:
+        raise ValueError("the port of an upstream URL must be a number from 0 to 65535") from None
+    return text
 
 
 def load_settings(config_file: str | None = None, **overrides: Any) -> Settings:
-    """Build settings; ``overrides`` are CLI flags (highest precedence, None means unset)."""
+    """Build settings; ``overrides`` are CLI flags (highest precedence, None means unset).
+
+    Raises :class:`ConfigError`: every problem, one line each, naming its file key, flag or
+    environment variable."""
+    return _load(config_file, overrides)[0]
+
+
+def check_settings(config_file: str | None = None, **overrides: Any) -> tuple[list[str], list[str]]:
+    """``prefix-proxy check-config``: the effective settings as ``key = value  [source]`` lines
+    (secrets masked), and the problems (none when the settings load)."""
+    try:
+        settings, sources = _load(config_file, overrides)
+    except ConfigError as error:
+        return [], error.problems
+    return effective(settings, sources), []
+
+
+def _load(config_file: str | None, overrides: dict[str, Any]) -> tuple[Settings, Sources]:
     flags = {k: v for k, v in overrides.items() if v is not None}
-    if not config_file:
-        return Settings(**flags)
-    file_settings = type("FileSettings", (Settings,), {"config_file": config_file})
-    return file_settings(**flags)
+    config_file = config_file or os.environ.get(CONFIG_FILE_ENV) or None
+    sources = Sources.gather(Path(config_file) if config_file else None, flags, os.environ, ENV_PREFIX)
+    problems = sources.unknown_variables(Settings, {CONFIG_FILE_ENV})
+    try:
+        # The file named here rather than by the environment (a subclass, so no global state).
+        settings_class = type("Settings", (Settings,), {"config_file": config_file}) if config_file else Settings
+        settings = settings_class(**flags)
+    except ValidationError as error:
+        raise ConfigError(problems + explain(error, Settings, sources)) from None
+    if problems:
+        raise ConfigError(problems)
+    return settings, sources

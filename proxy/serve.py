@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import gc
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import uvicorn
@@ -52,8 +52,9 @@ def server_config(
     return uvicorn.Config(ReadDeadline(app), http=protocol, **{**SERVER_OPTIONS, **options})
 
 
-def serve(settings: Settings) -> None:
-    app = create_app(settings)
+def serve(settings: Settings, *, reload: Callable[[], Settings] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT; SIGHUP calls ``reload`` and applies what it can (proxy.reload)."""
+    app = create_app(settings, reload=reload)
     api = uvicorn.Server(server_config(app, settings, app, host=settings.host, port=settings.port))
     # Everything built so far (modules, settings, the app) lives as long as the process:
     # out of the collector's sight, a full collection walks only what requests leave behind.

@@ -143,17 +143,23 @@ class TenantDirectory:
     ) -> None:
         self._isolate_caches = isolate_caches
         self.salt_key = salt_key or SaltKey(None)
+        self._redis_lookup = redis_lookup
+        # Redis lookups by key digest: (tenant or None for an unknown key, fresh until), known and
+        # unknown keys apart.
+        self._cache: OrderedDict[str, tuple[Tenant | None, float]] = OrderedDict()
+        self._unknown: OrderedDict[str, tuple[Tenant | None, float]] = OrderedDict()
+        self.replace(tenants)
+
+    def replace(self, tenants: list[TenantSettings]) -> None:
+        """The configured tenants from now on (a reload): a key removed is refused at its next
+        request, one added is accepted (it is no longer remembered as unknown)."""
         self._by_digest = {
             key_digest(t.api_key.get_secret_value()): Tenant(
                 t.name, t.upstream_api_key.get_secret_value() if t.upstream_api_key else None, t.budget
             )
             for t in tenants
         }
-        self._redis_lookup = redis_lookup
-        # Redis lookups by key digest: (tenant or None for an unknown key, fresh until), known and
-        # unknown keys apart.
-        self._cache: OrderedDict[str, tuple[Tenant | None, float]] = OrderedDict()
-        self._unknown: OrderedDict[str, tuple[Tenant | None, float]] = OrderedDict()
+        self._unknown.clear()
 
     @property
     def open(self) -> bool:

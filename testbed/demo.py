@@ -144,9 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="workload seed (default %(default)s)")
     parser.add_argument(
         "--scenarios",
-        help="comma-separated scenario names (default: all default scenarios; "
-        "python -m bench.workload --list shows them)",
+        help="comma-separated scenario names (default: all default scenarios; --list shows them)",
     )
+    parser.add_argument("--list", action="store_true", help="list the scenarios (* = in the default set) and exit")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
     parser.add_argument(
         "--block-size", type=int, default=16, help="prefix-cache block size of the fake backends (default 16)"
@@ -159,6 +159,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the demo for parsed ``add_arguments`` options; prints the result, returns the exit code."""
+    if args.list:
+        from testbed.workload.registry import get_scenario, scenario_names
+
+        defaults = set(scenario_names())
+        for name in scenario_names(include_all=True):
+            print(f"{'*' if name in defaults else ' '} {name}: {get_scenario(name).description}")
+        return 0
     if args.sessions < 1 or args.block_size < 1 or args.concurrency < 1:
         print("--sessions, --block-size and --concurrency must be positive", file=sys.stderr)
         return 2

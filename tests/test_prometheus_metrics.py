@@ -26,7 +26,7 @@ def registry(metrics: Any) -> dict[str, tuple[str, tuple[str, ...]]]:
     found = {}
     for collector in list(metrics.registry._collector_to_names):  # the registry's collectors
         assert isinstance(collector, MetricWrapperBase)
-        name = collector._name + ("_total" if collector._type == "counter" else "")
+        name = collector._name + {"counter": "_total", "info": "_info"}.get(collector._type, "")
         found[name] = (collector._type, tuple(collector._labelnames))
     return found
 

@@ -41,11 +41,7 @@ MAX_STRUCTURE_BOUND_MODELS = 1024
 
 class Canonicalizer:
     def __init__(self, settings: CanonSettings) -> None:
-        detectors = build_detectors(settings)
-        self._default = self._options(settings, settings.mode, detectors)
-        self._per_model = {
-            model: self._options(settings, mode, detectors) for model, mode in settings.model_modes.items()
-        }
+        self.configure(settings)
         self.learned = (
             LearnedVolatility(settings.learned_apps_max, settings.learned_history)
             if settings.learn_volatility
@@ -60,6 +56,15 @@ class Canonicalizer:
         # Models whose backend refused a request with an inserted system message: relocation
         # appends to the system prompt for them instead.
         self._structure_bound: RecentSet[str] = RecentSet(MAX_STRUCTURE_BOUND_MODELS)
+
+    def configure(self, settings: CanonSettings) -> None:
+        """Take the modes, rules, detectors and placement of ``settings`` (a reload): what was
+        learned and remembered stays (memory sizes are read once, at start)."""
+        detectors = build_detectors(settings)
+        self._default = self._options(settings, settings.mode, detectors)
+        self._per_model = {
+            model: self._options(settings, mode, detectors) for model, mode in settings.model_modes.items()
+        }
 
     @staticmethod
     def _options(settings: CanonSettings, mode: Any, detectors: tuple[Detector, ...]) -> CanonOptions:

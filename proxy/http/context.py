@@ -51,6 +51,8 @@ class RequestContext:
     cache_break: PendingBreak | None = None
     # The protocol's error shape (Anthropic clients get theirs on /v1/messages).
     dialect: ErrorDialect = OPENAI
+    # The request's trace span (proxy.observability.tracing); None when tracing is off.
+    span: Any = None
 
     def mark_upstream_sent(self) -> None:
         self.upstream_sent_at = time.perf_counter()

@@ -11,6 +11,7 @@ a model name it guessed.
 
 from __future__ import annotations
 
+import platform
 import threading
 from collections.abc import Iterable
 from functools import partial
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
 
+from proxy import __version__
 from proxy.openai.usage import Usage
 
 if TYPE_CHECKING:
@@ -125,6 +127,11 @@ class Metrics:
         # Configured tenants are always labelled; others (Redis-provisioned) share the cap.
         self.tenant_label = BoundedLabel(max_label_values, preset=("anonymous", *(tenants or [])))
         r = self.registry
+        # Which build answers: one series, always 1 (join on it: `* on(instance) group_left(version)`).
+        self.build_info = prometheus_client.Info(
+            "prefix_proxy_build", "The running prefix-proxy: version and Python.", registry=r
+        )
+        self.build_info.info({"version": __version__, "python": platform.python_version()})
         self.requests = Counter(
             "prefix_proxy_requests",
             "Requests answered, by route, HTTP status, model and tenant.",

@@ -65,6 +65,7 @@ async def chat_completions(state: ProxyState, request: Request, ctx: RequestCont
         retry = new_context(request, ROUTE)
         retry.request_id, retry.tenant, retry.upstream_api_key = ctx.request_id, ctx.tenant, ctx.upstream_api_key
         retry.deadline = ctx.deadline
+        retry.span, ctx.span = ctx.span, None  # one span for the client's request, ended with the retry
         retry.actions.append("retried_keeping_message_order")
         response = await forward_turn(state, request, retry, tenant, ChatView(body), CHAT_COMPLETIONS)
         if response.status_code == 400:

@@ -80,6 +80,8 @@ def api_endpoint(
         ctx = new_context(request, route)
         ctx.dialect = dialect
         ctx.deadline = ctx.started + state.settings.request_timeout_s
+        if state.tracing is not None:
+            state.tracing.start(request, ctx)
         try:
             tenant = await authenticate(state, request, ctx)
             return await handler(state, request, ctx, tenant)
@@ -93,11 +95,14 @@ def upstream_headers(state: ProxyState, request: Request, ctx: RequestContext) -
     # Only an open proxy passes the client's credentials on: otherwise they carry its proxy key,
     # which the upstream must never see.
     passed_on = client_authorization(request) if state.tenants.open else None
-    return {
+    headers = {
         "content-type": "application/json",
         REQUEST_ID_HEADER: ctx.request_id,
         **state.backends.credentials(ctx.upstream_api_key, passed_on),
     }
+    if state.tracing is not None:
+        state.tracing.inject(ctx, headers)
+    return headers
 
 
 def credential_scrubber(state: ProxyState, ctx: RequestContext) -> Callable[[bytes], bytes] | None:
@@ -155,6 +160,8 @@ def account(state: ProxyState, ctx: RequestContext, overhead: float | None = Non
             ctx.cache_break.settle(ctx.usage)
             state.cache_breaks.count(ctx.cache_break)
     log_request(ctx, overhead * 1000)
+    if state.tracing is not None:
+        state.tracing.end(ctx, overhead)
     return overhead
 
 

@@ -123,6 +123,8 @@ async def passthrough(request: Request) -> Response:
     admin = path is not None and matches(path, settings.admin_routes)
     ctx = new_context(request, route_label(path or "", admin))
     ctx.deadline = ctx.started + state.settings.request_timeout_s
+    if state.tracing is not None:
+        state.tracing.start(request, ctx)
     try:
         if path is None:
             raise invalid_path()
@@ -168,6 +170,8 @@ async def forward_raw(
         if admin
         else {k: v for k, v in upstream_headers(state, request, ctx).items() if k != "content-type"}
     )
+    if admin and state.tracing is not None:
+        state.tracing.inject(ctx, headers)
     for name in ("content-type", "accept"):
         if (value := request.headers.get(name)) is not None and value.isascii():
             headers[name] = value

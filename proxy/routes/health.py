@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from proxy import readiness
 from proxy.app_state import ProxyState, get_state
 from proxy.http.errors import ProxyError, json_response
 from proxy.tenants import bearer_token, unauthorized
@@ -23,19 +25,29 @@ async def healthz() -> Response:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
-    pool = get_state(request).backends
-    if pool.single:
-        if await pool.ready():
-            return json_response({"status": "ready"})
-        return json_response({"status": "upstream unreachable"}, status=503)
-    # Ready while any backend answers; the body says which ones do (names, never URLs).
-    up = await pool.backends_answering()
-    ready = any(up.values())
-    body = {
-        "status": "ready" if ready else "upstream unreachable",
-        "backends": {name: "up" if ok else "down" for name, ok in up.items()},
+    """Ready when a backend serves the API and the configured store answers (unless
+    ``sessions.ready_when_store_down``); the body says which do (backends by name, never URLs)."""
+    state = get_state(request)
+    result = await check_dependencies(state)
+    body: dict[str, Any] = {
+        "status": "ready" if result.ready else "not ready",
+        "backends": {b.name: b.status for b in result.backends},
+        "store": {"kind": result.store.kind, "status": result.store.status},
     }
-    return json_response(body, status=200 if ready else 503)
+    if result.reasons:
+        body["reasons"] = result.reasons
+    return json_response(body, status=200 if result.ready else 503)
+
+
+async def check_dependencies(state: ProxyState) -> readiness.Readiness:
+    sessions = state.settings.sessions
+    return await readiness.check(
+        state.backends,
+        state.sessions,
+        sessions.store,
+        sessions.redis_url,
+        store_required=not sessions.ready_when_store_down,
+    )
 
 
 def metrics_route(state: ProxyState) -> Route:

@@ -1,0 +1,289 @@
+"""Where each setting came from (a config file's key, a ``PREFIX_PROXY_*`` variable, a flag), and
+every configuration problem told in one line that names that source, the value and what is allowed.
+
+An operator reads ``deploy/proxy.yaml: canon.mdoe: unknown key (did you mean 'mode'?)``, never a
+traceback or a model's class name. Secrets are never echoed: a value under a key, secret, password or
+token name is shown as hidden, and a URL's password is masked.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+from pydantic import BaseModel, SecretStr, ValidationError
+
+Location = Sequence[str | int]
+
+# A flag's name where it is not the setting's (``--upstream`` sets ``upstreams`` when repeated).
+FLAG_NAMES = {"upstreams": "upstream"}
+# Parts of a setting's name that mark its value as a secret.
+SECRET_NAMES = ("api_key", "secret", "password", "credentials")
+MAX_SHOWN_CHARS = 80
+
+
+class ConfigError(Exception):
+    """One or more configuration problems, one line each (``problems``)."""
+
+    def __init__(self, problems: Iterable[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A YAML or TOML config file's settings; :class:`ConfigError` on any problem with the file."""
+    suffix = path.suffix.lower()
+    if not path.exists():
+        raise ConfigError([f"{path}: config file not found (given by --config or PREFIX_PROXY_CONFIG)"])
+    if suffix not in (".yaml", ".yml", ".toml"):
+        kind = f"{suffix} file" if suffix else "file without an extension"
+        raise ConfigError([f"{path}: a config file is YAML (.yaml, .yml) or TOML (.toml), not a {kind}"])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise ConfigError([f"{path}: cannot be read ({reason})"]) from None
+    if suffix == ".toml":
+        try:
+            data: Any = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError([f"{path}: not valid TOML: {error}"]) from None
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" line {mark.line + 1} column {mark.column + 1}:" if mark is not None else ""
+            problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+            raise ConfigError([f"{path}:{where} not valid YAML: {problem}"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: a config file maps settings to values (key: value), not a {type(data).__name__}"])
+    return data
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What the settings were built from."""
+
+    file: Path | None
+    file_data: Mapping[str, Any]
+    flags: Mapping[str, Any]
+    # The ``prefix`` variables of the environment, names upper-cased (matching is case-insensitive).
+    environment: Mapping[str, str]
+    prefix: str
+
+    @classmethod
+    def gather(cls, file: Path | None, flags: Mapping[str, Any], environ: Mapping[str, str], prefix: str) -> Sources:
+        data = read_config_file(file) if file is not None else {}
+        variables = {name.upper(): value for name, value in environ.items() if name.upper().startswith(prefix)}
+        return cls(file, data, dict(flags), variables, prefix)
+
+    def origin(self, loc: Location) -> str:
+        """Where the value at ``loc`` came from: ``--port``, ``PREFIX_PROXY_PORT``, ``FILE: canon.mode``
+        or ``default``."""
+        if loc and str(loc[0]) in self.flags:
+            return f"--{FLAG_NAMES.get(str(loc[0]), str(loc[0])).replace('_', '-')}"
+        variable = self._variable(loc)
+        if variable is not None:
+            return variable
+        if self.file is not None and loc and _holds(self.file_data, loc):
+            return f"{self.file}: {dotted(loc)}"
+        return "default"
+
+    def where(self, loc: Location) -> str:
+        """The source to name in a problem about ``loc``, with the key when the source is shallower."""
+        origin = self.origin(loc)
+        if origin == "default":
+            # A missing key: the source of the section that lacks it.
+            parents = (self.origin(loc[:depth]) for depth in range(len(loc) - 1, 0, -1))
+            parent = next((origin for origin in parents if origin != "default"), None)
+            if parent is None or parent.startswith("--"):
+                return dotted(loc) if loc else "config"
+            head = parent.split(": ", 1)[0]
+            return f"{head}: {dotted(loc)}"
+        variable = self._variable(loc)
+        if variable is not None and variable.count("__") + 1 < len(loc):
+            return f"{variable}: {dotted(loc)}"
+        return origin
+
+    def unknown_variables(self, model: type[BaseModel], allowed: Iterable[str] = ()) -> list[str]:
+        """Problems for ``prefix`` variables that name no setting (nested ones are the model's to judge)."""
+        known = set(model.model_fields)
+        exempt = {name.upper() for name in allowed}
+        problems = []
+        for name in sorted(self.environment):
+            top = name[len(self.prefix) :].lower().split("__", 1)[0]
+            if name in exempt or top in known:
+                continue
+            match = difflib.get_close_matches(top, known, n=1)
+            hint = f" (did you mean {self.prefix}{match[0].upper()}?)" if match else ""
+            problems.append(f"{name}: unknown setting{hint}")
+        return problems
+
+    def _variable(self, loc: Location) -> str | None:
+        for depth in range(len(loc), 0, -1):
+            if any(isinstance(part, int) for part in loc[:depth]):
+                continue
+            name = self.prefix + "__".join(str(part) for part in loc[:depth]).upper()
+            if name in self.environment:
+                return name
+        return None
+
+
+def explain(error: ValidationError, model: type[BaseModel], sources: Sources) -> list[str]:
+    """One line per problem of ``error`` (raised validating ``model``)."""
+    problems = []
+    for item in error.errors():
+        loc = tuple(item.get("loc") or ())
+        kind = item.get("type", "")
+        if kind == "extra_forbidden":
+            section = section_at(model, loc[:-1])
+            known = list(section.model_fields) if section is not None else []
+            match = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            problem = "unknown key" + (f" (did you mean {match[0]!r}?)" if match else "")
+        elif kind == "missing":
+            problem = "required, not set"
+        else:
+            message = str(item.get("msg", "invalid"))
+            message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+            problem = message[:1].lower() + message[1:]
+            shown = _shown(loc, item.get("input"))
+            if shown is not None:
+                problem += f" (got {shown})"
+        problems.append(f"{sources.where(loc)}: {problem}")
+    return problems
+
+
+def effective(settings: BaseModel, sources: Sources) -> list[str]:
+    """``key = value  [source]`` for every setting, secrets masked."""
+    lines: list[str] = []
+
+    def walk(section: BaseModel, prefix: tuple[str, ...]) -> None:
+        for name in type(section).model_fields:
+            value = getattr(section, name)
+            loc = (*prefix, name)
+            if isinstance(value, BaseModel):
+                walk(value, loc)
+            else:
+                lines.append(f"{dotted(loc)} = {_rendered(loc, value)}  [{sources.origin(loc)}]")
+
+    walk(settings, ())
+    return lines
+
+
+def section_at(model: type[BaseModel], loc: Location) -> type[BaseModel] | None:
+    """The settings section (model class) at ``loc`` under ``model``, if it is one."""
+    annotation: Any = model
+    for part in loc:
+        annotation = _unwrapped(annotation)
+        origin = typing.get_origin(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field_info = annotation.model_fields.get(str(part))
+            if field_info is None:
+                return None
+            annotation = field_info.annotation
+        elif origin in (list, tuple, set, frozenset):
+            annotation = typing.get_args(annotation)[0]
+        elif origin is dict:
+            annotation = typing.get_args(annotation)[1]
+        else:
+            return None
+    annotation = _unwrapped(annotation)
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def dotted(loc: Location) -> str:
+    """``tenants[0].api_key`` for ``("tenants", 0, "api_key")``."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def masked_url(value: str) -> str:
+    """``value`` with a URL's password replaced by ``***``."""
+    parts = urlsplit(value)
+    if not parts.password:
+        return value
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _unwrapped(annotation: Any) -> Any:
+    """``X`` for ``X | None`` and ``Annotated[X, ...]``."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _unwrapped(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) == 1:
+            return _unwrapped(members[0])
+    return annotation
+
+
+def _holds(data: Any, loc: Location) -> bool:
+    for part in loc:
+        if isinstance(data, list) and isinstance(part, int) and 0 <= part < len(data):
+            data = data[part]
+            continue
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def _is_secret(loc: Location) -> bool:
+    return any(
+        isinstance(part, str)
+        and (any(name in part.lower() for name in SECRET_NAMES) or part.lower().endswith(("_token", "token")))
+        for part in loc
+    )
+
+
+def _shown(loc: Location, value: Any) -> str | None:
+    """The offending value as a problem line shows it; None for one too big or too secret to show."""
+    if _is_secret(loc):
+        return "a hidden value"
+    if isinstance(value, str):
+        text = masked_url(value)
+        return repr(text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "...")
+    if value is None or isinstance(value, bool | int | float):
+        return json.dumps(value)
+    return None
+
+
+def _rendered(loc: Location, value: Any) -> str:
+    if isinstance(value, SecretStr):
+        return '"********"' if value.get_secret_value() else '""'
+    if value is not None and _is_secret(loc):
+        return '"********"'
+    if isinstance(value, str):
+        value = masked_url(value)
+    return json.dumps(_plain(value), ensure_ascii=False)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready, secrets masked (tenants' keys included)."""
+    if isinstance(value, BaseModel):
+        return _plain(value.model_dump())
+    if isinstance(value, SecretStr):
+        return "********" if value.get_secret_value() else ""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_plain(v) for v in value]
+    if isinstance(value, str):
+        return masked_url(value)
+    return value
