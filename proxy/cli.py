@@ -14,6 +14,11 @@ from proxy import __version__
 
 EXIT_CONFIG_ERROR = 2
 
+# `prefix-proxy demo`'s defaults (testbed.demo.run_demo takes the same).
+DEMO_SESSIONS = 32
+DEMO_SEED = 0
+DEMO_CONCURRENCY = 8
+
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
     upstreams = getattr(args, "upstream", None) or []
@@ -50,8 +55,26 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# Only `demo` and `fake-backend` use the development tooling (testbed/), and only once they run:
+# building the parser and every other command (`serve` and the request path, `check-config`, `kv`,
+# `ramp`, `analyze`) work in an install without it, as the container image is
+# (tests/test_product_standalone.py; the import contract in pyproject.toml).
+def _without_testbed(command: str, error: ModuleNotFoundError) -> int:
+    if error.name != "testbed":
+        raise error
+    print(
+        f"prefix-proxy {command}: needs the development tooling (testbed/), which this install does not carry; "
+        "run it from a checkout (pip install -e .) or the image's fake-backend target",
+        file=sys.stderr,
+    )
+    return EXIT_CONFIG_ERROR
+
+
 def _fake_backend(args: argparse.Namespace) -> int:
-    from testbed.fakevllm import FakeBackendConfig, serve
+    try:
+        from testbed.fakevllm import FakeBackendConfig, serve
+    except ModuleNotFoundError as error:
+        return _without_testbed("fake-backend", error)
 
     config = FakeBackendConfig(
         model=args.model,
@@ -67,9 +90,33 @@ def _fake_backend(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from testbed.demo import run_from_args
+    try:
+        from testbed.demo import run_from_args
+    except ModuleNotFoundError as error:
+        return _without_testbed("demo", error)
 
     return run_from_args(args)
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options, for ``prefix-proxy demo`` (and ``python -m testbed.demo``)."""
+    parser.add_argument(
+        "--sessions", type=int, default=DEMO_SESSIONS, help="sessions per scenario (default %(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=DEMO_SEED, help="workload seed (default %(default)s)")
+    parser.add_argument(
+        "--scenarios",
+        help="comma-separated scenario names (default: all default scenarios; --list shows them)",
+    )
+    parser.add_argument("--list", action="store_true", help="list the scenarios (* = in the default set) and exit")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="prefix-cache block size of the fake backends (default 16)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=DEMO_CONCURRENCY, help="requests in flight (default %(default)s)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def _kv(args: argparse.Namespace) -> int:
@@ -149,8 +196,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--ms-per-output-token", type=float, default=0.0, help="simulated decode time per token (default %(default)s)"
     )
     fake.set_defaults(handler=_fake_backend)
-
-    from testbed.demo import add_arguments as add_demo_arguments
 
     demo = commands.add_parser(
         "demo", help="no setup: run a Dify-style workload directly and through the proxy, print hit rates"

@@ -18,15 +18,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
+from proxy.cli import DEMO_CONCURRENCY, DEMO_SEED, DEMO_SESSIONS, add_demo_arguments
 from proxy.progress import ProgressBar
 
 if TYPE_CHECKING:
     from proxy.config import Settings
     from testbed.workload import ScenarioResult
-
-DEFAULT_SESSIONS = 32
-DEFAULT_SEED = 0
-DEFAULT_CONCURRENCY = 8
 
 
 @dataclass
@@ -74,11 +71,11 @@ DEMO_MAX_MODEL_LEN = 16384
 
 def run_demo(
     *,
-    sessions: int = DEFAULT_SESSIONS,
-    seed: int = DEFAULT_SEED,
+    sessions: int = DEMO_SESSIONS,
+    seed: int = DEMO_SEED,
     scenarios: Sequence[str] | str | None = None,
     block_size: int = 16,
-    concurrency: int = DEFAULT_CONCURRENCY,
+    concurrency: int = DEMO_CONCURRENCY,
     progress: bool = True,
     progress_stream: TextIO | None = None,
     settings: Settings | None = None,
@@ -136,29 +133,8 @@ def run_demo(
     )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's options, for ``prefix-proxy demo`` (or this module's own ``main``)."""
-    parser.add_argument(
-        "--sessions", type=int, default=DEFAULT_SESSIONS, help="sessions per scenario (default %(default)s)"
-    )
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="workload seed (default %(default)s)")
-    parser.add_argument(
-        "--scenarios",
-        help="comma-separated scenario names (default: all default scenarios; --list shows them)",
-    )
-    parser.add_argument("--list", action="store_true", help="list the scenarios (* = in the default set) and exit")
-    parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
-    parser.add_argument(
-        "--block-size", type=int, default=16, help="prefix-cache block size of the fake backends (default 16)"
-    )
-    parser.add_argument(
-        "--concurrency", type=int, default=DEFAULT_CONCURRENCY, help="requests in flight (default %(default)s)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
-
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run the demo for parsed ``add_arguments`` options; prints the result, returns the exit code."""
+    """Run the demo for parsed ``proxy.cli.add_demo_arguments`` options; prints the result, returns the exit code."""
     if args.list:
         from testbed.workload.registry import get_scenario, scenario_names
 
@@ -193,7 +169,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefix-proxy demo", description=__doc__)
-    add_arguments(parser)
+    add_demo_arguments(parser)
     return run_from_args(parser.parse_args(argv))
 
 

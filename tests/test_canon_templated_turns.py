@@ -9,9 +9,9 @@ from typing import Any
 
 from proxy.canon.canonicalizer import Canonicalizer
 from proxy.config import CanonSettings
-from testbed.fakevllm.prefix_cache import PrefixCache
-from testbed.fakevllm.template import render_chat
-from testbed.fakevllm.tokenizer import TiktokenChatTokenizer
+from proxy.enginemodel.chat_template import render_chat
+from proxy.enginemodel.prefix_cache import PrefixCache
+from proxy.enginemodel.tokenizer import TiktokenChatTokenizer
 
 SYSTEM = (
     "You are Bench Assistant, a concise helper for a small team.\n"

@@ -292,6 +292,16 @@ def test_compose_profiles_switch_between_vllm_and_the_fake_backend() -> None:
     assert set(services["proxy"].get("depends_on", {})) == {"redis"}
 
 
+def test_compose_builds_the_proxy_and_the_fake_backend_from_their_targets() -> None:
+    services = interpolate(compose(), {})["services"]
+    targets = {name: services[name]["build"]["target"] for name in ("proxy", "fake-vllm")}
+    assert targets == {"proxy": "proxy", "fake-vllm": "fake-backend"}
+    assert set(targets.values()) <= set(named_stages())
+    # Two images: the fake backend's must not be tagged as the proxy's.
+    assert services["proxy"]["image"] != services["fake-vllm"]["image"]
+    assert services["fake-vllm"]["command"][0] == "fake-backend"
+
+
 def test_compose_vllm_serves_with_prefix_caching_and_cached_token_details() -> None:
     raw = compose()["services"]["vllm"]
     assert raw["image"].startswith("vllm/vllm-openai:")
@@ -436,15 +446,94 @@ def dockerfile_stages() -> list[list[Any]]:
     return stages
 
 
+def named_stages() -> dict[str, list[Any]]:
+    """The Dockerfile's stages by their ``FROM ... AS name``."""
+    named = {}
+    for stage in dockerfile_stages():
+        image, *alias = stage[0].value
+        assert len(alias) == 2 and alias[0].upper() == "AS", f"FROM {image}: every stage is named"
+        named[alias[1]] = stage
+    return named
+
+
+def stage_chain(name: str) -> list[list[Any]]:
+    """A stage and the stages it is ``FROM``, the first one first (its ``FROM`` names a base image)."""
+    stages = named_stages()
+    chain = []
+    while name in stages:
+        chain.insert(0, stages[name])
+        name = stages[name][0].value[0]
+    return chain
+
+
+def stage_settings(name: str) -> dict[str, Any]:
+    """The instructions a stage runs with (the last of each kind), those of the stages it is FROM included;
+    ``FROM`` is the base image the chain starts from."""
+    chain = stage_chain(name)
+    settings: dict[str, Any] = {}
+    for stage in chain:
+        settings.update({command.cmd.upper(): command for command in stage[1:]})
+    return {**settings, "FROM": chain[0][0].value[0]}
+
+
+def stage_inputs(name: str) -> set[str]:
+    """The stages whose files end up in stage ``name``: it, the stages it is FROM, the ones it mounts or copies
+    from (``RUN --mount=...,from=X``, ``COPY --from=X``), and theirs."""
+    stages = named_stages()
+    found: set[str] = set()
+    pending = [name]
+    while pending:
+        stage = pending.pop()
+        if stage in found or stage not in stages:
+            continue
+        found.add(stage)
+        pending.append(stages[stage][0].value[0])
+        for command in stages[stage][1:]:
+            for flag in command.flags:
+                pending += re.findall(r"(?:^--from=|[=,]from=)([^,\s]+)", flag)
+    return found
+
+
 def test_dockerfile_runtime_stage() -> None:
-    final = {command.cmd.upper(): command for command in dockerfile_stages()[-1]}
-    assert re.fullmatch(r"python:\$\{PYTHON_VERSION\}-slim|python:3\.\d+-slim", final["FROM"].value[0])
+    stages = dockerfile_stages()
+    assert stages[-1][0].value[-1] == "proxy", "the last stage (what `docker build .` makes) is the proxy"
+    final = stage_settings("proxy")
+    assert re.fullmatch(r"python:\$\{PYTHON_VERSION\}-slim|python:3\.\d+-slim", final["FROM"])
     user = final["USER"].value[0].split(":")[0]
     assert user not in ("root", "0"), "the image must run as a non-root user"
     healthcheck = " ".join(final["HEALTHCHECK"].value)
     assert final["HEALTHCHECK"].value[0] == "CMD" and "/healthz" in healthcheck
     assert final["ENTRYPOINT"].value == ("prefix-proxy",) and final["CMD"].value == ("serve",)
     assert final["EXPOSE"].value == ("8080",)
+
+
+def test_dockerfile_fake_backend_target() -> None:
+    fake = stage_settings("fake-backend")
+    assert re.fullmatch(r"python:\$\{PYTHON_VERSION\}-slim|python:3\.\d+-slim", fake["FROM"])
+    assert fake["USER"].value[0].split(":")[0] not in ("root", "0"), "the image must run as a non-root user"
+    assert fake["ENTRYPOINT"].value == ("prefix-proxy",)
+    assert fake["CMD"].value == ("fake-backend", "--host", "0.0.0.0", "--port", "8000")
+    assert fake["EXPOSE"].value == ("8000",)
+    assert fake["HEALTHCHECK"].value[0] == "CMD" and "127.0.0.1:8000/health'" in " ".join(fake["HEALTHCHECK"].value)
+
+
+def copied_sources(stages: set[str]) -> set[str]:
+    named = named_stages()
+    return {
+        source
+        for stage in stages
+        for command in named[stage][1:]
+        if command.cmd.upper() == "COPY" and not any(flag.startswith("--from") for flag in command.flags)
+        for source in command.value[:-1]
+    }
+
+
+def test_the_product_image_does_not_carry_testbed() -> None:
+    product = stage_inputs("proxy")
+    assert "build" in product and "fake-backend" not in product and "build-fake-backend" not in product
+    assert copied_sources(product) == {"pyproject.toml", "README.md", "proxy", "summarizer"}
+    # The development tooling goes into the fake-backend target only.
+    assert "testbed" in copied_sources(stage_inputs("fake-backend"))
 
 
 def test_dockerfile_copies_only_what_dockerignore_lets_through() -> None:

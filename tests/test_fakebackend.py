@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
+from proxy.enginemodel.tokenizer import TiktokenChatTokenizer
 from testbed.fakevllm import FakeBackendConfig, create_app
-from testbed.fakevllm.tokenizer import TiktokenChatTokenizer
 from tests.helpers import LiveServer, achat_ok
 
 TOKENIZER = TiktokenChatTokenizer()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from testbed.fakevllm.prefix_cache import PrefixCache, RequestBlocks, block_hashes, hash_block_tokens
+from proxy.enginemodel.prefix_cache import PrefixCache, RequestBlocks, block_hashes, hash_block_tokens
 
 BS = 4
 

@@ -12,7 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.enginemodel.chat_template import render_chat
+from proxy.enginemodel.tokenizer import HFTokenizer, TiktokenChatTokenizer, load_tokenizer
 from testbed.fakevllm.chatml import parse_prompt
+from testbed.fakevllm.detokenizer import token_text_deltas
 from testbed.fakevllm.replies import (
     SUMMARY_HEADER,
     TextReply,
@@ -20,13 +23,6 @@ from testbed.fakevllm.replies import (
     plan_reply,
     reply_for_prompt,
     tool_call_for,
-)
-from testbed.fakevllm.template import render_chat
-from testbed.fakevllm.tokenizer import (
-    HFTokenizer,
-    TiktokenChatTokenizer,
-    load_tokenizer,
-    token_text_deltas,
 )
 from testbed.fakevllm.toolcalls import parse_output, stream_deltas
 

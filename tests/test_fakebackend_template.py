@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jinja2 import sandbox as jinja2_sandbox
 
-from testbed.fakevllm.template import (
+from proxy.enginemodel.chat_template import (
     DEFAULT_SYSTEM_PROMPT,
     QWEN_STYLE_CHAT_TEMPLATE,
     ChatTemplateError,

@@ -1,6 +1,6 @@
 """Where the real engine gets its chat template and its replies: the fake backend.
 
-`testbed.fakevllm.template.QWEN_STYLE_CHAT_TEMPLATE` becomes the tokenizer's chat template and
+`proxy.enginemodel.chat_template.QWEN_STYLE_CHAT_TEMPLATE` becomes the tokenizer's chat template and
 `testbed.fakevllm.replies.reply_for_prompt` decides every reply, so the fake and the real engine render
 and answer alike. Used by `build_model.py` and the logits processor, which run in the vLLM venv (the
 repo root is put on sys.path here), and by tests in the project venv. Needs `tokenizers` only.
@@ -17,7 +17,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EOS_TOKEN = "<|im_end|>"
-TEMPLATE_MODULE = "testbed.fakevllm.template"
+TEMPLATE_MODULE = "proxy.enginemodel.chat_template"
 REPLIES_MODULE = "testbed.fakevllm.replies"
 
 

@@ -2,11 +2,11 @@
 
 For each captured request, in arrival order: canonicalize it as the proxy would (the real
 :class:`~proxy.canon.canonicalizer.Canonicalizer`, its memories included), render it with the chat
-template vLLM applies (the Qwen2.5 / ChatML template of the fake backend), tokenize it, and
-admit it to a :class:`~testbed.fakevllm.prefix_cache.PrefixCache`; then cache the reply the
-backend actually gave (captured), as vLLM caches generated tokens, and feed its tool calls to
-the tool-call memory, as the proxy does. The same miss explanation as the proxy's names the
-cause of every break.
+template vLLM applies (the Qwen2.5 / ChatML template of :mod:`proxy.enginemodel.chat_template`),
+tokenize it, and admit it to a :class:`~proxy.enginemodel.prefix_cache.PrefixCache`; then cache
+the reply the backend actually gave (captured), as vLLM caches generated tokens, and feed its tool
+calls to the tool-call memory, as the proxy does. The same miss explanation as the proxy's names
+the cause of every break.
 
 What it does not model: summaries and sliding-window repair (the proxy applies them in every
 canonicalization mode, so they shift all modes alike), concurrency (requests run one after
@@ -24,12 +24,12 @@ from typing import Any
 from proxy.analysis.captured import Captured
 from proxy.canon.canonicalizer import Canonicalizer
 from proxy.config import CanonMode, CanonSettings
+from proxy.enginemodel.chat_template import ChatTemplateError, render_chat
+from proxy.enginemodel.prefix_cache import PrefixCache
+from proxy.enginemodel.tokenizer import ChatTokenizer
 from proxy.observability.breaks import NONE, BreakMemory
 from proxy.observability.digests import digest_prompt, message_hash
 from proxy.openai.assistant import ToolCall
-from testbed.fakevllm.prefix_cache import PrefixCache
-from testbed.fakevllm.template import ChatTemplateError, render_chat
-from testbed.fakevllm.tokenizer import ChatTokenizer
 
 MODES: tuple[CanonMode, ...] = ("off", "safe", "relocate")
 IM_END = "<|im_end|>\n"

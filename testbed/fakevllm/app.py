@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from proxy.enginemodel.tokenizer import ChatTokenizer
 from testbed.fakevllm.config import FakeBackendConfig
 from testbed.fakevllm.engine import FakeEngine
 from testbed.fakevllm.routes.anthropic import AnthropicRoutes
@@ -30,7 +31,6 @@ from testbed.fakevllm.routes.openai_responses import ResponsesRoutes
 from testbed.fakevllm.routes.server import ServerRoutes
 from testbed.fakevllm.routes.tokens import TokenRoutes
 from testbed.fakevllm.runner import JobRunner
-from testbed.fakevllm.tokenizer import ChatTokenizer
 
 
 def create_app(config: FakeBackendConfig | None = None, *, tokenizer: ChatTokenizer | None = None) -> FastAPI:

@@ -13,11 +13,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+from proxy.enginemodel.prefix_cache import PrefixCache, RequestBlocks
+from proxy.enginemodel.tokenizer import ChatTokenizer, load_tokenizer
 from testbed.fakevllm.config import FakeBackendConfig
+from testbed.fakevllm.detokenizer import token_text_deltas
 from testbed.fakevllm.metrics import BackendMetrics
-from testbed.fakevllm.prefix_cache import PrefixCache, RequestBlocks
 from testbed.fakevllm.requestlog import RequestLog, StreamStats
-from testbed.fakevllm.tokenizer import ChatTokenizer, load_tokenizer, token_text_deltas
 
 ADMISSION_POLL_S = 0.002
 

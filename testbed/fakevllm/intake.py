@@ -8,9 +8,9 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from proxy.enginemodel.chat_template import ChatTemplateError, render_chat
+from proxy.enginemodel.tokenizer import ChatTokenizer
 from testbed.fakevllm.protocol import CompletionRequest, Rejected, TokenizeRequest, validation_message
-from testbed.fakevllm.template import ChatTemplateError, render_chat
-from testbed.fakevllm.tokenizer import ChatTokenizer
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

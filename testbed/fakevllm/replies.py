@@ -36,8 +36,8 @@ from typing import Any
 
 import xxhash
 
+from proxy.enginemodel.tokenizer import ChatTokenizer, TiktokenChatTokenizer
 from testbed.fakevllm.chatml import PromptView, Turn, parse_prompt
-from testbed.fakevllm.tokenizer import ChatTokenizer, TiktokenChatTokenizer
 
 SUMMARY_MARKERS = ("summar", "摘要", "总结")
 TOOL_CALL_OPEN = "<tool_call>"

@@ -1,4 +1,4 @@
-"""Tokenizers for the fake backend: what turns a rendered prompt into the ids vLLM hashes.
+"""Tokenizers for the engine model: what turns a rendered prompt into the ids vLLM hashes.
 
 Two implementations behind one small protocol:
 
@@ -27,7 +27,7 @@ DEFAULT_EOS_TOKEN = "<|im_end|>"
 
 @runtime_checkable
 class ChatTokenizer(Protocol):
-    """What the fake backend needs from a tokenizer."""
+    """What the engine model needs from a tokenizer."""
 
     name: str
     eos_token_id: int
@@ -81,28 +81,7 @@ class HFTokenizer:
 
 
 def load_tokenizer(path: str | Path | None = None, eos_token: str = DEFAULT_EOS_TOKEN) -> ChatTokenizer:
-    """The tokenizer for ``FakeBackendConfig.tokenizer_path`` (``None``: bundled cl100k)."""
+    """The tokenizer of a ``tokenizer.json`` (file or directory; ``None``: bundled cl100k)."""
     if path is None:
         return TiktokenChatTokenizer()
     return HFTokenizer(path, eos_token=eos_token)
-
-
-def token_text_deltas(tokenizer: ChatTokenizer, ids: Sequence[int]) -> list[str]:
-    """The text each generated token adds, as vLLM's incremental detokenizer streams it.
-
-    A token that ends inside a multi-byte character contributes ``""`` and its bytes come out
-    with a later token; the deltas always concatenate to the decoded text once it is complete.
-    Decoding a sliding window keeps this linear in the number of tokens.
-    """
-    deltas: list[str] = []
-    prefix_offset = 0
-    read_offset = 0
-    for end in range(1, len(ids) + 1):
-        prefix_text = tokenizer.decode(ids[prefix_offset:read_offset])
-        new_text = tokenizer.decode(ids[prefix_offset:end])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            deltas.append(new_text[len(prefix_text) :])
-            prefix_offset, read_offset = read_offset, end
-        else:
-            deltas.append("")
-    return deltas

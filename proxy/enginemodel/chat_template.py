@@ -1,8 +1,9 @@
 """Qwen2.5-Instruct chat template, in pure Python and as the identical Jinja source.
 
-The fake backend must render prompts byte for byte as a real vLLM serving a Qwen2.5 model
-would, because prefix-cache hits are decided on the token ids of that rendering. Two steps
-happen in vLLM before the template runs, and both are mirrored here:
+The engine model (``prefix-proxy analyze``, the fake backend) must render prompts byte for byte
+as a real vLLM serving a Qwen2.5 model would, because prefix-cache hits are decided on the token
+ids of that rendering. Two steps happen in vLLM before the template runs, and both are mirrored
+here:
 
 * ``normalize_messages`` is vLLM's ``parse_chat_messages`` for a "string" content-format
   template: list content becomes its text parts joined by ``"\\n"``, ``None`` becomes ``""``,
