@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from proxy.config import BudgetOverrides, TenantSettings
 from proxy.http.body import is_text
-from proxy.http.errors import ProxyError
+from proxy.http.errors import ServiceUnavailable, Unauthorized
 
 logger = logging.getLogger("prefix_proxy.tenants")
 
@@ -112,23 +112,10 @@ def bearer_token(authorization: str | None) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
-def directory_unavailable() -> ProxyError:
-    return ProxyError(
-        503,
+def directory_unavailable() -> ServiceUnavailable:
+    return ServiceUnavailable(
         "API keys cannot be checked right now (the tenant store is unavailable); retry shortly",
-        type="server_error",
-        code="store_unavailable",
         headers={"retry-after": "1"},
-    )
-
-
-def unauthorized(message: str = "invalid or missing API key") -> ProxyError:
-    return ProxyError(
-        401,
-        message,
-        type="invalid_request_error",
-        code="invalid_api_key",
-        headers={"www-authenticate": "Bearer"},
     )
 
 
@@ -178,14 +165,14 @@ class TenantDirectory:
             return ANONYMOUS_TENANT
         token = bearer_token(authorization)
         if token is None:
-            raise unauthorized()
+            raise Unauthorized()
         digest = key_digest(token)
         for known, tenant in self._by_digest.items():
             if hmac.compare_digest(known, digest):
                 return tenant
         provisioned = await self._from_redis(digest)
         if provisioned is None:
-            raise unauthorized()
+            raise Unauthorized()
         return provisioned
 
     async def _from_redis(self, digest: str) -> Tenant | None:

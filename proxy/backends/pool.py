@@ -36,7 +36,7 @@ from proxy.backends.keyheaders import KeyHeaders
 from proxy.backends.policies import RoutingPolicy
 from proxy.backends.transport import WholeBodyStream
 from proxy.backends.upstream import model_list, read_response
-from proxy.http.errors import ProxyError, upstream_unreachable
+from proxy.http.errors import ProxyError, UpstreamTimeout, UpstreamUnreachable
 from proxy.observability.metrics import Metrics
 
 logger = logging.getLogger("prefix_proxy.backends")
@@ -155,7 +155,7 @@ class BackendPool:
         retries = self.outliers.max_retries
         if not replayable:
             ranked, retries = ranked[:1], 0
-        last_error: ProxyError | None = None
+        last_error: UpstreamUnreachable | None = None
         # The previous backend's failed answer, closed only once this attempt has its backend (and
         # trial): chosen and claimed with no await between, so no other request takes the trial.
         discarded: httpx.Response | None = None
@@ -178,9 +178,9 @@ class BackendPool:
                 response = await backend.upstream.open(method, path, content=content, headers=outgoing, root=root)
             except ProxyError as error:
                 backend.in_flight -= 1
-                timed_out = error.status == 504
+                timed_out = isinstance(error, UpstreamTimeout)
                 self._count(backend, "timeout" if timed_out else "unreachable")
-                if error.code != "upstream_unreachable":
+                if not isinstance(error, UpstreamUnreachable):
                     # The request left (a timeout, or a connection dropped after sending): the
                     # backend may be computing it, and sending it again would do the work twice.
                     # A timeout counts against a backend only as its trial (it did not prove itself).
@@ -246,7 +246,7 @@ class BackendPool:
             else:
                 response.stream = _ReleaseOnClose(response.stream, backend)
             return response
-        raise last_error or upstream_unreachable("no backend")
+        raise last_error or UpstreamUnreachable("no backend")
 
     def echo_from(self, echo: EchoedHeaders) -> None:
         """Echo the router's response headers on later requests with the same key."""

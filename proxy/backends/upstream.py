@@ -14,7 +14,13 @@ from typing import Any
 import httpx
 
 from proxy.backends.transport import ProxyAiohttpTransport, WholeBodyStream
-from proxy.http.errors import ProxyError, upstream_connection_lost, upstream_timeout, upstream_unreachable
+from proxy.http.errors import (
+    UpstreamConnectionLost,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from proxy.openai.jsonio import loads
 
 MAX_CACHED_URLS = 256
@@ -33,16 +39,17 @@ class _NoCookies(httpx.Cookies):
 
 
 async def read_response(response: httpx.Response) -> bytes:
-    """Read a response body, mapping a mid-body timeout or drop to 504/502."""
+    """Read a response body, mapping a mid-body timeout or drop to :class:`UpstreamTimeout` (504) or
+    :class:`UpstreamConnectionLost` (502)."""
     try:
         stream = response.stream
         if isinstance(stream, WholeBodyStream) and "content-encoding" not in response.headers:
             return await stream.read_all()  # no decoding to do: one read from the transport
         return await response.aread()
     except httpx.TimeoutException as exc:
-        raise upstream_timeout() from exc
+        raise UpstreamTimeout() from exc
     except httpx.TransportError as exc:
-        raise upstream_connection_lost(type(exc).__name__) from exc
+        raise UpstreamConnectionLost(type(exc).__name__) from exc
     finally:
         await response.aclose()
 
@@ -140,15 +147,15 @@ class Upstream:
         except httpx.TimeoutException as exc:
             # Neither a connect nor a pool timeout ever sent the request: another backend may take it.
             if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
-                raise upstream_unreachable(
+                raise UpstreamUnreachable(
                     "connect timeout" if isinstance(exc, httpx.ConnectTimeout) else "no free connection"
                 ) from exc
-            raise upstream_timeout() from exc
+            raise UpstreamTimeout() from exc
         except httpx.ConnectError as exc:
-            raise upstream_unreachable(type(exc).__name__) from exc
+            raise UpstreamUnreachable(type(exc).__name__) from exc
         except httpx.TransportError as exc:
             # The connection broke after the request went out: the upstream may be computing it.
-            raise upstream_connection_lost(type(exc).__name__) from exc
+            raise UpstreamConnectionLost(type(exc).__name__) from exc
 
     read = staticmethod(read_response)
 
@@ -181,10 +188,15 @@ class Upstream:
         await self.client.aclose()
 
 
-def upstream_error_kind(exc: ProxyError) -> str:
-    if exc.code == "upstream_invalid_response":
+def upstream_error_kind(exc: UpstreamError) -> str:
+    """The ``kind`` of ``prefix_proxy_upstream_errors_total`` an upstream error counts as."""
+    if isinstance(exc, UpstreamProtocolError):
         return "invalid_response"
-    return "timeout" if exc.status == 504 else "unreachable"
+    if isinstance(exc, UpstreamTimeout):  # the request's own deadline included
+        return "timeout"
+    if isinstance(exc, UpstreamConnectionLost):  # after the request went out: the answer never came whole
+        return "connection_lost"
+    return "unreachable"
 
 
 def credential_forms(api_key: str | None, url: httpx.URL) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from proxy.http.errors import ProxyError, bad_request
+from proxy.http.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
 
 VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -29,21 +29,19 @@ async def read_body(request: Request, limit: int) -> bytes:
     require_json_content_type(request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
+        raise PayloadTooLarge(limit)
     chunks: list[bytes] = []
     size = 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise _too_large(limit)
+                raise PayloadTooLarge(limit)
             chunks.append(chunk)
     except ClientDisconnect:
         # The client hung up mid-upload: nobody reads the answer, but the access log records it
         # (499, nginx's "client closed request") instead of an ERROR traceback.
-        raise ProxyError(
-            499, "the client closed the connection before sending the whole body", code="client_disconnected"
-        ) from None
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 
@@ -57,28 +55,20 @@ def require_json_content_type(request: Request) -> None:
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json")):
         return
-    raise ProxyError(
-        415,
-        "the request body must be JSON, sent with content-type: application/json",
-        code="unsupported_media_type",
-    )
-
-
-def _too_large(limit: int) -> ProxyError:
-    return ProxyError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    raise UnsupportedMediaType()
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
-        raise bad_request("request body is empty; expected a JSON object")
+        raise InvalidRequest("request body is empty; expected a JSON object")
     try:
         body = loads(raw, max_depth=MAX_DEPTH)
     except TooDeep:
-        raise bad_request(f"request body nests deeper than {MAX_DEPTH} levels") from None
+        raise InvalidRequest(f"request body nests deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
+        raise InvalidRequest("request body must be a JSON object")
     return body
 
 
@@ -97,15 +87,17 @@ def is_text(value: Any) -> bool:
 def require_model(body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a string", param="model")
+        raise InvalidRequest("'model' is required and must be a string", param="model")
     if len(model) > MAX_MODEL_CHARS or not is_text(model):
-        raise bad_request(f"'model' must be valid Unicode text of at most {MAX_MODEL_CHARS} characters", param="model")
+        raise InvalidRequest(
+            f"'model' must be valid Unicode text of at most {MAX_MODEL_CHARS} characters", param="model"
+        )
     return model
 
 
 def _optional(value: Any, kind: type | tuple[type, ...], param: str, what: str) -> None:
     if value is not None and not isinstance(value, kind):
-        raise bad_request(f"{param} must be {what}", param=param)
+        raise InvalidRequest(f"{param} must be {what}", param=param)
 
 
 def validate_chat_request(body: dict[str, Any]) -> None:
@@ -113,7 +105,7 @@ def validate_chat_request(body: dict[str, Any]) -> None:
     require_model(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty array", param="messages")
+        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
     for index, message in enumerate(messages):
         if not _plain_message(message):
             _validate_message(message, f"messages[{index}]")
@@ -130,7 +122,7 @@ def validate_chat_request(body: dict[str, Any]) -> None:
         value = body.get(key)
         # bool is an int to Python; to JSON (and to the budget arithmetic) it is not a number.
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise bad_request(f"'{key}' must be an integer", param=key)
+            raise InvalidRequest(f"'{key}' must be an integer", param=key)
 
 
 def _plain_message(message: Any) -> bool:
@@ -149,22 +141,22 @@ def _plain_message(message: Any) -> bool:
 
 def _validate_message(message: Any, param: str) -> None:
     if not isinstance(message, dict):
-        raise bad_request(f"{param} must be an object", param=param)
+        raise InvalidRequest(f"{param} must be an object", param=param)
     role = message.get("role")
     if not isinstance(role, str) or role not in VALID_ROLES:
         shown = role if isinstance(role, str) and is_text(role) else type(role).__name__
-        raise bad_request(f"{param}.role {shown!r} is not a valid role"[:300], param=f"{param}.role")
+        raise InvalidRequest(f"{param}.role {shown!r} is not a valid role"[:300], param=f"{param}.role")
     content = message.get("content")
     _optional(content, (str, list), f"{param}.content", "a string or an array")
     if isinstance(content, list):
         for index, part in enumerate(content):
             if not isinstance(part, dict):
-                raise bad_request(
+                raise InvalidRequest(
                     f"{param}.content[{index}] must be an object (a content part)", param=f"{param}.content[{index}]"
                 )
             # A text part's text is what the proxy reads; vLLM refuses one that is not a string.
             if part.get("type") == "text" and not isinstance(part.get("text"), str):
-                raise bad_request(
+                raise InvalidRequest(
                     f"{param}.content[{index}].text must be a string", param=f"{param}.content[{index}].text"
                 )
     for key in ("name", "tool_call_id"):
@@ -174,18 +166,18 @@ def _validate_message(message: Any, param: str) -> None:
     for index, call in enumerate(calls or ()):
         call_param = f"{param}.tool_calls[{index}]"
         if not isinstance(call, dict):
-            raise bad_request(f"{call_param} must be an object", param=call_param)
+            raise InvalidRequest(f"{call_param} must be an object", param=call_param)
         _optional(call.get("id"), str, f"{call_param}.id", "a string")
         function = call.get("function")
         if not isinstance(function, dict):
-            raise bad_request(f"{call_param}.function must be an object", param=f"{call_param}.function")
+            raise InvalidRequest(f"{call_param}.function must be an object", param=f"{call_param}.function")
         _optional(function.get("name"), str, f"{call_param}.function.name", "a string")
     _optional(message.get("function_call"), dict, f"{param}.function_call", "an object")
 
 
 def _validate_tool(tool: Any, param: str) -> None:
     if not isinstance(tool, dict):
-        raise bad_request(f"{param} must be an object", param=param)
+        raise InvalidRequest(f"{param} must be an object", param=param)
     function = tool.get("function", tool if "name" in tool else None)
     _optional(function, dict, f"{param}.function", "an object")
     if isinstance(function, dict):
@@ -196,6 +188,6 @@ def _validate_tool(tool: Any, param: str) -> None:
 def validate_completion_request(body: dict[str, Any]) -> None:
     require_model(body)
     if "prompt" not in body:
-        raise bad_request("'prompt' is required", param="prompt")
+        raise InvalidRequest("'prompt' is required", param="prompt")
     stream_options = body.get("stream_options")
     _optional(stream_options, dict, "stream_options", "an object")

@@ -18,8 +18,6 @@ _EVENT_END = b"\n\n"
 class ErrorDialect:
     """OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    name = "openai"
-
     def body(self, error: ProxyError) -> dict[str, Any]:
         return error.body()
 
@@ -65,8 +63,6 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
 
 class AnthropicDialect(ErrorDialect):
     """``{"type": "error", "error": {"type", "message"}}``; streams end with ``event: error``."""
-
-    name = "anthropic"
 
     def body(self, error: ProxyError) -> dict[str, Any]:
         return anthropic_error_body(error.status, error.message)

@@ -41,7 +41,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from proxy.http.errors import ProxyError
+from proxy.http.errors import RequestTimeout
 
 if TYPE_CHECKING:
     from proxy.config import Settings
@@ -75,11 +75,6 @@ class InboundLimits:
             body_timeout_s=min(settings.request_body_timeout_s, overall),
             max_incomplete=settings.max_incomplete_requests,
         )
-
-
-class RequestTimeout(ProxyError):
-    def __init__(self) -> None:
-        super().__init__(408, "the request did not arrive within the server's read deadline", code="request_timeout")
 
 
 # How old a connection still arriving must be before the cap may cut it.

@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from starlette.types import Scope
 
-from proxy.http.errors import ProxyError
+from proxy.http.errors import UnroutablePath
 
 # RFC 3986 path characters other than unreserved ones, kept as they are when re-encoding.
 PATH_SAFE = "/:@!$&'()*+,;="
@@ -30,13 +30,9 @@ class InvalidPath(ValueError):
     encoded twice."""
 
 
-def invalid_path() -> ProxyError:
+def invalid_path() -> UnroutablePath:
     """The client's answer to an :class:`InvalidPath`."""
-    return ProxyError(
-        400,
-        "the path names no route (dot segments above the root, or an encoded separator)",
-        code="invalid_path",
-    )
+    return UnroutablePath()
 
 
 def canonical_path(path: str) -> str:

@@ -19,7 +19,6 @@ closer. Error events are scrubbed of the credentials the proxy sent upstream.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
@@ -48,14 +47,7 @@ _FOREIGN_LINE = re.compile(rb"^(?!(?:data: ?(?:\{.*\}|\[DONE\])|event:.*|id:.*|r
 DEFAULT_MAX_EVENT_BYTES = 8 * 1024 * 1024
 
 
-def error_event(message: str, code: str) -> bytes:
-    """An SSE event carrying an OpenAI-shaped error: OpenAI SDKs raise it as an APIError."""
-    payload = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
-    return b"data: " + json.dumps(payload).encode() + _EVENT_END
-
-
 STREAM_INTERRUPTED_MESSAGE = "the upstream stream was interrupted"
-STREAM_INTERRUPTED = error_event(STREAM_INTERRUPTED_MESSAGE, "upstream_stream_interrupted")
 # A stream that is not the protocol (see the module doc); the code of a whole answer that is not.
 INVALID_RESPONSE_CODE = "upstream_invalid_response"
 # Why a stream ended early because of what the upstream sent (``SSERelay.failure``).

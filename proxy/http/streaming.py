@@ -20,13 +20,9 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from proxy.http.relay import error_event
-
 # How a relayed stream ended, for ``on_end``: the body was sent to the end (which includes an
 # upstream that failed and got its error event), the client left, or the deadline passed.
 StreamEnd = Literal["sent", "disconnected", "deadline"]
-
-DEADLINE_EVENT = error_event("the request exceeded its deadline", "request_deadline_exceeded")
 
 
 class RelayResponse(StreamingResponse):
@@ -39,12 +35,13 @@ class RelayResponse(StreamingResponse):
         close: Callable[[], Awaitable[None]] | None = None,
         status_code: int = 200,
         deadline_s: float | None = None,
-        deadline_event: bytes = DEADLINE_EVENT,
+        deadline_event: bytes = b"",
     ) -> None:
         super().__init__(content, status_code=status_code, headers=headers, media_type="text/event-stream")
         self._on_end = on_end
         self._close = close
-        # Seconds the body may take from the moment the response starts being sent.
+        # Seconds the body may take from the moment the response starts being sent, and the last
+        # bytes the client gets when they are up: its protocol's error event (ErrorDialect.stream_event).
         self._deadline_s = deadline_s
         self._deadline_event = deadline_event
 

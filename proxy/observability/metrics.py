@@ -140,7 +140,8 @@ class Metrics:
         )
         self.upstream_errors = Counter(
             "prefix_proxy_upstream_errors",
-            "Upstream failures by kind (unreachable, timeout, http_4xx, http_5xx; invalid_response: an answer or"
+            "Upstream failures by kind (unreachable, connection_lost: dropped after the request went out, timeout,"
+            " http_4xx, http_5xx; invalid_response: an answer or"
             " stream that is not the protocol; invalid_usage: usage that cannot be true, not counted).",
             ["route", "kind"],
             registry=r,
@@ -310,7 +311,15 @@ class Metrics:
             for kind in ("context", "session", "tenant"):
                 self.budget_rejections.labels(kind, self.tenant_label(tenant))
         for route in ("chat", "completions", "embeddings", "models"):
-            for kind in ("unreachable", "timeout", "http_4xx", "http_5xx", "invalid_response", "invalid_usage"):
+            for kind in (
+                "unreachable",
+                "connection_lost",
+                "timeout",
+                "http_4xx",
+                "http_5xx",
+                "invalid_response",
+                "invalid_usage",
+            ):
                 self.upstream_errors.labels(route, kind)
         for reuse in ("new", "repeat"):
             self.prefix_requests.labels(reuse)

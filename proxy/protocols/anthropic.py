@@ -25,7 +25,7 @@ from typing import Any
 
 from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
 from proxy.http.body import is_text, require_model
-from proxy.http.errors import bad_request
+from proxy.http.errors import InvalidRequest
 from proxy.http.relay import SSERelay
 from proxy.openai.assistant import AssistantRecorder, ToolCall
 from proxy.openai.jsoncanon import sort_keys_deep
@@ -48,18 +48,18 @@ def validate_request(body: dict[str, Any], *, count_tokens: bool = False) -> Non
     require_model(body)
     max_tokens = body.get("max_tokens")
     if not count_tokens and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
-        raise bad_request("'max_tokens' is required and must be an integer", param="max_tokens")
+        raise InvalidRequest("'max_tokens' is required and must be an integer", param="max_tokens")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty array", param="messages")
+        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
     for index, message in enumerate(messages):
         param = f"messages[{index}]"
         if not isinstance(message, dict):
-            raise bad_request(f"{param} must be an object", param=param)
+            raise InvalidRequest(f"{param} must be an object", param=param)
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             shown = role if is_text(role) else type(role).__name__
-            raise bad_request(f"{param}.role {shown!r} is not a valid role"[:300], param=f"{param}.role")
+            raise InvalidRequest(f"{param}.role {shown!r} is not a valid role"[:300], param=f"{param}.role")
         _validate_content(message.get("content"), f"{param}.content")
     system = body.get("system")
     if system is not None:
@@ -67,41 +67,41 @@ def validate_request(body: dict[str, Any], *, count_tokens: bool = False) -> Non
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
-            raise bad_request("'tools' must be an array", param="tools")
+            raise InvalidRequest("'tools' must be an array", param="tools")
         for index, tool in enumerate(tools):
             param = f"tools[{index}]"
             if not isinstance(tool, dict):
-                raise bad_request(f"{param} must be an object", param=param)
+                raise InvalidRequest(f"{param} must be an object", param=param)
             if "name" in tool and not isinstance(tool["name"], str):
-                raise bad_request(f"{param}.name must be a string", param=f"{param}.name")
+                raise InvalidRequest(f"{param}.name must be a string", param=f"{param}.name")
             schema = tool.get("input_schema")
             if schema is not None and not isinstance(schema, dict):
-                raise bad_request(f"{param}.input_schema must be an object", param=f"{param}.input_schema")
+                raise InvalidRequest(f"{param}.input_schema must be an object", param=f"{param}.input_schema")
     for key, kind, what in (("tool_choice", dict, "an object"), ("metadata", dict, "an object")):
         if body.get(key) is not None and not isinstance(body[key], kind):
-            raise bad_request(f"'{key}' must be {what}", param=key)
+            raise InvalidRequest(f"'{key}' must be {what}", param=key)
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise bad_request("'stream' must be a boolean", param="stream")
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
 
 
 def _validate_content(content: Any, param: str) -> None:
     if isinstance(content, str):
         return
     if not isinstance(content, list):
-        raise bad_request(f"{param} must be a string or an array of content blocks", param=param)
+        raise InvalidRequest(f"{param} must be a string or an array of content blocks", param=param)
     for index, block in enumerate(content):
         where = f"{param}[{index}]"
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise bad_request(f"{where} must be a content block (an object with a 'type')", param=where)
+            raise InvalidRequest(f"{where} must be a content block (an object with a 'type')", param=where)
         kind = block["type"]
         for key, types, what in _BLOCK_FIELDS.get(kind, ()):
             value = block.get(key)
             if value is not None and not isinstance(value, types):
-                raise bad_request(f"{where}.{key} must be {what}", param=f"{where}.{key}")
+                raise InvalidRequest(f"{where}.{key} must be {what}", param=f"{where}.{key}")
         if kind == "tool_result" and isinstance(block.get("content"), list):
             for item_index, item in enumerate(block["content"]):
                 if not isinstance(item, dict):
-                    raise bad_request(f"{where}.content[{item_index}] must be an object", param=f"{where}.content")
+                    raise InvalidRequest(f"{where}.content[{item_index}] must be an object", param=f"{where}.content")
 
 
 _BLOCK_FIELDS: dict[str, tuple[tuple[str, type | tuple[type, ...], str], ...]] = {

@@ -24,7 +24,7 @@ from typing import Any
 
 from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
 from proxy.http.body import is_text, require_model
-from proxy.http.errors import bad_request
+from proxy.http.errors import InvalidRequest
 from proxy.http.relay import SSERelay
 from proxy.openai.assistant import AssistantRecorder, ToolCall
 from proxy.openai.jsoncanon import sort_keys_deep
@@ -51,7 +51,7 @@ def validate_request(body: dict[str, Any]) -> None:
     require_model(body)
     value = body.get("input")
     if not isinstance(value, str | list):
-        raise bad_request("'input' must be a string or an array of items", param="input")
+        raise InvalidRequest("'input' must be a string or an array of items", param="input")
     if isinstance(value, list):
         for index, item in enumerate(value):
             _validate_item(item, f"input[{index}]")
@@ -65,40 +65,40 @@ def validate_request(body: dict[str, Any]) -> None:
         ("store", bool, "a boolean"),
     ):
         if body.get(key) is not None and not isinstance(body[key], kind):
-            raise bad_request(f"'{key}' must be {what}", param=key)
+            raise InvalidRequest(f"'{key}' must be {what}", param=key)
     for index, tool in enumerate(body.get("tools") or ()):
         if not isinstance(tool, dict):
-            raise bad_request(f"tools[{index}] must be an object", param=f"tools[{index}]")
+            raise InvalidRequest(f"tools[{index}] must be an object", param=f"tools[{index}]")
     previous = body.get("previous_response_id")
     if isinstance(previous, str) and not (is_text(previous) and 0 < len(previous) <= 256):
-        raise bad_request("'previous_response_id' is not a response id", param="previous_response_id")
+        raise InvalidRequest("'previous_response_id' is not a response id", param="previous_response_id")
     max_tokens = body.get("max_output_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
-        raise bad_request("'max_output_tokens' must be an integer", param="max_output_tokens")
+        raise InvalidRequest("'max_output_tokens' must be an integer", param="max_output_tokens")
 
 
 def _validate_item(item: Any, param: str) -> None:
     if not isinstance(item, dict):
-        raise bad_request(f"{param} must be an object", param=param)
+        raise InvalidRequest(f"{param} must be an object", param=param)
     role = item.get("role")
     # Only a message item has a role vLLM checks (other items' extra keys are ignored there).
     is_message = item.get("type") in (None, "message")
     if role is not None and (not isinstance(role, str) or (is_message and role not in ROLES)):
         shown = role if is_text(role) else type(role).__name__
-        raise bad_request(f"{param}.role {shown!r} is not a valid role"[:300], param=f"{param}.role")
+        raise InvalidRequest(f"{param}.role {shown!r} is not a valid role"[:300], param=f"{param}.role")
     content = item.get("content")
     if content is not None and not isinstance(content, str | list):
-        raise bad_request(f"{param}.content must be a string or an array", param=f"{param}.content")
+        raise InvalidRequest(f"{param}.content must be a string or an array", param=f"{param}.content")
     for index, part in enumerate(content if isinstance(content, list) else ()):
         if not isinstance(part, dict):
-            raise bad_request(f"{param}.content must hold objects", param=f"{param}.content")
+            raise InvalidRequest(f"{param}.content must hold objects", param=f"{param}.content")
         # The text the proxy reads (and vLLM requires) of a text part: a string, as vLLM judges it.
         if part.get("type") in TEXT_PARTS and not isinstance(part.get("text"), str):
             where = f"{param}.content[{index}].text"
-            raise bad_request(f"{where} must be a string", param=where)
+            raise InvalidRequest(f"{where} must be a string", param=where)
     for key in ("call_id", "name", "arguments", "type"):
         if item.get(key) is not None and not isinstance(item[key], str):
-            raise bad_request(f"{param}.{key} must be a string", param=f"{param}.{key}")
+            raise InvalidRequest(f"{param}.{key} must be a string", param=f"{param}.{key}")
 
 
 # -- the view --------------------------------------------------------------------------------

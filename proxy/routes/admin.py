@@ -17,10 +17,18 @@ from starlette.responses import Response
 
 from proxy.app_state import ProxyState, get_state
 from proxy.chat.budget import effective_budget, usage_limits
-from proxy.http.errors import ProxyError, json_response
+from proxy.http.errors import (
+    Forbidden,
+    InvalidLimit,
+    ProxyError,
+    ServiceUnavailable,
+    SessionNotFound,
+    Unauthorized,
+    json_response,
+)
 from proxy.sessions.model import SessionRecord
 from proxy.sessions.service import StoreUnavailable
-from proxy.tenants import Tenant, bearer_token, unauthorized
+from proxy.tenants import Tenant, bearer_token
 
 router = APIRouter()
 
@@ -30,10 +38,10 @@ def require_admin(state: ProxyState, request: Request) -> None:
     if configured is None or not configured.get_secret_value():
         # An empty key (PREFIX_PROXY_ADMIN_API_KEY= from a template) disables the API: it must not
         # match a request that sends no key at all.
-        raise ProxyError(403, "the admin API is disabled (set admin_api_key)", type="permission_error")
+        raise Forbidden("the admin API is disabled (set admin_api_key)")
     token = bearer_token(request.headers.get("authorization")) or ""
     if not hmac.compare_digest(token.encode(), configured.get_secret_value().encode()):
-        raise unauthorized("invalid admin key")
+        raise Unauthorized("invalid admin key")
 
 
 async def _describe(state: ProxyState, tenant: Tenant, record: SessionRecord) -> dict[str, Any]:
@@ -76,9 +84,7 @@ async def _run(request: Request, resolve: TenantResolver, action: Action) -> Res
     try:
         return await action(state, await resolve(state))
     except StoreUnavailable:
-        return ProxyError(
-            503, "the session store is unavailable", type="server_error", code="store_unavailable"
-        ).response()
+        return ServiceUnavailable("the session store is unavailable").response()
     except ProxyError as error:
         return error.response()
 
@@ -91,14 +97,14 @@ async def _list(state: ProxyState, tenant: Tenant, limit: int) -> Response:
 async def _get(state: ProxyState, tenant: Tenant, session_id: str) -> Response:
     record = await state.sessions.call(state.sessions.store.get(tenant.name, session_id))
     if record is None:
-        raise ProxyError(404, f"no session {session_id!r}", type="not_found_error", code="session_not_found")
+        raise SessionNotFound(session_id)
     return json_response(await _describe(state, tenant, record))
 
 
 async def _delete(state: ProxyState, tenant: Tenant, session_id: str) -> Response:
     deleted = await state.sessions.call(state.sessions.store.delete(tenant.name, session_id))
     if not deleted:
-        raise ProxyError(404, f"no session {session_id!r}", type="not_found_error", code="session_not_found")
+        raise SessionNotFound(session_id)
     return json_response({"id": session_id, "deleted": True})
 
 
@@ -118,7 +124,7 @@ def list_limit(request: Request) -> int:
         return DEFAULT_LIMIT
     text = raw.strip()
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise ProxyError(400, "'limit' must be a positive integer", param="limit", code="invalid_limit")
+        raise InvalidLimit()
     return min(int(text), MAX_LIMIT)
 
 

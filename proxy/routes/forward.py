@@ -18,7 +18,7 @@ from proxy.backends.pool import BACKEND_EXTENSION
 from proxy.backends.upstream import Redactor, key_forms, upstream_error_kind
 from proxy.http.context import RequestContext, overhead_header
 from proxy.http.dialect import OPENAI, ErrorDialect
-from proxy.http.errors import ProxyError, invalid_upstream_response, json_bytes
+from proxy.http.errors import DeadlineExceeded, ProxyError, UpstreamError, UpstreamProtocolError, json_bytes
 from proxy.http.relay import PROTOCOL_FAILURES, SSERelay
 from proxy.http.streaming import RelayResponse, StreamEnd
 from proxy.observability.access_log import log_request
@@ -230,7 +230,7 @@ def error_response(state: ProxyState, ctx: RequestContext, error: ProxyError) ->
     if ctx.upstream_sent_at is not None and ctx.upstream_done_at is None:
         # Waiting for an upstream that failed (timeout, connection refused) is upstream time, not overhead.
         ctx.upstream_done_at = time.perf_counter()
-    if error.type == "upstream_error" and error.status in (502, 504):
+    if isinstance(error, UpstreamError):
         state.metrics.upstream_errors.labels(ctx.route, upstream_error_kind(error)).inc()
     return whole_answer(state, ctx, json_bytes(ctx.dialect.body(error)), error.status, error.headers)
 
@@ -277,13 +277,13 @@ def json_answer(
         parsed: Any = loads(raw)
     except ValueError:
         ctx.status = 502
-        raise invalid_upstream_response("its answer is not JSON") from None
+        raise UpstreamProtocolError("its answer is not JSON") from None
     if not isinstance(parsed, dict):
         ctx.status = 502
-        raise invalid_upstream_response("its answer is not a JSON object")
+        raise UpstreamProtocolError("its answer is not a JSON object")
     if answer_list is not None and not isinstance(parsed.get(answer_list), list):
         ctx.status = 502
-        raise invalid_upstream_response(f"its answer has no {answer_list!r} list")
+        raise UpstreamProtocolError(f"its answer has no {answer_list!r} list")
     reported = parsed.get("usage")
     usage = read_usage(reported)
     if usage is not None and not usage.plausible:
@@ -407,13 +407,9 @@ class within_deadline:
         try:
             await self._timeout.__aexit__(kind, exc, tb)
         except TimeoutError:
-            raise _deadline_exceeded() from None
+            raise DeadlineExceeded() from None
         if isinstance(exc, TimeoutError):
-            raise _deadline_exceeded() from None
-
-
-def _deadline_exceeded() -> ProxyError:
-    return ProxyError(504, "the request exceeded its deadline", type="upstream_error", code="request_deadline_exceeded")
+            raise DeadlineExceeded() from None
 
 
 async def open_upstream(

@@ -26,8 +26,15 @@ from starlette.types import Scope
 from proxy.app_state import ProxyState, get_state
 from proxy.http.body import MAX_MODEL_CHARS, is_text
 from proxy.http.context import RequestContext, overhead_header
-from proxy.http.errors import ProxyError
-from proxy.http.inbound import RequestTimeout
+from proxy.http.errors import (
+    BodyTooDeep,
+    ClientDisconnected,
+    ClientError,
+    NotFound,
+    PayloadTooLarge,
+    ProxyError,
+    RequestTimeout,
+)
 from proxy.http.paths import PATH_SAFE, InvalidPath, canonical_path, invalid_path
 from proxy.http.streaming import RelayResponse, StreamEnd
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
@@ -134,14 +141,11 @@ async def passthrough(request: Request) -> Response:
         )
         allowed = settings.allowed_routes is None or admin or matches(path, settings.allowed_routes)
         if reserved or not settings.passthrough or not allowed or matches(path, settings.denied_routes):
-            raise ProxyError(404, f"no route {path}", type="not_found_error", code="not_found")
+            raise NotFound(f"no route {path}")
         if not admin and _ungoverned(state, path):
-            raise ProxyError(
-                404,
+            raise NotFound(
                 f"{path} generates outside the proxy's pipeline (no budget, no cache salt): use "
-                "/v1/chat/completions or /v1/completions, or list it in routes.allowed_routes",
-                type="not_found_error",
-                code="not_found",
+                "/v1/chat/completions or /v1/completions, or list it in routes.allowed_routes"
             )
         if admin:
             require_admin(state, request)
@@ -215,7 +219,7 @@ class _Upload:
     def __init__(self, request: Request, limit: int) -> None:
         self._request = request
         self._limit = limit
-        self.failure: ProxyError | None = None
+        self.failure: ClientError | None = None
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         size = 0
@@ -223,15 +227,11 @@ class _Upload:
             async for chunk in self._request.stream():
                 size += len(chunk)
                 if size > self._limit:
-                    self.failure = ProxyError(
-                        413, f"request body exceeds the limit of {self._limit} bytes", code="request_too_large"
-                    )
+                    self.failure = PayloadTooLarge(self._limit)
                     raise self.failure
                 yield chunk
         except ClientDisconnect:
-            self.failure = ProxyError(
-                499, "the client closed the connection before sending the whole body", code="client_disconnected"
-            )
+            self.failure = ClientDisconnected()
             raise self.failure from None
         except RequestTimeout as timeout:
             self.failure = timeout  # the body's read deadline (proxy.http.inbound): the client's 408
@@ -245,7 +245,7 @@ async def _request_body(
     limit = state.settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ProxyError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        raise PayloadTooLarge(limit)
     if request.method in _BODYLESS and declared in (None, "0") and "transfer-encoding" not in request.headers:
         return None, True, None
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -258,16 +258,16 @@ async def _request_body(
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise ProxyError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+                raise PayloadTooLarge(limit)
             chunks.append(chunk)
     except ClientDisconnect:
-        raise ProxyError(499, "the client closed the connection before sending the whole body") from None
+        raise ClientDisconnected() from None
     raw = b"".join(chunks)
     try:
         parsed = loads(raw, max_depth=MAX_DEPTH) if raw else None
     except TooDeep:
         # As on the proxy's own routes: no backend needs it, and a parser may not survive it.
-        raise ProxyError(400, f"request body nests deeper than {MAX_DEPTH} levels", code="too_deep") from None
+        raise BodyTooDeep(MAX_DEPTH) from None
     except (ValueError, UnicodeDecodeError):
         parsed = None  # the backend judges its own input
     model = parsed.get("model") if isinstance(parsed, dict) else None

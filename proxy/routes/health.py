@@ -12,8 +12,8 @@ from starlette.routing import Route
 
 from proxy import readiness
 from proxy.app_state import ProxyState, get_state
-from proxy.http.errors import ProxyError, json_response
-from proxy.tenants import bearer_token, unauthorized
+from proxy.http.errors import ProxyError, Unauthorized, json_response
+from proxy.tenants import bearer_token
 
 router = APIRouter()
 
@@ -70,4 +70,4 @@ def _require_metrics_key(state: ProxyState, request: Request) -> None:
         return
     token = bearer_token(request.headers.get("authorization")) or ""
     if not hmac.compare_digest(token.encode(), configured.get_secret_value().encode()):
-        raise unauthorized("invalid or missing metrics key")
+        raise Unauthorized("invalid or missing metrics key")

@@ -15,7 +15,7 @@ from proxy.chat.turn import budget_refused
 from proxy.config import BudgetSettings
 from proxy.http.body import parse_json_object, read_body, require_model, validate_completion_request
 from proxy.http.context import RequestContext
-from proxy.http.errors import ProxyError, upstream_unreachable
+from proxy.http.errors import ProxyError, UpstreamUnreachable
 from proxy.http.streaming import RelayResponse
 from proxy.openai.jsonio import dumps
 from proxy.openai.usage import Usage
@@ -151,7 +151,7 @@ async def merged_models(state: ProxyState, request: Request, ctx: RequestContext
     if listing.data is None and listing.refusal is not None:
         return upstream_error(state, ctx, listing.refusal.status_code, listing.refusal.content)
     if listing.data is None:
-        raise upstream_unreachable("no backend answered")
+        raise UpstreamUnreachable("no backend answered")
     body = dumps({"object": "list", "data": listing.data})
     return whole_answer(state, ctx, body, 200)
 

@@ -23,7 +23,7 @@ from proxy.canon import CanonResult
 from proxy.canon.fingerprint import stable_prefix_hash
 from proxy.chat.turn import ChatTurn
 from proxy.http.context import RequestContext
-from proxy.http.errors import ProxyError
+from proxy.http.errors import ProxyError, ServerError
 from proxy.http.relay import SSERelay
 from proxy.http.streaming import RelayResponse
 from proxy.observability.hooks import after_answer, before_upstream, needs_reply_content
@@ -197,7 +197,7 @@ async def forward_turn(
             await finish()
         return response
     except ProxyError as error:
-        if turn is not None and error.status >= 500:
+        if turn is not None and isinstance(error, ServerError):
             await turn.abandon()
         return error_response(state, ctx, error)
 

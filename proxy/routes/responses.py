@@ -28,7 +28,7 @@ from starlette.routing import Route
 from proxy.app_state import ProxyState
 from proxy.http.body import parse_json_object, read_body
 from proxy.http.context import RequestContext
-from proxy.http.errors import ProxyError
+from proxy.http.errors import ProxyError, ResponseNotFound
 from proxy.protocols import responses
 from proxy.routes.forward import api_endpoint, upstream_headers
 from proxy.routes.generic import forward_raw
@@ -50,12 +50,6 @@ RESPONSES = ProtocolRoute(
 _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,256}")
 
 
-def not_found(response_id: str, param: str) -> ProxyError:
-    return ProxyError(
-        404, f"Response with id '{response_id}' not found.", type="invalid_request_error", param=param, code="404"
-    )
-
-
 async def create(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
     body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
     responses.validate_request(body)
@@ -64,11 +58,11 @@ async def create(state: ProxyState, request: Request, ctx: RequestContext, tenan
     chain: str | None = None
     previous = view.previous_response_id
     if previous is not None and not _RESPONSE_ID.fullmatch(previous):
-        raise not_found(previous[:64], "previous_response_id")
+        raise ResponseNotFound(previous[:64], "previous_response_id")
     if previous is not None:
         info = await _lookup(state, tenant, previous)
         if info is None and not state.tenants.open:
-            raise not_found(previous, "previous_response_id")
+            raise ResponseNotFound(previous, "previous_response_id")
         chain = str(info.get("chain") or previous) if info else previous
         options.backend = str(info["backend"]) if info and info.get("backend") else None
         if info is None:
@@ -93,10 +87,10 @@ async def retrieve(state: ProxyState, request: Request, ctx: RequestContext, ten
     for the tenant that created it."""
     response_id = str(request.path_params["response_id"])
     if not _RESPONSE_ID.fullmatch(response_id):
-        raise not_found(response_id[:64], "response_id")
+        raise ResponseNotFound(response_id[:64], "response_id")
     info = await _lookup(state, tenant, response_id)
     if info is None and not state.tenants.open:
-        raise not_found(response_id, "response_id")
+        raise ResponseNotFound(response_id, "response_id")
     backend = str(info["backend"]) if info and info.get("backend") else None
     if backend is None:
         backend = await _locate(state, request, ctx, response_id)
