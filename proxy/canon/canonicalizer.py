@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -120,29 +119,20 @@ class Canonicalizer:
 
 
 class PrefixTracker:
-    """Bounded memory of stable-prefix hashes: was this prefix seen before, and how often.
+    """Bounded memory of stable-prefix hashes: was this prefix seen before.
 
     It also remembers the prefixes requests had *before* canonicalization, which
     tells whether a reused prefix exists only thanks to canonicalization.
     """
 
     def __init__(self, max_entries: int = 100_000) -> None:
-        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._seen: RecentSet[str] = RecentSet(max_entries)
         self._raw: RecentSet[str] = RecentSet(max_entries)
-        self._max_entries = max_entries
 
     def raw_seen(self, raw_prefix_hash: str) -> bool:
         """Record a prefix as the client sent it; True when it was sent before."""
         return self._raw.add(raw_prefix_hash)
 
     def hit(self, prefix_hash: str) -> bool:
-        """Count one request; returns True when the prefix was seen before."""
-        count = self._counts.get(prefix_hash, 0)
-        self._counts[prefix_hash] = count + 1
-        self._counts.move_to_end(prefix_hash)
-        if len(self._counts) > self._max_entries:
-            self._counts.popitem(last=False)
-        return count > 0
-
-    def top(self, n: int = 20) -> list[tuple[str, int]]:
-        return sorted(self._counts.items(), key=lambda item: -item[1])[:n]
+        """Record one request's prefix; True when it was seen before."""
+        return self._seen.add(prefix_hash)

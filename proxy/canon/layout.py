@@ -19,14 +19,14 @@ conversations share an entry only when their histories are the same.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import xxhash
+from cachetools import LRUCache
 
 from proxy.openai.jsonio import dumps
-from proxy.recent import RecentSet
+from proxy.recent import RecentSet, peek
 
 # (system message index, text part, line hash) of one moved line.
 MovedLine = tuple[int, int, int]
@@ -41,8 +41,7 @@ class ForwardedLayouts:
 
     def __init__(self, max_entries: int = 200_000) -> None:
         self._prompts: RecentSet[int] = RecentSet(max_entries)
-        self._blocks: OrderedDict[int, tuple[Block, ...]] = OrderedDict()
-        self._max_blocks = max(1, max_entries // 4)
+        self._blocks: LRUCache[int, tuple[Block, ...]] = LRUCache(max(1, max_entries // 4))
         # Apps (hashed) that have had a block inserted: only their requests look for one.
         self._apps: RecentSet[int] = RecentSet(max(1, max_entries // 16))
         # Openings (hashed, by app) of one-shot requests' user turns: a user turn that opens the way an
@@ -56,19 +55,13 @@ class ForwardedLayouts:
         return self._prompts.touch(key)
 
     def remember_block(self, position: int, block: Block, app: int) -> None:
-        known = self._blocks.get(position, ())
+        known = peek(self._blocks, position) or ()
         self._blocks[position] = (block, *(b for b in known if b != block))[:BLOCKS_PER_POSITION]
-        self._blocks.move_to_end(position)
-        if len(self._blocks) > self._max_blocks:
-            self._blocks.popitem(last=False)
         self._apps.add(app)
 
     def blocks_at(self, position: int) -> tuple[Block, ...]:
         """The blocks inserted at this position, most recent first."""
-        blocks = self._blocks.get(position, ())
-        if blocks:
-            self._blocks.move_to_end(position)
-        return blocks
+        return self._blocks.get(position, ())
 
     def app_had_blocks(self, app: int) -> bool:
         return app in self._apps

@@ -19,11 +19,12 @@ requests seen: deterministic.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 
 import xxhash
+from cachetools import LRUCache
 
 MIN_MATCH = 0.6
 # A template seen once: the share of the larger of the two prompts they must have in common.
@@ -94,8 +95,7 @@ def _aligned(current: Sequence_, other: Sequence_) -> set[int]:
 class LearnedVolatility:
     # Templates per app key (tenant, model): a tenant's apps on one model share a key.
     def __init__(self, max_apps: int = 1024, history: int = 8, templates_per_app: int = 32) -> None:
-        self._apps: OrderedDict[str, list[_Template]] = OrderedDict()
-        self._max_apps = max_apps
+        self._apps: LRUCache[str, list[_Template]] = LRUCache(max_apps)
         self._history = max(2, history)
         self._templates_per_app = templates_per_app
 
@@ -110,28 +110,25 @@ class LearnedVolatility:
             return set()
         sequence = tuple(hashes[i] for i in positions)
         digest = _digest(sequence)
-        template = self._match(app_key, frozenset(sequence))
+        templates = self._apps.get(app_key)  # a use: the app sent a prompt
+        if templates is None:
+            templates = self._apps[app_key] = []
+        template = self._match(templates, frozenset(sequence))
         if template is None:
             template = _Template(recent=deque(maxlen=self._history))
-            templates = self._apps.setdefault(app_key, [])
             templates.insert(0, template)
             del templates[self._templates_per_app :]
-            self._evict()
             volatile: set[int] = set()
         else:
             volatile = {positions[i] for i in template.unaligned(digest, sequence)}
-            templates = self._apps[app_key]
             if templates[0] is not template:  # least recently matched out, not least recently made
                 templates.remove(template)
                 templates.insert(0, template)
         template.add(digest, sequence)
-        self._apps.move_to_end(app_key)
         return volatile
 
-    def _match(self, app_key: str, current: frozenset[int]) -> _Template | None:
-        templates = self._apps.get(app_key)
-        if not templates:
-            return None
+    @staticmethod
+    def _match(templates: list[_Template], current: frozenset[int]) -> _Template | None:
         best: _Template | None = None
         best_score = (0, 0.0)
         for template in templates:
@@ -151,10 +148,6 @@ class LearnedVolatility:
             if score > best_score:
                 best, best_score = template, score
         return best
-
-    def _evict(self) -> None:
-        while len(self._apps) > self._max_apps:
-            self._apps.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._apps)

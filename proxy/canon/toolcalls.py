@@ -15,18 +15,18 @@ its tool results alike.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import xxhash
+from cachetools import LRUCache
 
 from proxy.canon.actions import Action
 from proxy.canon.layout import extend, prefix_chain
 from proxy.openai.jsoncanon import canonical_arguments
 from proxy.openai.messages import message_text
-
-K = TypeVar("K", int, str)
+from proxy.recent import peek
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,36 +36,26 @@ class GeneratedCall:
 
 
 class ToolCallMemory:
-    """Bounded LRU of tool calls the backend generated, by position key and by their own id."""
+    """Bounded LRU of tool calls the backend generated, by position key and by their own id
+    (that one forgets the least recently remembered: looking a call up by id is no use)."""
 
     def __init__(self, max_entries: int = 200_000) -> None:
-        self._entries: OrderedDict[int, GeneratedCall] = OrderedDict()
-        self._by_id: OrderedDict[str, GeneratedCall] = OrderedDict()
-        self._max_entries = max_entries
+        self._entries: LRUCache[int, GeneratedCall] = LRUCache(max_entries)
+        self._by_id: LRUCache[str, GeneratedCall] = LRUCache(max_entries)
 
     def remember(self, key: int, call: GeneratedCall) -> None:
-        _put(self._entries, key, call, self._max_entries)
-        _put(self._by_id, call.id, call, self._max_entries)
+        self._entries[key] = call
+        self._by_id[call.id] = call
 
     def recall(self, key: int) -> GeneratedCall | None:
-        call = self._entries.get(key)
-        if call is not None:
-            self._entries.move_to_end(key)
-        return call
+        return self._entries.get(key)
 
     def by_id(self, call_id: Any) -> GeneratedCall | None:
         """The call the backend generated with this id, when the client kept the original id."""
-        return self._by_id.get(call_id) if isinstance(call_id, str) else None
+        return peek(self._by_id, call_id) if isinstance(call_id, str) else None
 
     def __len__(self) -> int:
         return len(self._entries)
-
-
-def _put(table: OrderedDict[K, GeneratedCall], key: K, call: GeneratedCall, limit: int) -> None:
-    table[key] = call
-    table.move_to_end(key)
-    if len(table) > limit:
-        table.popitem(last=False)
 
 
 def call_key(namespace: str, anchor: int, ordinal: int, index: int, name: str, arguments: Any) -> int:

@@ -15,9 +15,8 @@ conversation in flight would lose its prefix at each flip. Only 64-bit hashes ar
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import xxhash
+from cachetools import LRUCache
 
 # Marks a place seen with two different values (a hash of a value is never negative).
 _VARIED = -1
@@ -27,8 +26,7 @@ Place = tuple[int, int, str, int]  # (system message, text part, detector kind, 
 
 class VaryingPlaces:
     def __init__(self, max_apps: int = 4096, max_places_per_app: int = 256) -> None:
-        self._apps: OrderedDict[str, dict[Place, int]] = OrderedDict()
-        self._max_apps = max_apps
+        self._apps: LRUCache[str, dict[Place, int]] = LRUCache(max_apps)
         self._max_places = max_places_per_app
 
     def observe(self, app_key: str, place: Place, value: str) -> bool:
@@ -40,10 +38,6 @@ class VaryingPlaces:
         places = self._apps.get(app_key)
         if places is None:
             places = self._apps[app_key] = {}
-            if len(self._apps) > self._max_apps:
-                self._apps.popitem(last=False)
-        else:
-            self._apps.move_to_end(app_key)
         known = places.get(place)
         if known is None:
             if len(places) < self._max_places:

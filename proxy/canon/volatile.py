@@ -14,12 +14,11 @@ one request by nature.
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import xxhash
-from cachetools import LRUCache
+from cachetools import FIFOCache, LRUCache
 
 from proxy.config import DetectorName
 
@@ -333,17 +332,14 @@ class DetectionCache:
     """
 
     def __init__(self, max_lines: int = 50_000) -> None:
-        self._lines: OrderedDict[int, tuple[tuple[int, int, str], ...]] = OrderedDict()
-        self._max_lines = max_lines
+        # Oldest scanned out first: a line found again is no use.
+        self._lines: FIFOCache[int, tuple[tuple[int, int, str], ...]] = FIFOCache(max_lines)
 
     def get(self, line: str, detectors: list[Detector]) -> tuple[tuple[int, int, str], ...]:
         key = xxhash.xxh3_64_intdigest(line.encode("utf-8", "surrogatepass"))
         found = self._lines.get(key)
         if found is None:
-            found = _scan_line(line, detectors)
-            self._lines[key] = found
-            if len(self._lines) > self._max_lines:
-                self._lines.popitem(last=False)
+            found = self._lines[key] = _scan_line(line, detectors)
         return found
 
 

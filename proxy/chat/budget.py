@@ -135,20 +135,15 @@ def estimate_prompt_tokens(
 class ContextCheck:
     estimate: int
     limit: int | None
-    soft_limit: int | None
 
     @property
     def over_hard(self) -> bool:
         return self.limit is not None and self.estimate > self.limit
 
-    @property
-    def over_soft(self) -> bool:
-        return self.soft_limit is not None and self.estimate > self.soft_limit
 
-
-def check_context(estimate: int, limit: int | None, soft_ratio: float) -> ContextCheck:
-    soft = None if limit is None else int(limit * soft_ratio)
-    return ContextCheck(estimate, limit, soft)
+def check_context(estimate: int, limit: int | None) -> ContextCheck:
+    # Whether a session is due for compaction is summarizer.policy.is_due's call, not this one's.
+    return ContextCheck(estimate, limit)
 
 
 def usage_limits(budget: BudgetSettings, tenant: str, session_id: str | None) -> list[UsageLimit]:

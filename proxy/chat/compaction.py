@@ -15,10 +15,11 @@ import contextlib
 import json
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
+
+from cachetools import TLRUCache
 
 from proxy.backends import BackendPool
 from proxy.config import SummarizerSettings
@@ -84,7 +85,10 @@ class CompactionService:
         self._backends = backends
         self._tenants = tenants
         self._metrics = metrics
-        self._backoff: OrderedDict[tuple[str, str], float] = OrderedDict()
+        # Sessions whose compaction failed -> until when they are left alone (monotonic time).
+        self._backoff: TLRUCache[tuple[str, str], float] = TLRUCache(
+            10_000, ttu=lambda _session, until, _now: until, timer=time.monotonic
+        )
         self._options = CompactorOptions(
             max_summary_tokens=settings.max_summary_tokens,
             timeout_s=settings.timeout_s,
@@ -209,8 +213,6 @@ class CompactionService:
         except CompactionFailed as exc:
             metrics.compactions.labels("failed").inc()
             self._backoff[(job.tenant.name, job.session_id)] = time.monotonic() + self.settings.retry_backoff_s
-            while len(self._backoff) > 10_000:
-                self._backoff.popitem(last=False)
             logger.warning("compaction failed, history forwarded unchanged: %s", exc)
             return None
         if compaction is None:
@@ -243,5 +245,4 @@ class CompactionService:
             return
 
     def _backing_off(self, job: CompactionJob) -> bool:
-        until = self._backoff.get((job.tenant.name, job.session_id))
-        return until is not None and time.monotonic() < until
+        return (job.tenant.name, job.session_id) in self._backoff

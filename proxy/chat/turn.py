@@ -23,7 +23,7 @@ from proxy.chat.budget import (
 )
 from proxy.chat.compaction import CompactionJob
 from proxy.config import BudgetSettings
-from proxy.http.errors import ProxyError
+from proxy.http.errors import BudgetExceeded, ContextLengthExceeded
 from proxy.observability.metrics import Metrics
 from proxy.openai.usage import Usage
 from proxy.protocols.channel import CHAT, SummaryChannel
@@ -39,31 +39,11 @@ if TYPE_CHECKING:
     from proxy.app_state import ProxyState
 
 
-def context_length_exceeded(estimate: int, limit: int) -> ProxyError:
-    return ProxyError(
-        400,
-        f"This conversation needs about {estimate} tokens, over its context budget of {limit} tokens "
-        "(context_limit_tokens). Shorten the history.",
-        param="messages",
-        code="context_length_exceeded",
-    )
-
-
-def budget_exhausted(kind: str, retry_after_s: int) -> ProxyError:
-    return ProxyError(
-        429,
-        f"The {kind} token budget for this window is spent; retry after {retry_after_s} s.",
-        type="rate_limit_error",
-        code=f"{kind}_budget_exceeded",
-        headers={"retry-after": str(retry_after_s)},
-    )
-
-
-def budget_refused(metrics: Metrics, tenant: str, reservation: Reservation) -> ProxyError:
+def budget_refused(metrics: Metrics, tenant: str, reservation: Reservation) -> BudgetExceeded:
     """The 429 of a reservation the store did not admit, counted."""
     kind = reservation.rejected_kind or "usage"
     metrics.budget_rejections.labels(kind, metrics.tenant_label(tenant)).inc()
-    return budget_exhausted(kind, reservation.retry_after_s)
+    return BudgetExceeded(kind, reservation.retry_after_s)
 
 
 @dataclass
@@ -205,7 +185,7 @@ class ChatTurn:
         # refuse because its own store could not supply the summary).
         if check.over_hard and check.limit is not None and budget.context_limit_tokens is not None:
             state.metrics.budget_rejections.labels("context", state.metrics.tenant_label(tenant.name)).inc()
-            raise context_length_exceeded(check.estimate, check.limit)
+            raise ContextLengthExceeded(check.estimate, check.limit)
         await turn._reserve(check.estimate)
         return turn
 
@@ -277,11 +257,11 @@ class ChatTurn:
         ):
             exact = await self.state.models.count_prompt_tokens(forwarded, self.upstream_auth_headers())
             if exact is not None:
-                return check_context(exact + self.history_tokens, self.limit, self.budget.soft_ratio)
+                return check_context(exact + self.history_tokens, self.limit)
         estimate = estimate_prompt_tokens(
             self.state.token_counter, forwarded, self.request_bytes, tokens_per_byte, self.limit
         )
-        return check_context(estimate + self.history_tokens, self.limit, self.budget.soft_ratio)
+        return check_context(estimate + self.history_tokens, self.limit)
 
     async def _reserve(self, prompt_estimate: int) -> None:
         """Admit the request against its usage budgets, reserving the most it can spend.

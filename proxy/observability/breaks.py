@@ -20,11 +20,12 @@ Pure logic: no I/O, no clock; the caller serializes access (one event loop).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TypeVar
+
+from cachetools import LRUCache
 
 from proxy.observability.digests import ASSISTANT, SYSTEM, USER, PromptDigest, chain
+from proxy.recent import peek
 from proxy.tokenization.counter import TYPICAL_TOKENS_PER_BYTE
 
 CAUSES = (
@@ -45,23 +46,6 @@ NONE = "none"
 # the same app with a changed prompt (rather than another app): the same bar learned volatility uses.
 SAME_APP_LINES = 0.5
 APP_PROMPTS = 8
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class _Bounded(OrderedDict[K, V]):
-    """A dict that forgets its least recently written entries (reads are the dict's own)."""
-
-    def __init__(self, max_entries: int) -> None:
-        super().__init__()
-        self._max = max(1, max_entries)
-
-    def put(self, key: K, value: V) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        if len(self) > self._max:
-            self.popitem(last=False)
 
 
 @dataclass(slots=True)
@@ -95,7 +79,6 @@ class CacheBreak:
     break_bytes: int = 0
     expected_bytes: int = 0
     lost_bytes: int = 0
-    new_conversation_tail: bool = False
     block_size: int = 16
     settled: bool = False
 
@@ -148,15 +131,16 @@ class _App:
 
 
 class BreakMemory:
-    """Bounded memories of forwarded prompts, by prefix, conversation and app."""
+    """Bounded memories of forwarded prompts, by prefix, conversation and app: each forgets its
+    least recently written entries (reading one, with :func:`peek`, is no use)."""
 
     def __init__(self, max_prompts: int = 20_000, block_size: int = 16) -> None:
         self.block_size = block_size
-        self._prompts: _Bounded[int, Forwarded] = _Bounded(max_prompts)
+        self._prompts: LRUCache[int, Forwarded] = LRUCache(max(1, max_prompts))
         # Prefix chain link -> id of the last prompt that went through it.
-        self._links: _Bounded[int, int] = _Bounded(max_prompts * 8)
-        self._conversations: _Bounded[str, int] = _Bounded(max_prompts)
-        self._apps: _Bounded[tuple[str, str], _App] = _Bounded(max(1, max_prompts // 8))
+        self._links: LRUCache[int, int] = LRUCache(max(1, max_prompts * 8))
+        self._conversations: LRUCache[str, int] = LRUCache(max(1, max_prompts))
+        self._apps: LRUCache[tuple[str, str], _App] = LRUCache(max(1, max_prompts // 8))
         self._next_id = 0
 
     def __len__(self) -> int:
@@ -190,12 +174,12 @@ class BreakMemory:
 
     def record_reply(self, prompt_id: int, reply_hash: int, reply_bytes: int) -> None:
         """The backend generated this reply (it caches its tokens too)."""
-        forwarded = self._prompts.get(prompt_id)
+        forwarded = peek(self._prompts, prompt_id)
         if forwarded is not None:
             forwarded.reply, forwarded.reply_bytes = reply_hash, reply_bytes
 
     def calibrate(self, prompt_id: int, prompt_tokens: int) -> None:
-        forwarded = self._prompts.get(prompt_id)
+        forwarded = peek(self._prompts, prompt_id)
         if forwarded is not None and prompt_tokens > 0 and forwarded.prompt.total_bytes:
             forwarded.tokens_per_byte = prompt_tokens / forwarded.prompt.total_bytes
 
@@ -213,8 +197,8 @@ class BreakMemory:
         this prompt re-sends it unchanged right where that prompt ended."""
         if reach < 0:
             return 0
-        holder_id = self._links.get(links[reach])
-        holder = self._prompts.get(holder_id) if holder_id is not None else None
+        holder_id = peek(self._links, links[reach])
+        holder = peek(self._prompts, holder_id) if holder_id is not None else None
         if (
             holder is not None
             and len(holder.prompt) == reach
@@ -229,15 +213,15 @@ class BreakMemory:
     ) -> Forwarded | None:
         """The conversation's last prompt; else the last prompt that shares history with this one."""
         if conversation is not None:
-            prompt_id = self._conversations.get(conversation)
+            prompt_id = peek(self._conversations, conversation)
             if prompt_id is not None:
-                found = self._prompts.get(prompt_id)
+                found = peek(self._prompts, prompt_id)
                 if found is not None:
                     return found
         if reach > prompt.system_count:
-            holder_id = self._links.get(links[reach])
+            holder_id = peek(self._links, links[reach])
             if holder_id is not None:
-                return self._prompts.get(holder_id)
+                return peek(self._prompts, holder_id)
         return None
 
     def _explain(
@@ -333,17 +317,16 @@ class BreakMemory:
         result = CacheBreak("new_conversation", max(reach, 0))
         result.break_bytes = prompt.bytes_at(max(reach, 0))
         result.lost_bytes = prompt.total_bytes - result.break_bytes
-        result.new_conversation_tail = True
         return result
 
     def _closest_app_prompt(self, prompt: PromptDigest) -> Forwarded | None:
-        app = self._apps.get((prompt.namespace, prompt.model))
+        app = peek(self._apps, (prompt.namespace, prompt.model))
         if app is None or not prompt.system_lines:
             return None
         lines = set(prompt.system_lines[0])
         best: tuple[float, Forwarded] | None = None
         for prompt_id in app.prompts:
-            found = self._prompts.get(prompt_id)
+            found = peek(self._prompts, prompt_id)
             if found is None or not found.prompt.system_lines:
                 continue
             theirs = set(found.prompt.system_lines[0])
@@ -355,23 +338,23 @@ class BreakMemory:
     def _remember(self, prompt: PromptDigest, links: list[int], conversation: str | None, per_byte: float) -> int:
         prompt_id = self._next_id
         self._next_id += 1
-        self._prompts.put(prompt_id, Forwarded(prompt, per_byte))
+        self._prompts[prompt_id] = Forwarded(prompt, per_byte)
         for link in links:
-            self._links.put(link, prompt_id)
+            self._links[link] = prompt_id
         if conversation is not None:
-            self._conversations.put(conversation, prompt_id)
+            self._conversations[conversation] = prompt_id
         key = (prompt.namespace, prompt.model)
-        app = self._apps.get(key) or _App()
+        app = peek(self._apps, key) or _App()
         system = prompt.system_lines[0] if prompt.system_lines else ()
         # One entry per distinct system prompt, most recent first.
         kept = [
             p
             for p in app.prompts
-            if (found := self._prompts.get(p)) is not None
+            if (found := peek(self._prompts, p)) is not None
             and (found.prompt.system_lines[0] if found.prompt.system_lines else ()) != system
         ]
         app.prompts = [prompt_id, *kept][:APP_PROMPTS]
-        self._apps.put(key, app)
+        self._apps[key] = app
         return prompt_id
 
 

@@ -15,19 +15,19 @@ on the request's own reported ``prompt_tokens``: no tokenization on the hot path
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import xxhash
+from cachetools import FIFOCache
 
 from proxy.canon.fingerprint import leading_system_count
 from proxy.openai.jsonio import dumps
 
 ROLE_CODES = {"system": 1, "developer": 1, "user": 2, "assistant": 3, "tool": 4, "function": 4}
-SYSTEM, USER, ASSISTANT, TOOL = 1, 2, 3, 4
+SYSTEM, USER, ASSISTANT = 1, 2, 3
 
 
 def _utf8(text: str) -> bytes:
@@ -104,23 +104,16 @@ def line_hashes(text: str) -> tuple[int, ...]:
     return tuple(xxhash.xxh3_64_intdigest(_utf8(line)) for line in text.split("\n"))
 
 
-class _LineMemo:
-    """Line hashes of recent system prompts, by message hash: a conversation re-sends the same one."""
-
-    def __init__(self, max_entries: int = 1024) -> None:
-        self._items: OrderedDict[int, tuple[int, ...]] = OrderedDict()
-        self._max = max_entries
-
-    def get(self, digest: int, message: dict[str, Any]) -> tuple[int, ...]:
-        lines = self._items.get(digest)
-        if lines is None:
-            lines = self._items[digest] = line_hashes(content_text(message.get("content")))
-            if len(self._items) > self._max:
-                self._items.popitem(last=False)
-        return lines
+# Line hashes of recent system prompts, by message hash: a conversation re-sends the same one.
+# Oldest hashed out first (finding one again is no use).
+_SYSTEM_LINES: FIFOCache[int, tuple[int, ...]] = FIFOCache(1024)
 
 
-_SYSTEM_LINES = _LineMemo()
+def _system_lines(digest: int, message: dict[str, Any]) -> tuple[int, ...]:
+    lines = _SYSTEM_LINES.get(digest)
+    if lines is None:
+        lines = _SYSTEM_LINES[digest] = line_hashes(content_text(message.get("content")))
+    return lines
 
 
 @dataclass(slots=True)
@@ -171,7 +164,7 @@ def digest_prompt(
     if system_count is None:
         system_count = leading_system_count([m if isinstance(m, dict) else {} for m in messages])
     system_lines = tuple(
-        _SYSTEM_LINES.get(digests[index], message)
+        _system_lines(digests[index], message)
         for index, message in enumerate(messages[:system_count])
         if isinstance(message, dict)
     )

@@ -16,6 +16,9 @@ from collections import OrderedDict
 from dataclasses import fields
 from typing import Any
 
+from cachetools import TLRUCache, TTLCache
+
+from proxy.recent import peek
 from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLimit
 from proxy.sessions.store import window_of
 
@@ -55,7 +58,8 @@ class MemorySessionStore:
 
     def __init__(self, ttl_s: float, max_sessions: int = 100_000, max_fingerprints: int = 2_000_000) -> None:
         self._ttl = ttl_s
-        # Packed records (oldest first) and the summaries of those that have one.
+        # Packed records (least recently written first) and the summaries of those that have one. An
+        # OrderedDict, not a cachetools cache: stats and list_sessions read it newest first, in order.
         self._sessions: OrderedDict[SessionKey, bytes] = OrderedDict()
         self._summaries: dict[SessionKey, dict[str, Any]] = {}
         # Pair fingerprint (folded with the tenant) -> session id, oldest first. One int key and the
@@ -64,10 +68,14 @@ class MemorySessionStore:
         self._fingerprints: dict[int, str] = {}
         self._usage: dict[tuple[str, int], int] = {}
         self._locks: dict[str, tuple[str, float]] = {}
-        self._route_headers: OrderedDict[str, tuple[dict[str, str], float]] = OrderedDict()
+        # Least recently used out; each for the TTL from when it was last set.
+        self._route_headers: TTLCache[str, dict[str, str]] = TTLCache(max_sessions, ttl_s, timer=time.time)
         self._max_sessions = max_sessions
         self._max_fingerprints = max_fingerprints
-        self._responses: OrderedDict[tuple[str, str], tuple[dict[str, Any], float]] = OrderedDict()
+        # (info, expires at): least recently stored out (reading one is no use), each until it expires.
+        self._responses: TLRUCache[tuple[str, str], tuple[dict[str, Any], float]] = TLRUCache(
+            max_sessions, ttu=lambda _key, entry, _now: entry[1], timer=time.time
+        )
         self._secrets: dict[str, str] = {}
 
     async def ping(self) -> bool:
@@ -212,17 +220,11 @@ class MemorySessionStore:
             del self._locks[name]
 
     async def get_route_headers(self, digest: str) -> dict[str, str] | None:
-        entry = self._route_headers.get(digest)
-        if entry is None or entry[1] < time.time():
-            return None
-        self._route_headers.move_to_end(digest)
-        return dict(entry[0])
+        headers = self._route_headers.get(digest)
+        return None if headers is None else dict(headers)
 
     async def set_route_headers(self, digest: str, headers: dict[str, str]) -> None:
-        self._route_headers[digest] = (dict(headers), time.time() + self._ttl)
-        self._route_headers.move_to_end(digest)
-        while len(self._route_headers) > self._max_sessions:
-            self._route_headers.popitem(last=False)
+        self._route_headers[digest] = dict(headers)
 
     async def stats(self, since: float) -> tuple[int, int]:
         # Newest first, stopping at the first record seen before ``since``: records are kept in the
@@ -244,15 +246,10 @@ class MemorySessionStore:
 
     async def put_response(self, tenant: str, response_id: str, info: dict[str, Any], ttl_s: float) -> None:
         self._responses[(tenant, response_id)] = (dict(info), time.time() + ttl_s)
-        self._responses.move_to_end((tenant, response_id))
-        while len(self._responses) > self._max_sessions:
-            self._responses.popitem(last=False)
 
     async def shared_secret(self, name: str, candidate: str) -> str:
         return self._secrets.setdefault(name, candidate)
 
     async def get_response(self, tenant: str, response_id: str) -> dict[str, Any] | None:
-        entry = self._responses.get((tenant, response_id))
-        if entry is None or entry[1] < time.time():
-            return None
-        return dict(entry[0])
+        entry = peek(self._responses, (tenant, response_id))
+        return None if entry is None else dict(entry[0])

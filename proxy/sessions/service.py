@@ -17,10 +17,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from cachetools import LRUCache
 
 from proxy.config import SessionSettings
 from proxy.ids import unique_id
@@ -88,8 +89,11 @@ class SessionService:
         self._down_until = 0.0
         self._degraded = False
         self._background: set[asyncio.Task[Any]] = set()
-        # Tokens spent by requests admitted unreserved, per set of limits, until the store is back.
-        self._pending_charges: OrderedDict[tuple[tuple[str, ...], int], tuple[list[UsageLimit], int]] = OrderedDict()
+        # Tokens spent by requests admitted unreserved, per set of limits, until the store is back
+        # (past MAX_PENDING_CHARGES, the set charged least recently goes first).
+        self._pending_charges: LRUCache[tuple[tuple[str, ...], int], tuple[list[UsageLimit], int]] = LRUCache(
+            MAX_PENDING_CHARGES
+        )
         # What this replica last saw of the sessions it served, for when the shared store cannot
         # answer. In-process: it never waits, never fails.
         self.local: MemorySessionStore | None = None
@@ -99,10 +103,6 @@ class SessionService:
                 max_sessions=settings.local_copy_sessions,
                 max_fingerprints=settings.local_copy_sessions * 32,
             )
-
-    @property
-    def degraded(self) -> bool:
-        return self._degraded
 
     async def call(self, operation: Awaitable[T]) -> T:
         """Run one store operation; raises StoreUnavailable instead of the store's own errors."""
@@ -232,20 +232,24 @@ class SessionService:
             await self.call(self.store.charge(limits, spent, window_s, time.time()))
         except StoreUnavailable:
             key = (tuple(limit.key for limit in limits), window_s)
-            held = self._pending_charges.pop(key, None)
+            held = self._pending_charges.get(key)
             self._pending_charges[key] = (limits, spent + (held[1] if held else 0))
-            while len(self._pending_charges) > MAX_PENDING_CHARGES:
-                self._pending_charges.popitem(last=False)
 
     async def _flush_charges(self) -> None:
         """The store is back: what was spent unreserved meanwhile goes on its counters."""
-        while self._pending_charges:
-            key, (limits, spent) = self._pending_charges.popitem(last=False)
+        pending = self._pending_charges
+        while pending:
+            key, (limits, spent) = pending.popitem()
             try:
                 await self.call(self.store.charge(limits, spent, key[1], time.time()))
             except StoreUnavailable:
-                self._pending_charges[key] = (limits, spent)
-                self._pending_charges.move_to_end(key, last=False)
+                # Back at the head, the first to flush next time: what is pending (queued meanwhile
+                # or not) goes behind it.
+                behind = [pending.popitem() for _ in range(len(pending))]
+                pending[key] = (limits, spent)
+                for other, charge in behind:
+                    if other != key:
+                        pending[other] = charge
                 return
 
     async def record(

@@ -8,10 +8,10 @@ of the text so a long history is tokenized once, not on every turn.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from typing import Any
 
 import xxhash
+from cachetools import LRUCache
 
 from proxy.openai.messages import message_text
 from proxy.tokenization.encoding import load_encoding
@@ -30,8 +30,7 @@ class TokenCounter:
     """Counts tokens of strings and chat messages with a bounded memo."""
 
     def __init__(self, max_entries: int = 65536) -> None:
-        self._memo: OrderedDict[int, int] = OrderedDict()
-        self._max_entries = max_entries
+        self._memo: LRUCache[int, int] = LRUCache(max_entries)
 
     def count_text(self, text: str) -> int:
         if not text:
@@ -39,15 +38,12 @@ class TokenCounter:
         key = xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
         cached = self._memo.get(key)
         if cached is not None:
-            self._memo.move_to_end(key)
             return cached
         # The encoding (cached by load_encoding) loads with the first exact count: about 35 MiB and
         # 0.2 s that a process whose requests never come near a limit (the byte estimate decides
         # alone there) does not spend.
         count = len(load_encoding().encode_ordinary(text))
         self._memo[key] = count
-        if len(self._memo) > self._max_entries:
-            self._memo.popitem(last=False)
         return count
 
     def count_message(self, message: dict[str, Any]) -> int:
