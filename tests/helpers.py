@@ -149,6 +149,18 @@ async def achat_ok(client: httpx.AsyncClient, messages: Messages, *, model: str 
     return result
 
 
+def wait_healthy(url: str, timeout_s: float = 30.0) -> bool:
+    """Whether ``url``/healthz answered 200 within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    return False
+
+
 class ProxyProcess:
     """``prefix-proxy serve`` in a process of its own (settings from ``env``), ready on return."""
 
@@ -159,15 +171,9 @@ class ProxyProcess:
             [sys.executable, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(self.port)],
             env={**os.environ, "PREFIX_PROXY_LOG_LEVEL": "warning", **env},
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("proxy process did not start")
+        if not wait_healthy(self.url):
+            self.stop()
+            raise RuntimeError("proxy process did not start")
 
     def stop(self) -> None:
         self._process.terminate()

@@ -10,11 +10,12 @@ and a conversation in which nothing varies arrives exactly as the client sent it
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.canon import CanonOptions, canonicalize
@@ -143,16 +144,67 @@ def test_the_default_pipeline_keeps_every_line_byte_exact(bodies: list[dict[str,
         assert_byte_exact(body, canonicalizer.apply(body, "tenant").body)
 
 
+def _turns_of(system: list[dict[str, str]]) -> dict[str, Any]:
+    same = [{"type": "text", "text": "You are a helpful assistant."}]
+    return {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": same},
+            {"role": "assistant", "content": "You are a helpful assistant."},
+            {"role": "user", "content": same},
+        ],
+    }
+
+
+STAMP = "Current time: 2026-11-29T14:03:11Z"
+
+
 @settings(max_examples=100, deadline=None)
 @given(conversation())
+# Found by this test: one line repeated is no environment block; a line split across text parts.
+@example(_turns_of([{"type": "text", "text": f"{STAMP}\n{STAMP}\nYou are a helpful assistant."}]))
+@example(
+    _turns_of(
+        [
+            {"type": "text", "text": f"You are a helpful assistant.\n{STAMP}\nCurrent time:"},
+            {"type": "text", "text": " 2026-11-29T14:03:11Z"},
+        ]
+    )
+)
 def test_a_conversation_with_nothing_varying_is_forwarded_as_sent(body: dict[str, Any]) -> None:
-    """Replayed twice, turn by turn (history re-sent exactly): every request arrives byte-identical."""
+    """Replayed twice, turn by turn (history re-sent exactly): every request arrives byte-identical.
+
+    Except an agent's environment block (FIRST_SIGHT_KINDS), which moves behind the tools from a
+    conversation's first request on: then every turn is laid out as the first was, so each extends
+    the one before, and the replay is forwarded exactly as the first pass was."""
     canonicalizer = Canonicalizer(CanonSettings())
     messages = body["messages"]
     turns = [i + 1 for i, m in enumerate(messages) if m["role"] == "user"]
+    systems = [m for m in messages if m["role"] == "system"]
+    environment = any(
+        detect_spans(text, [BUILTIN_DETECTORS["environment"]])
+        for m in systems
+        for text in ([m["content"]] if isinstance(m["content"], str) else [p["text"] for p in m["content"]])
+    )
+    passes: list[list[str]] = []
     for _ in range(2):
+        forwarded_turns = []
         for end in turns:
             request = {"model": "m", "messages": messages[:end]}
             forwarded = canonicalizer.apply(request, "tenant")
-            assert json.dumps(forwarded.body) == json.dumps(request)
-            assert forwarded.actions == []
+            forwarded_turns.append(json.dumps(forwarded.body))
+            if not environment:
+                assert json.dumps(forwarded.body) == json.dumps(request)
+                assert forwarded.actions == []
+            else:
+                # The block moved, and stays where it went: the user turns arrive as sent, in order.
+                sent = [json.dumps(m) for m in request["messages"] if m["role"] != "system"]
+                got = [json.dumps(m) for m in forwarded.body["messages"] if m["role"] != "system"]
+                assert got == sent
+        passes.append(forwarded_turns)
+        if environment:
+            laid_out = [json.loads(turn)["messages"] for turn in forwarded_turns]
+            for before, after in itertools.pairwise(laid_out):
+                assert after[: len(before)] == before, "a turn must extend the one before"
+    assert passes[0] == passes[1]

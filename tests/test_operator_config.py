@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from proxy import __version__
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_healthy
 
 REDIS_DOWN = "redis://127.0.0.1:1/0"
 
@@ -188,15 +188,9 @@ class Served:
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("proxy did not start: " + "".join(self.lines))
+        if not wait_healthy(self.url):
+            self.stop()
+            raise RuntimeError("proxy did not start: " + "".join(self.lines))
 
     def _read(self) -> None:
         assert self.process.stderr is not None
