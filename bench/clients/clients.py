@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.clients import install, openwebui
+from bench.clients import dify, install, openwebui
 
 DUMMY_KEY = "sk-bench-dummy-key"
 
@@ -249,4 +249,36 @@ class OpenWebUI(Client):
         ]
 
 
-CLIENTS: dict[str, type[Client]] = {c.name: c for c in (ClaudeCode, Codex, OpenCode, QwenCode, Aider, OpenWebUI)}
+class DifyPlugin(Client):
+    """A Dify chatbot with a knowledge base, sent by Dify's OpenAI-compatible model plugin (the real
+    ``dify_plugin`` SDK; see dify.py): each turn is one message in each of ``dify.CONVERSATIONS``."""
+
+    name = "dify-plugin"
+    protocol = "chat"
+    coding_agent = False
+
+    def install(self) -> Path:
+        # The SDK has no command: a wrapper that answers --version, as the bench prints each client's.
+        python = install.pip_package(self.name, dify.PACKAGE, "python", timeout=900.0)
+        wrapper = python.with_name("dify-plugin-bench")
+        if not wrapper.exists():
+            wrapper.write_text(
+                "#!/bin/sh\n"
+                'exec "$(dirname "$0")/python" -c "import importlib.metadata as m; '
+                "print('dify_plugin', m.version('dify_plugin'))\"\n"
+            )
+            wrapper.chmod(0o755)
+        return wrapper
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        return {"PYTHONPATH": str(openwebui.REPO_ROOT)}  # the turn driver: python -m bench.clients.dify
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        state = ws.home / dify.STATE
+        dify.write_turn(state, ws.base_url, ws.model, index, prompt)
+        return [str(binary.with_name("python")), "-m", "bench.clients.dify", "turn", str(state), str(index)]
+
+
+CLIENTS: dict[str, type[Client]] = {
+    c.name: c for c in (ClaudeCode, Codex, OpenCode, QwenCode, Aider, OpenWebUI, DifyPlugin)
+}
