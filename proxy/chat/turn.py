@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from proxy.backends import BackendPool
+from proxy.backends.catalog import ModelCatalog
 from proxy.canon import CanonResult
+from proxy.canon.canonicalizer import Canonicalizer
 from proxy.chat.budget import (
     EXACT_COUNT_SLACK,
     ContextCheck,
@@ -21,22 +24,40 @@ from proxy.chat.budget import (
     reservation_amount,
     usage_limits,
 )
-from proxy.chat.compaction import CompactionJob
-from proxy.config import BudgetSettings
+from proxy.chat.compaction import CompactionJob, CompactionService
+from proxy.config import BudgetSettings, Settings
 from proxy.http.errors import BudgetExceeded, ContextLengthExceeded
 from proxy.observability.metrics import Metrics
 from proxy.openai.usage import Usage
 from proxy.protocols.channel import CHAT, SummaryChannel
 from proxy.sessions.identity import conversation_root
 from proxy.sessions.model import Reservation, UsageLimit
-from proxy.sessions.service import SessionView, StoreUnavailable
+from proxy.sessions.service import SessionService, SessionView, StoreUnavailable
 from proxy.tenants import Tenant
+from proxy.tokenization import TokenCounter
 from proxy.tokenization.counter import CAUTIOUS_TOKENS_PER_BYTE, TYPICAL_TOKENS_PER_BYTE
 from summarizer import Anchored, SummaryState, anchor, is_due
 
-if TYPE_CHECKING:
-    # Annotations only: the state holds the compaction service, which imports this package.
-    from proxy.app_state import ProxyState
+
+class TurnServices(Protocol):
+    """The long-lived services a turn uses, by name (``proxy.app_state.ProxyState`` is one)."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def sessions(self) -> SessionService: ...
+    @property
+    def models(self) -> ModelCatalog: ...
+    @property
+    def compaction(self) -> CompactionService: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def canonicalizer(self) -> Canonicalizer: ...
+    @property
+    def backends(self) -> BackendPool: ...
+    @property
+    def token_counter(self) -> TokenCounter: ...
 
 
 def budget_refused(metrics: Metrics, tenant: str, reservation: Reservation) -> BudgetExceeded:
@@ -50,7 +71,7 @@ def budget_refused(metrics: Metrics, tenant: str, reservation: Reservation) -> B
 class ChatTurn:
     """Created before the upstream call; :meth:`finish` accounts the result."""
 
-    state: ProxyState
+    state: TurnServices
     tenant: Tenant
     budget: BudgetSettings
     canonical: dict[str, Any]
@@ -129,7 +150,7 @@ class ChatTurn:
     @classmethod
     async def begin(
         cls,
-        state: ProxyState,
+        state: TurnServices,
         tenant: Tenant,
         headers: Mapping[str, str],
         body: dict[str, Any],

@@ -5,14 +5,26 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from proxy.http.dialect import OPENAI, ErrorDialect
 from proxy.ids import unique_id
 from proxy.openai.usage import Usage
 
-if TYPE_CHECKING:
-    from proxy.observability.tracker import PendingBreak
+
+class PendingCacheBreak(Protocol):
+    """What the cache-break tracker leaves on a request until its answer settles it
+    (``proxy.observability.tracker.PendingBreak``; declared here, so this layer imports no observer)."""
+
+    @property
+    def explanation(self) -> Any: ...
+
+    def header(self) -> str: ...
+
+    def settle(self, usage: Usage | None) -> bool: ...
+
+    def record_reply(self, message: dict[str, Any] | None) -> None: ...
+
 
 OVERHEAD_HEADER = "x-prefix-proxy-overhead-ms"
 
@@ -48,7 +60,7 @@ class RequestContext:
     # Only with ``log_prompts: true``: the messages as forwarded, for debugging.
     logged_messages: list[Any] | None = None
     # Why this request missed the prefix cache (chat requests; docs/analysis.md).
-    cache_break: PendingBreak | None = None
+    cache_break: PendingCacheBreak | None = None
     # The protocol's error shape (Anthropic clients get theirs on /v1/messages).
     dialect: ErrorDialect = OPENAI
     # The request's trace span (proxy.observability.tracing); None when tracing is off.

@@ -15,7 +15,7 @@ import platform
 import threading
 from collections.abc import Iterable
 from functools import partial
-from typing import TYPE_CHECKING, Self
+from typing import Protocol, Self
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
@@ -25,8 +25,17 @@ from prometheus_client.metrics import MetricWrapperBase
 from proxy import __version__
 from proxy.openai.usage import Usage
 
-if TYPE_CHECKING:
-    from proxy.backends import Backend
+
+class WatchedBackend(Protocol):
+    """What the backend gauges read of a backend (``proxy.backends.Backend``)."""
+
+    name: str
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def available(self) -> bool: ...
+
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 UPSTREAM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -326,7 +335,7 @@ class Metrics:
         for reason in ("header_timeout", "body_timeout", "too_many_incomplete"):
             self.slow_clients.labels(reason)
 
-    def watch_backends(self, backends: Iterable[Backend]) -> None:
+    def watch_backends(self, backends: Iterable[WatchedBackend]) -> None:
         """Export each backend's health and load, read when Prometheus scrapes."""
         for backend in backends:
             self.backend_up.labels(backend.name).set_function(partial(_is_available, backend))
@@ -356,9 +365,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _is_available(backend: Backend) -> float:
+def _is_available(backend: WatchedBackend) -> float:
     return float(backend.available())
 
 
-def _in_flight(backend: Backend) -> float:
+def _in_flight(backend: WatchedBackend) -> float:
     return float(backend.in_flight)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.config import CacheBreakSettings
+from proxy.http.context import PendingCacheBreak
 from proxy.observability.breaks import CAUSES, NONE, BreakMemory, CacheBreak
 from proxy.observability.digests import digest_prompt, message_hash
 from proxy.observability.metrics import Metrics
@@ -76,7 +77,7 @@ class CacheBreakTracker:
         explanation, prompt_id = self.memory.observe(prompt, key, moved_volatile=moved, tokens_per_byte=tokens_per_byte)
         return PendingBreak(explanation, prompt_id, self.memory)
 
-    def count(self, pending: PendingBreak) -> None:
+    def count(self, pending: PendingCacheBreak) -> None:
         """Counters for a settled request (label values: :data:`CAUSES` only, never text)."""
         explanation = pending.explanation
         if explanation.cause == NONE:

@@ -26,12 +26,12 @@ from proxy.http.context import RequestContext
 from proxy.http.errors import ProxyError, ServerError
 from proxy.http.relay import SSERelay
 from proxy.http.streaming import RelayResponse
-from proxy.observability.hooks import after_answer, before_upstream, needs_reply_content
 from proxy.openai.assistant import AssistantRecorder
 from proxy.openai.jsonio import dumps
 from proxy.openai.usage import Usage
 from proxy.protocols.channel import SummaryChannel
 from proxy.routes.forward import UsageReader, after_sending, error_response, send_json, send_stream
+from proxy.routes.observe import after_answer, before_upstream, needs_reply_content
 from proxy.tenants import Tenant
 
 
