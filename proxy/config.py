@@ -502,8 +502,9 @@ class Settings(BaseSettings):
     capture: CaptureSettings = Field(default_factory=CaptureSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
 
-    # Set on a subclass by load_settings(); otherwise the PREFIX_PROXY_CONFIG environment variable.
-    config_file: ClassVar[str | None] = None
+    # The config file's settings, read once by load_settings() and set on a subclass; otherwise the
+    # file the PREFIX_PROXY_CONFIG environment variable names is read here.
+    file_data: ClassVar[dict[str, Any] | None] = None
 
     @field_validator("upstream")
     @classmethod
@@ -554,9 +555,11 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        config_file = cls.config_file or os.environ.get(CONFIG_FILE_ENV)
-        if config_file:
-            sources.append(InitSettingsSource(settings_cls, read_config_file(Path(config_file))))
+        data = cls.file_data
+        if data is None and os.environ.get(CONFIG_FILE_ENV):
+            data = read_config_file(Path(os.environ[CONFIG_FILE_ENV]))
+        if data is not None:
+            sources.append(InitSettingsSource(settings_cls, data))
         return tuple(sources)
 
 
@@ -598,8 +601,10 @@ def _load(config_file: str | None, overrides: dict[str, Any]) -> tuple[Settings,
     sources = Sources.gather(Path(config_file) if config_file else None, flags, os.environ, ENV_PREFIX)
     problems = sources.unknown_variables(Settings, {CONFIG_FILE_ENV})
     try:
-        # The file named here rather than by the environment (a subclass, so no global state).
-        settings_class = type("Settings", (Settings,), {"config_file": config_file}) if config_file else Settings
+        # The file as read for the sources (once), on a subclass: no global state.
+        settings_class = (
+            type("Settings", (Settings,), {"file_data": dict(sources.file_data)}) if config_file else Settings
+        )
         settings = settings_class(**flags)
     except ValidationError as error:
         raise ConfigError(problems + explain(error, Settings, sources)) from None

@@ -265,12 +265,8 @@ def _shown(loc: Location, value: Any) -> str | None:
 
 
 def _rendered(loc: Location, value: Any) -> str:
-    if isinstance(value, SecretStr):
-        return '"********"' if value.get_secret_value() else '""'
-    if value is not None and _is_secret(loc):
+    if value is not None and not isinstance(value, SecretStr) and _is_secret(loc):
         return '"********"'
-    if isinstance(value, str):
-        value = masked_url(value)
     return json.dumps(_plain(value), ensure_ascii=False)
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.backends import Backend, BackendPool
-from proxy.backends.upstream import model_list
 from proxy.config_sources import masked_url
 from proxy.sessions.service import SessionService, StoreUnavailable
 
@@ -82,11 +81,10 @@ async def check_backend(backend: Backend, timeout_s: float = PROBE_TIMEOUT_S) ->
     if status in (401, 403):
         # It serves the API; requests carry their own credentials (a tenant's or the client's).
         return BackendCheck(backend.name, url, UP, detail=f"GET {url}/models answered {status} to the proxy's key")
-    models = tuple(str(m.get("id")) for m in model_list(response) if m.get("id") is not None)
-    if status == 200 and models:
-        return BackendCheck(backend.name, url, UP, models)
-    if status == 200 and _lists_models(response):
-        return BackendCheck(backend.name, url, UP, detail="it serves no model yet")
+    listing = _model_data(response) if status == 200 else None
+    if listing is not None:
+        models = tuple(str(m["id"]) for m in listing if isinstance(m, dict) and m.get("id") is not None)
+        return BackendCheck(backend.name, url, UP, models, "" if models else "it serves no model yet")
     hint = f"; did you mean {url}/v1?" if not upstream.base_url.endswith("/v1") else ""
     return BackendCheck(
         backend.name, url, WRONG_PATH, detail=f"GET {url}/models answered {status}, not a model list{hint}"
@@ -117,8 +115,10 @@ async def check(
     return Readiness(list(backends), store, store_required, reasons)
 
 
-def _lists_models(response: Any) -> bool:
+def _model_data(response: Any) -> list[Any] | None:
+    """The ``data`` list of a model listing, or None when the answer is not one."""
     try:
-        return isinstance(response.json().get("data"), list)
+        data = response.json().get("data")
     except (ValueError, AttributeError):
-        return False
+        return None
+    return data if isinstance(data, list) else None
