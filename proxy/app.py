@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.app_state import ProxyState
 from proxy.backends import Backend, BackendPool, backend_name, make_policy
@@ -26,6 +26,7 @@ from proxy.backends.upstream import Upstream
 from proxy.canon.canonicalizer import Canonicalizer, PrefixTracker
 from proxy.capacity.kvcache import resolve_shape
 from proxy.chat.compaction import CompactionService
+from proxy.chat.turn import TurnServices
 from proxy.config import Settings
 from proxy.http.direct import DirectRoutes, serve_direct
 from proxy.http.errors import ProxyError, error_body, json_response
@@ -132,9 +133,15 @@ class ProxyApp(FastAPI):
     """FastAPI, with the forwarded API's fixed paths served directly (:mod:`proxy.http.direct`).
 
     Every HTTP request's path is made canonical first (:mod:`proxy.http.paths`): the one place
-    that decides which route a request reaches, so no spelling of a route skips its pipeline."""
+    that decides which route a request reaches, so no spelling of a route skips its pipeline.
+
+    The direct endpoints skip the framework's own layers (its error and exception middleware, the
+    exit stack, route matching), which they do not need: they answer their own errors. They do
+    not skip middleware added to the app (``add_middleware``, ``@app.middleware``): that wraps
+    them as it wraps every other route, so a middleware cannot miss the pipeline's endpoints."""
 
     direct = DirectRoutes()
+    _direct_stack: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -143,11 +150,26 @@ class ProxyApp(FastAPI):
             except InvalidPath:
                 await invalid_path().response()(scope, receive, send)
                 return
+        if self.direct.match(scope) is None:
+            await super().__call__(scope, receive, send)
+            return
+        if self._direct_stack is None:
+            self._direct_stack = self._in_user_middleware(self._serve_direct)
+        await self._direct_stack(scope, receive, send)
+
+    def _in_user_middleware(self, app: ASGIApp) -> ASGIApp:
+        """``app`` inside the middleware added to this app, in the order the framework applies it."""
+        for cls, args, kwargs in reversed(self.user_middleware):
+            app = cls(app, *args, **kwargs)
+        return app
+
+    async def _serve_direct(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = self.direct.match(scope)
         if endpoint is None:
-            await super().__call__(scope, receive, send)
-        else:
-            await serve_direct(self, endpoint, unexpected_error, scope, receive, send)
+            # A middleware sent the request elsewhere: the routes answer it (matched again).
+            await self.router(scope, receive, send)
+            return
+        await serve_direct(self, endpoint, unexpected_error, scope, receive, send)
 
 
 def create_app(
@@ -191,6 +213,15 @@ def create_app(
         models=ModelCatalog(upstream, ttl_s=settings.max_model_len_cache_s),
         token_counter=TokenCounter(),
         compaction=CompactionService(settings.summarizer, sessions, upstream, tenants, metrics),
+    )
+    state.turn_services = TurnServices(
+        sessions=state.sessions,
+        models=state.models,
+        compaction=state.compaction,
+        metrics=metrics,
+        canonicalizer=canonicalizer,
+        backends=upstream,
+        token_counter=state.token_counter,
     )
     state.cache_breaks = CacheBreakTracker(settings.cache_breaks, metrics)
     state.capture = CaptureWriter.from_settings(settings.capture)

@@ -11,6 +11,7 @@ from proxy.backends import BackendPool
 from proxy.backends.catalog import ModelCatalog
 from proxy.canon.canonicalizer import Canonicalizer, PrefixTracker
 from proxy.chat.compaction import CompactionService
+from proxy.chat.turn import TurnServices
 from proxy.config import Settings
 from proxy.observability.metrics import Metrics
 from proxy.sessions.service import SessionService
@@ -35,6 +36,8 @@ class ProxyState:
     models: ModelCatalog
     token_counter: TokenCounter
     compaction: CompactionService
+    # What a chat turn uses of the above, by name (built in proxy.app).
+    turn_services: TurnServices = field(init=False)
     cache_breaks: CacheBreakTracker = field(init=False)
     capture: CaptureWriter | None = field(init=False, default=None)
     tracing: RequestTracer | None = field(init=False, default=None)

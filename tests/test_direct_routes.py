@@ -1,4 +1,5 @@
-"""The forwarded API's fixed paths bypass FastAPI's middleware: they must answer as if they did not."""
+"""The forwarded API's fixed paths skip the framework's own layers: they must answer as if they did
+not, and middleware added to the app wraps them as it wraps every route."""
 
 from __future__ import annotations
 
@@ -62,3 +63,29 @@ async def test_an_exception_gets_the_proxy_error_shape_not_a_traceback() -> None
         refused = await client.post("/v1/refused")
         assert refused.status_code == 429
         assert refused.json()["error"]["code"] == "rate_limited"
+
+
+async def test_middleware_added_to_the_app_wraps_the_direct_endpoints_too() -> None:
+    """A middleware an operator adds (auth, a header, a log) cannot miss the pipeline's endpoints."""
+    from proxy.app import create_app
+    from proxy.config import Settings
+
+    seen: list[str] = []
+    app = create_app(Settings(upstream="http://127.0.0.1:9/v1"))
+
+    @app.middleware("http")
+    async def mark(request: Request, call_next: object) -> Response:
+        seen.append(request.url.path)
+        response: Response = await call_next(request)  # type: ignore[operator]
+        response.headers["x-marked"] = "yes"
+        return response
+
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+        chat = await client.post(
+            "/v1/chat/completions", content=b"not json", headers={"content-type": "application/json"}
+        )
+        health = await client.get("/healthz")
+    assert chat.status_code == 400 and chat.headers["x-marked"] == "yes"
+    assert health.headers["x-marked"] == "yes"
+    assert seen == ["/v1/chat/completions", "/healthz"]

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from proxy.app import create_app
-from proxy.backends.transport import WholeBodyStream
+from proxy.backends.transport import read_all
 from proxy.backends.upstream import Upstream
 from proxy.canon.normalize import MEMO_MIN_CHARS, NormalTextMemo, normalize_text
 from proxy.config import Settings
@@ -26,7 +26,7 @@ from proxy.http.direct import DirectRequest
 from proxy.ids import unique_id
 from proxy.openai.jsonio import TooDeep, check_depth, dumps, loads
 from proxy.recent import RecentSet
-from proxy.routes.forward import AfterSending, after_sending
+from proxy.routes.forward import AfterSending
 from testbed.serving import LiveServer, json_post_scope
 from tests.redis_server import SHARED_URL
 
@@ -127,7 +127,7 @@ def test_whole_bodies_are_read_in_one_call_and_encoded_ones_still_decoded() -> N
         upstream = Upstream(url)
         try:
             plain = await upstream.open("POST", "/chat/completions", content=b"{}")
-            assert isinstance(plain.stream, WholeBodyStream)
+            assert read_all(plain) is not None  # the transport's one-call read
             encoded = await upstream.open("POST", "/chat/completions?gzip=1", content=b"{}")
             return [await upstream.read(plain), await upstream.read(encoded)]
         finally:
@@ -219,8 +219,7 @@ async def test_every_step_after_sending_runs_though_one_fails() -> None:
     def account() -> None:
         done.append("metrics")
 
-    response = Response(b"{}", background=AfterSending(account))
-    after_sending(response, failing)
+    response = Response(b"{}", background=AfterSending(failing, account))
     assert response.background is not None
     with pytest.raises(RuntimeError, match="store down"):
         await response.background()

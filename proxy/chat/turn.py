@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from proxy.backends import BackendPool
 from proxy.backends.catalog import ModelCatalog
@@ -39,25 +39,18 @@ from proxy.tokenization.counter import CAUTIOUS_TOKENS_PER_BYTE, TYPICAL_TOKENS_
 from summarizer import Anchored, SummaryState, anchor, is_due
 
 
-class TurnServices(Protocol):
-    """The long-lived services a turn uses, by name (``proxy.app_state.ProxyState`` is one)."""
+@dataclass(frozen=True)
+class TurnServices:
+    """The long-lived services a turn uses, by name; built once, in ``proxy.app``. The settings are
+    not among them: a turn reads the snapshot it began with (a reload swaps it between requests)."""
 
-    @property
-    def settings(self) -> Settings: ...
-    @property
-    def sessions(self) -> SessionService: ...
-    @property
-    def models(self) -> ModelCatalog: ...
-    @property
-    def compaction(self) -> CompactionService: ...
-    @property
-    def metrics(self) -> Metrics: ...
-    @property
-    def canonicalizer(self) -> Canonicalizer: ...
-    @property
-    def backends(self) -> BackendPool: ...
-    @property
-    def token_counter(self) -> TokenCounter: ...
+    sessions: SessionService
+    models: ModelCatalog
+    compaction: CompactionService
+    metrics: Metrics
+    canonicalizer: Canonicalizer
+    backends: BackendPool
+    token_counter: TokenCounter
 
 
 def budget_refused(metrics: Metrics, tenant: str, reservation: Reservation) -> BudgetExceeded:
@@ -71,7 +64,8 @@ def budget_refused(metrics: Metrics, tenant: str, reservation: Reservation) -> B
 class ChatTurn:
     """Created before the upstream call; :meth:`finish` accounts the result."""
 
-    state: TurnServices
+    services: TurnServices
+    settings: Settings
     tenant: Tenant
     budget: BudgetSettings
     canonical: dict[str, Any]
@@ -150,7 +144,8 @@ class ChatTurn:
     @classmethod
     async def begin(
         cls,
-        state: TurnServices,
+        services: TurnServices,
+        settings: Settings,
         tenant: Tenant,
         headers: Mapping[str, str],
         body: dict[str, Any],
@@ -163,16 +158,19 @@ class ChatTurn:
     ) -> ChatTurn:
         canonical = canon.body
         model = str(canonical.get("model"))
-        budget = effective_budget(state.settings.budget, state.settings.model_budgets.get(model), tenant.budget)
-        named = session_id or state.sessions.explicit_id(headers, body)
+        budget = effective_budget(settings.budget, settings.model_budgets.get(model), tenant.budget)
+        named = session_id or services.sessions.explicit_id(headers, body)
         try:
             # Lanes only in a session the client names: one the proxy knows (a Responses chain) is
             # continued by the request whatever it holds.
-            session = await state.sessions.resolve(tenant.name, canonical["messages"], named, lanes=session_id is None)
+            session = await services.sessions.resolve(
+                tenant.name, canonical["messages"], named, lanes=session_id is None
+            )
         except StoreUnavailable:
             session = None
         turn = cls(
-            state,
+            services,
+            settings,
             tenant,
             budget,
             canonical,
@@ -189,13 +187,13 @@ class ChatTurn:
         if session is not None and session.record is not None:
             turn.summary = SummaryState.from_json(session.record.summary)
         turn._anchor()
-        turn.limit = context_limit(budget, await state.models.max_model_len(model), canonical)
+        turn.limit = context_limit(budget, await services.models.max_model_len(model), canonical)
         if turn._defers_summary():
             turn.summary_deferred = True
             turn._anchor()
         check = await turn._check()
         if check.over_hard and (job := turn._compaction_job(list(turn.forwarded["messages"]))) is not None:
-            summary = await state.compaction.compact_now(job)
+            summary = await services.compaction.compact_now(job)
             if summary is not None:
                 turn.summary = summary
                 turn._anchor()
@@ -205,7 +203,7 @@ class ChatTurn:
         # the context leaves, and the proxy must never refuse what the backend would accept (nor
         # refuse because its own store could not supply the summary).
         if check.over_hard and check.limit is not None and budget.context_limit_tokens is not None:
-            state.metrics.budget_rejections.labels("context", state.metrics.tenant_label(tenant.name)).inc()
+            services.metrics.budget_rejections.labels("context", services.metrics.tenant_label(tenant.name)).inc()
             raise ContextLengthExceeded(check.estimate, check.limit)
         await turn._reserve(check.estimate)
         return turn
@@ -213,7 +211,7 @@ class ChatTurn:
     def _anchor(self) -> None:
         """Apply the session's summary (and window repair) to the canonical request. Not to a side
         lane: the summary and its tail are of the session's conversation, which it does not extend."""
-        settings = self.state.settings.summarizer
+        settings = self.settings.summarizer
         if not settings.enabled or self.session is None or not self.summarize or self.session.side_lane:
             return
         model = self.canonical.get("model")
@@ -225,7 +223,7 @@ class ChatTurn:
             repair_needs_reply=self.session is not None and not self.session.explicit,
             # A model whose template takes one system message only (found out by a refusal, or
             # configured with relocate_target system_end) gets the summary inside it.
-            into_system=self.state.canonicalizer.one_system_message(model),
+            into_system=self.services.canonicalizer.one_system_message(model),
             system_tail=self.system_tail,
         )
         self.actions = self.anchored.actions
@@ -238,7 +236,7 @@ class ChatTurn:
         context budget. Until then the history goes as sent and keeps hitting the cache. Sessions
         that repair a sliding window need the summary for what their client no longer sends.
         """
-        ratio = self.state.settings.summarizer.apply_ratio
+        ratio = self.settings.summarizer.apply_ratio
         if self.anchored is None or not self.anchored.removed or self.limit is None or self.slides_window:
             return False
         tokens_per_byte = self.session.tokens_per_byte if self.session else None
@@ -253,7 +251,7 @@ class ChatTurn:
         conversation whose history equals the end of another's cannot be told from a slide of it,
         which is why that mode is not the default. Either way the tail must have been forwarded after
         this request's system prompt and tools."""
-        mode = self.state.settings.summarizer.sliding_window_repair
+        mode = self.settings.summarizer.sliding_window_repair
         if mode == "off" or self.session is None or (mode == "named" and not self.session.explicit):
             return False
         if self.session.side_lane:
@@ -267,7 +265,7 @@ class ChatTurn:
 
     def upstream_auth_headers(self) -> dict[str, str]:
         """How the proxy's own requests for this tenant (summaries, token counts) authenticate upstream."""
-        return self.state.backends.credentials(self.tenant.upstream_api_key)
+        return self.services.backends.credentials(self.tenant.upstream_api_key)
 
     async def _check(self) -> ContextCheck:
         forwarded = self.forwarded
@@ -276,11 +274,11 @@ class ChatTurn:
         if self.budget.exact_counts_via_tokenize and near_limit(
             fast_estimate(self.request_bytes, tokens_per_byte), self.limit
         ):
-            exact = await self.state.models.count_prompt_tokens(forwarded, self.upstream_auth_headers())
+            exact = await self.services.models.count_prompt_tokens(forwarded, self.upstream_auth_headers())
             if exact is not None:
                 return check_context(exact + self.history_tokens, self.limit)
         estimate = estimate_prompt_tokens(
-            self.state.token_counter, forwarded, self.request_bytes, tokens_per_byte, self.limit
+            self.services.token_counter, forwarded, self.request_bytes, tokens_per_byte, self.limit
         )
         return check_context(estimate + self.history_tokens, self.limit)
 
@@ -300,30 +298,30 @@ class ChatTurn:
         ceiling = prompt_ceiling(self.request_bytes, len(forwarded["messages"])) + self.history_tokens
         amount = reservation_amount(max(ceiling, prompt_estimate), forwarded, self.budget)
         try:
-            reservation = await self.state.sessions.reserve(limits, amount, self.budget.window_s)
+            reservation = await self.services.sessions.reserve(limits, amount, self.budget.window_s)
             if not reservation.admitted:
-                exact = await self.state.models.count_prompt_tokens(forwarded, self.upstream_auth_headers())
+                exact = await self.services.models.count_prompt_tokens(forwarded, self.upstream_auth_headers())
                 if exact is not None:
                     exact_amount = reservation_amount(
                         exact + EXACT_COUNT_SLACK + self.history_tokens, forwarded, self.budget
                     )
                     if exact_amount < amount:
-                        reservation = await self.state.sessions.reserve(limits, exact_amount, self.budget.window_s)
+                        reservation = await self.services.sessions.reserve(limits, exact_amount, self.budget.window_s)
         except StoreUnavailable:
             self.unreserved = limits  # charged once the answer's usage is known
             return
         if not reservation.admitted:
-            raise budget_refused(self.state.metrics, self.tenant.name, reservation)
+            raise budget_refused(self.services.metrics, self.tenant.name, reservation)
         self.reservation = reservation
 
     async def finish(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
         """Account the answered request: session counters, budget settlement, summary upkeep."""
         if self.unreserved and usage is not None:
             spent = usage.prompt_tokens + usage.completion_tokens
-            await self.state.sessions.charge_unreserved(self.unreserved, spent, self.budget.window_s)
+            await self.services.sessions.charge_unreserved(self.unreserved, spent, self.budget.window_s)
         if self.session is None:
             return
-        await self.state.sessions.record(
+        await self.services.sessions.record(
             self.session,
             usage,
             reply,
@@ -332,7 +330,7 @@ class ChatTurn:
             self.reservation,
             self.budget.window_s,
         )
-        if self.state.settings.summarizer.enabled and reply is not None and self.anchored is not None:
+        if self.settings.summarizer.enabled and reply is not None and self.anchored is not None:
             messages = [*self.forwarded["messages"], reply]
             due = self._compaction_due(usage, messages)
             # Most answered turns neither start a compaction nor keep a repair tail: the job (and
@@ -340,7 +338,7 @@ class ChatTurn:
             if due or self.slides_window:
                 job = self._compaction_job(messages)
                 if job is not None:
-                    await self.state.compaction.after_answer(job, due=due)
+                    await self.services.compaction.after_answer(job, due=due)
         self._count_summary_savings()
 
     def _compaction_job(self, messages: list[dict[str, Any]]) -> CompactionJob | None:
@@ -378,13 +376,13 @@ class ChatTurn:
             tokens_per_byte = CAUTIOUS_TOKENS_PER_BYTE
             if usage and self.request_bytes:
                 tokens_per_byte = usage.prompt_tokens / self.request_bytes
-            return restored_bytes * tokens_per_byte > self.state.settings.summarizer.repair_max_tokens
+            return restored_bytes * tokens_per_byte > self.settings.summarizer.repair_max_tokens
         return False
 
     def finish_later(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
         """:meth:`finish` from synchronous code (the end of a stream), as a background task."""
         if self.session is not None or self.unreserved:
-            self.state.sessions.spawn(self.finish(usage, reply))
+            self.services.sessions.spawn(self.finish(usage, reply))
 
     def _count_summary_savings(self) -> None:
         if self.anchored is None or not self.anchored.removed_bytes:
@@ -393,7 +391,7 @@ class ChatTurn:
         tokens_per_byte = (self.session.tokens_per_byte if self.session else None) or TYPICAL_TOKENS_PER_BYTE
         saved = int(self.anchored.removed_bytes * tokens_per_byte) - self.summary.tokens
         if saved > 0:
-            self.state.metrics.record_saved(str(self.canonical.get("model")), self.tenant.name, "summary", saved)
+            self.services.metrics.record_saved(str(self.canonical.get("model")), self.tenant.name, "summary", saved)
 
     async def abandon(self) -> None:
         """The upstream failed: give the reserved tokens back."""
@@ -412,4 +410,4 @@ class ChatTurn:
         await self._settle_early(spent)
 
     async def _settle_early(self, spent: int) -> None:
-        await self.state.sessions.settle(self.reservation, spent, self.budget.window_s)
+        await self.services.sessions.settle(self.reservation, spent, self.budget.window_s)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -108,7 +109,6 @@ class SSERelay:
         response: httpx.Response,
         *,
         client_wants_usage: bool,
-        on_first_chunk: Callable[[], None] | None = None,
         record_content: bool = False,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
         dialect: ErrorDialect = OPENAI,
@@ -118,7 +118,8 @@ class SSERelay:
         self._response = response
         self._dialect = dialect
         self._client_wants_usage = client_wants_usage
-        self._on_first_chunk = on_first_chunk
+        # When the first event went to the client (the time to first token, read at the end).
+        self.first_event_at: float | None = None
         self._max_event_bytes = max_event_bytes
         # Removes the credentials the proxy sent upstream from an error event before it is relayed.
         self._scrub = scrub
@@ -198,8 +199,8 @@ class SSERelay:
                     return
                 complete = self._relay(complete)
                 if complete:
-                    if first and self._on_first_chunk is not None:
-                        self._on_first_chunk()
+                    if first:
+                        self.first_event_at = time.perf_counter()
                     first = False
                     yield complete
                 if self.failure is not None:

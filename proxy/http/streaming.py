@@ -9,6 +9,9 @@ Read timeouts bound each wait for the upstream, not the whole answer: an
 upstream that drips a byte now and then would hold the stream forever. The
 ``deadline`` bounds the whole response; past it the client gets an error event
 and the upstream is closed.
+
+``on_end`` is told how the stream ended; then ``background`` runs, as after any response, also
+when the client left before the end (Starlette's own skips it then).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Literal
 
 import anyio
+from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
@@ -31,13 +35,16 @@ class RelayResponse(StreamingResponse):
         content: AsyncIterable[bytes],
         *,
         headers: dict[str, str],
-        on_end: Callable[[StreamEnd], None],
+        on_end: Callable[[StreamEnd], None] | None = None,
         close: Callable[[], Awaitable[None]] | None = None,
         status_code: int = 200,
         deadline_s: float | None = None,
         deadline_event: bytes = b"",
+        background: BackgroundTask | None = None,
     ) -> None:
-        super().__init__(content, status_code=status_code, headers=headers, media_type="text/event-stream")
+        super().__init__(
+            content, status_code=status_code, headers=headers, media_type="text/event-stream", background=background
+        )
         self._on_end = on_end
         self._close = close
         # Seconds the body may take from the moment the response starts being sent, and the last
@@ -86,7 +93,15 @@ class RelayResponse(StreamingResponse):
                     with anyio.CancelScope(shield=True):
                         await self._close()
             finally:
-                self._on_end(end)
+                try:
+                    if self._on_end is not None:
+                        self._on_end(end)
+                finally:
+                    if self.background is not None:
+                        # However the stream ended (the client gone included): what comes after
+                        # every response, as after a whole one.
+                        with anyio.CancelScope(shield=True):
+                            await self.background()
 
     async def _send_deadline_event(self, send: Send, started: bool) -> None:
         if not started:

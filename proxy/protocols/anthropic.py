@@ -25,14 +25,15 @@ from typing import Any
 
 from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
 from proxy.http.body import is_text, require_model
+from proxy.http.dialect import ANTHROPIC
 from proxy.http.errors import InvalidRequest
 from proxy.http.relay import SSERelay
 from proxy.openai.assistant import AssistantRecorder, ToolCall
 from proxy.openai.jsoncanon import sort_keys_deep
-from proxy.openai.jsonio import loads
 from proxy.openai.messages import STABLE_ROLES
 from proxy.openai.usage import Usage, token_count
 from proxy.protocols.align import align
+from proxy.protocols.base import GenerationProtocol, event_payloads, summary_options, texts
 
 BILLING_HEADER = "x-anthropic-billing-header"
 ROLES = frozenset({"user", "assistant", "system"})
@@ -339,7 +340,7 @@ def _system_from(message: dict[str, Any], original: Any, viewed: tuple[int, ...]
     """The client's ``system`` with the view's rewritten text mapped onto its blocks."""
     content = message.get("content")
     if isinstance(original, str):
-        return content if isinstance(content, str) else "".join(_texts(content))
+        return content if isinstance(content, str) else "".join(texts(content))
     return _blocks_from(content, original, viewed)
 
 
@@ -369,14 +370,6 @@ def _blocks_from(content: Any, original: list[Any], viewed: tuple[int, ...]) -> 
             out.append({"type": "text", "text": str(part.get("text", ""))})
     out.extend(original[index] for index in unviewed)
     return out
-
-
-def _texts(content: Any) -> list[str]:
-    if isinstance(content, str):
-        return [content]
-    if isinstance(content, list):
-        return [str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"]
-    return []
 
 
 # -- back: messages --------------------------------------------------------------------------
@@ -431,7 +424,7 @@ class _MessageBuilder:
             message = group[0][2]
             new = message.get("content")
             if original["role"] == "system" or not isinstance(new, str):
-                new = "".join(_texts(new)) if not isinstance(new, str) else new
+                new = "".join(texts(new)) if not isinstance(new, str) else new
             return original if new == content else {**original, "content": new}
         replaced: dict[int, Any] = {}
         present: set[int] = set()
@@ -468,7 +461,7 @@ class _MessageBuilder:
         self._new_tool_message = None
         if role in STABLE_ROLES:
             self._out.append(
-                {"role": "system", "content": content if isinstance(content, str) else "".join(_texts(content))}
+                {"role": "system", "content": content if isinstance(content, str) else "".join(texts(content))}
             )
         elif role == "assistant":
             self._out.append({"role": "assistant", "content": assistant_blocks(message)})
@@ -501,8 +494,8 @@ def _patched_blocks(
                 out[index] = []
         return out
     text_indices = [i for i in source.blocks if content[i].get("type") == "text" and content[i].get("text")]
-    new_texts = _texts(after.get("content"))
-    if new_texts != _texts(before.get("content")):
+    new_texts = texts(after.get("content"))
+    if new_texts != texts(before.get("content")):
         if len(new_texts) == len(text_indices):
             for index, text in zip(text_indices, new_texts, strict=True):
                 if content[index].get("text") != text:
@@ -531,7 +524,7 @@ def _patched_blocks(
 
 def assistant_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     """A chat assistant message as Anthropic content blocks."""
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": text} for text in _texts(message.get("content")) if text]
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": text} for text in texts(message.get("content")) if text]
     for call in message.get("tool_calls") or []:
         if not isinstance(call, dict):
             continue
@@ -627,14 +620,7 @@ class AnthropicRelay(SSERelay):
         return b"event: message_stop" in complete or b'"type":"message_stop"' in complete
 
     def _inspect(self, block: bytes) -> bytes:
-        for event in block.split(b"\n\n"):
-            start = event.find(b"data: {")
-            if start < 0:
-                continue
-            try:
-                payload: Any = loads(event[start + 6 :].split(b"\n", 1)[0])
-            except ValueError:
-                continue
+        for payload in event_payloads(block):
             if isinstance(payload, dict):
                 self._read(payload)
         return block
@@ -684,13 +670,8 @@ class AnthropicChannel:
         if system is not _ABSENT:
             body["system"] = system
         body["messages"] = messages
-        tools = self._view.body.get("tools")
-        if tools:
-            body["tools"] = tools
-            body["tool_choice"] = {"type": "none"}
+        summary_options(body, self._view.body, {"type": "none"})
         body["temperature"] = chat_body.get("temperature", 0)
-        if self._view.body.get("cache_salt"):
-            body["cache_salt"] = self._view.body["cache_salt"]
         return body
 
     def reply(self, answer: Any) -> tuple[str, Usage | None]:
@@ -698,3 +679,31 @@ class AnthropicChannel:
             raise KeyError("content")
         text = "".join(b.get("text", "") for b in answer["content"] if isinstance(b, dict) and b.get("type") == "text")
         return text, read_usage(answer.get("usage"))
+
+
+class AnthropicMessages(GenerationProtocol):
+    """``POST /v1/messages``."""
+
+    route = "messages"
+    path = "/messages"
+    dialect = ANTHROPIC
+    relay_class = AnthropicRelay
+    answer_list = "content"
+
+    def validate(self, body: dict[str, Any]) -> None:
+        validate_request(body)
+
+    def view(self, body: dict[str, Any], tool_orders: ToolOrders | None, namespace: str) -> AnthropicView:
+        return AnthropicView.of(body, tool_orders, namespace)
+
+    def read_usage(self, usage: Any) -> Usage | None:
+        return read_usage(usage)
+
+    def reply_of(self, answer: Any) -> AssistantRecorder | None:
+        return reply_message(answer)
+
+    def channel(self, view: AnthropicView) -> AnthropicChannel:
+        return AnthropicChannel(view)
+
+
+MESSAGES = AnthropicMessages()

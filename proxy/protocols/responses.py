@@ -28,10 +28,10 @@ from proxy.http.errors import InvalidRequest
 from proxy.http.relay import SSERelay
 from proxy.openai.assistant import AssistantRecorder, ToolCall
 from proxy.openai.jsoncanon import sort_keys_deep
-from proxy.openai.jsonio import loads
 from proxy.openai.messages import STABLE_ROLES
 from proxy.openai.usage import Usage, token_count
 from proxy.protocols.align import align
+from proxy.protocols.base import GenerationProtocol, event_payloads, summary_options, texts
 
 # Ties a system/developer text part of the view to the client's content part (stripped on the way back).
 PART_KEY = "_part"
@@ -191,7 +191,7 @@ class ResponsesView:
             source = self.sources[aligned.view] if aligned.view is not None else None
             if source is not None and source.instructions and position == 0:
                 instructions = (
-                    self.body["instructions"] if not aligned.changed else "".join(_texts(message.get("content")))
+                    self.body["instructions"] if not aligned.changed else "".join(texts(message.get("content")))
                 )
                 continue
             if source is None or source.instructions:
@@ -289,14 +289,6 @@ def _tool_view(tool: dict[str, Any]) -> Any:
     return sort_keys_deep({"type": "function", "function": function})
 
 
-def _texts(content: Any) -> list[str]:
-    if isinstance(content, str):
-        return [content]
-    if isinstance(content, list):
-        return [str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"]
-    return []
-
-
 # -- back to items ---------------------------------------------------------------------------
 
 
@@ -338,7 +330,7 @@ def _patched(items: list[Any], source: Source, before: dict[str, Any], after: di
     elif isinstance(content, str) or content is None:
         item["content"] = content
     else:
-        item["content"] = "".join(_texts(content))
+        item["content"] = "".join(texts(content))
     return [item]
 
 
@@ -360,7 +352,7 @@ def _parts_back(original: list[Any], parts: list[Any]) -> list[Any]:
 
 def _with_text(content: Any, text: Any) -> Any:
     if isinstance(content, list) and content and isinstance(content[0], dict):
-        return [{**content[0], "text": "".join(_texts(text))}, *content[1:]]
+        return [{**content[0], "text": "".join(texts(text))}, *content[1:]]
     return text
 
 
@@ -372,7 +364,7 @@ def new_items(message: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"type": "function_call_output", "call_id": message.get("tool_call_id") or "", "output": content or ""}]
     if role == "assistant":
         out: list[dict[str, Any]] = []
-        text = "".join(_texts(content))
+        text = "".join(texts(content))
         if text:
             out.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]})
         for call in message.get("tool_calls") or []:
@@ -447,14 +439,7 @@ class ResponsesRelay(SSERelay):
         return any(mark in complete for mark in _FINAL)
 
     def _inspect(self, block: bytes) -> bytes:
-        for event in block.split(b"\n\n"):
-            start = event.find(b"data: {")
-            if start < 0:
-                continue
-            try:
-                payload: Any = loads(event[start + 6 :].split(b"\n", 1)[0])
-            except ValueError:
-                continue
+        for payload in event_payloads(block):
             response = payload.get("response") if isinstance(payload, dict) else None
             if not isinstance(response, dict):
                 continue
@@ -491,15 +476,10 @@ class ResponsesChannel:
         if instructions is not None:
             body["instructions"] = instructions
         body["input"] = [{"role": "user", "content": original} if i is _TEXT_INPUT else i for i in items]
-        tools = self._view.body.get("tools")
-        if tools:
-            body["tools"] = tools
-            body["tool_choice"] = "none"
+        summary_options(body, self._view.body, "none")
         body.update(
             {"max_output_tokens": chat_body.get("max_tokens") or 512, "temperature": 0, "stream": False, "store": False}
         )
-        if self._view.body.get("cache_salt"):
-            body["cache_salt"] = self._view.body["cache_salt"]
         return body
 
     def reply(self, answer: Any) -> tuple[str, Usage | None]:
@@ -507,3 +487,30 @@ class ResponsesChannel:
         if recorder is None:
             raise KeyError("output")
         return recorder.content, read_usage(answer.get("usage"))
+
+
+class Responses(GenerationProtocol):
+    """``POST /v1/responses``."""
+
+    route = "responses"
+    path = "/responses"
+    relay_class = ResponsesRelay
+    answer_list = "output"
+
+    def validate(self, body: dict[str, Any]) -> None:
+        validate_request(body)
+
+    def view(self, body: dict[str, Any], tool_orders: ToolOrders | None, namespace: str) -> ResponsesView:
+        return ResponsesView.of(body, tool_orders, namespace)
+
+    def read_usage(self, usage: Any) -> Usage | None:
+        return read_usage(usage)
+
+    def reply_of(self, answer: Any) -> AssistantRecorder | None:
+        return reply_message(answer)
+
+    def channel(self, view: ResponsesView) -> ResponsesChannel:
+        return ResponsesChannel(view)
+
+
+RESPONSES = Responses()

@@ -39,16 +39,15 @@ from proxy.http.paths import PATH_SAFE, InvalidPath, canonical_path, invalid_pat
 from proxy.http.streaming import RelayResponse, StreamEnd
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
 from proxy.routes.admin import require_admin
+from proxy.routes.exchange import upstream_error, within_deadline
 from proxy.routes.forward import (
     REQUEST_ID_HEADER,
-    account,
+    after_response,
     authenticate,
     error_response,
     new_context,
     proxy_headers,
-    upstream_error,
     upstream_headers,
-    within_deadline,
 )
 
 # Paths the proxy answers itself (or, for /metrics on its own port, must not answer): never
@@ -301,7 +300,6 @@ def _streamed(state: ProxyState, ctx: RequestContext, response: httpx.Response) 
         ctx.upstream_done_at = time.perf_counter()
         if end != "sent":
             ctx.error_code = "client_disconnected" if end == "disconnected" else "request_deadline_exceeded"
-        account(state, ctx, overhead)
 
     deadline_event = (
         ctx.dialect.stream_event("the request exceeded its deadline", "request_deadline_exceeded")
@@ -316,6 +314,7 @@ def _streamed(state: ProxyState, ctx: RequestContext, response: httpx.Response) 
         status_code=response.status_code,
         deadline_s=max(0.0, ctx.deadline - time.perf_counter()),
         deadline_event=deadline_event,
+        background=after_response(state, ctx, overhead),
     )
 
 

@@ -15,31 +15,19 @@ from proxy.http.body import parse_json_object, read_body
 from proxy.http.context import RequestContext
 from proxy.http.dialect import ANTHROPIC
 from proxy.protocols import anthropic
-from proxy.routes.forward import api_endpoint, send_json
-from proxy.routes.pipeline import ProtocolRoute, forward_turn
+from proxy.protocols.anthropic import MESSAGES
+from proxy.routes.exchange import Wire, send_json
+from proxy.routes.forward import api_endpoint
+from proxy.routes.pipeline import forward_turn, read_request
 from proxy.tenants import Tenant
 
-MESSAGES = ProtocolRoute(
-    path="/messages",
-    relay_class=anthropic.AnthropicRelay,
-    read_usage=anthropic.read_usage,
-    reply_of=anthropic.reply_message,
-    channel=anthropic.AnthropicChannel,
-    observed=True,
-)
+COUNT_TOKENS = Wire("/messages/count_tokens", read_usage=lambda _: None)
 
 
 async def messages(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
-    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
-    anthropic.validate_request(body)
-    return await forward_turn(
-        state,
-        request,
-        ctx,
-        tenant,
-        anthropic.AnthropicView.of(body, state.canonicalizer.tool_orders, tenant.name),
-        MESSAGES,
-    )
+    body = await read_request(state, request, MESSAGES)
+    view = MESSAGES.view(body, state.canonicalizer.tool_orders, tenant.name)
+    return await forward_turn(state, request, ctx, tenant, MESSAGES, view)
 
 
 async def count_tokens(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
@@ -48,11 +36,11 @@ async def count_tokens(state: ProxyState, request: Request, ctx: RequestContext,
     body = parse_json_object(raw)
     anthropic.validate_request(body, count_tokens=True)
     ctx.model = body["model"]
-    return await send_json(state, request, ctx, "/messages/count_tokens", raw, read_usage=lambda _: None)
+    return await send_json(state, request, ctx, COUNT_TOKENS, raw)
 
 
 routes = [
-    Route("/v1/messages", api_endpoint("messages", messages, ANTHROPIC), methods=["POST"]),
+    Route("/v1/messages", api_endpoint(MESSAGES.route, messages, ANTHROPIC), methods=["POST"]),
     Route(
         "/v1/messages/count_tokens", api_endpoint("messages_count_tokens", count_tokens, ANTHROPIC), methods=["POST"]
     ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from starlette.requests import Request
@@ -16,18 +17,11 @@ from proxy.config import BudgetSettings
 from proxy.http.body import parse_json_object, read_body, require_model, validate_completion_request
 from proxy.http.context import RequestContext
 from proxy.http.errors import ProxyError, UpstreamUnreachable
-from proxy.http.streaming import RelayResponse
 from proxy.openai.jsonio import dumps
 from proxy.openai.usage import Usage
-from proxy.routes.forward import (
-    api_endpoint,
-    send_json,
-    send_stream,
-    upstream_error,
-    upstream_headers,
-    whole_answer,
-    with_upstream_usage,
-)
+from proxy.protocols.chat import with_upstream_usage
+from proxy.routes.exchange import StreamingAnswer, UpstreamAnswer, Wire, respond, send, send_json, upstream_error
+from proxy.routes.forward import api_endpoint, upstream_headers, whole_answer
 from proxy.sessions.model import Reservation, UsageLimit
 from proxy.sessions.service import StoreUnavailable
 from proxy.tenants import Tenant
@@ -41,30 +35,25 @@ async def completions(state: ProxyState, request: Request, ctx: RequestContext, 
     ctx.stream = bool(body.get("stream"))
     budget = CompletionBudget.admit(state, tenant, body)
     await budget.reserve()
+    client_wants_usage = True
+    if ctx.stream:
+        body, client_wants_usage = with_upstream_usage(body)
     try:
-        if not ctx.stream:
-            answers: list[dict[str, Any]] = []
-            response = await send_json(state, request, ctx, "/completions", dumps(body), on_reply=answers.append)
-            await budget.settle(Usage.from_openai(answers[0].get("usage")) if answers else None, answered=bool(answers))
-            return response
-        body, wants_usage = with_upstream_usage(body)
-        response = await send_stream(
-            state,
-            request,
-            ctx,
-            "/completions",
-            dumps(body),
-            client_wants_usage=wants_usage,
-            on_complete=lambda relay: state.sessions.spawn(budget.settle(relay.usage, answered=True)),
-            on_incomplete=lambda relay: state.sessions.spawn(budget.settle_cut_short(relay.usage, relay.events)),
+        answer = await send(
+            state, request, ctx, COMPLETIONS, dumps(body), stream=ctx.stream, client_wants_usage=client_wants_usage
         )
-        if not isinstance(response, RelayResponse):
-            # Not a stream: the upstream's error (nothing spent) or a whole JSON answer.
-            await budget.settle(ctx.usage, answered=ctx.status is not None and ctx.status < 400)
-        return response
     except ProxyError:
         await budget.settle(None, answered=False)
         raise
+    if not isinstance(answer, StreamingAnswer):
+        budget.completed(answer)  # a stream's ending is told when the stream ends
+        await budget.record()
+    return respond(state, ctx, answer, budget)
+
+
+COMPLETIONS = Wire("/completions", answer_list="choices")
+EMBEDDINGS = Wire("/embeddings")
+MODELS = Wire("/models")
 
 
 class CompletionBudget:
@@ -79,6 +68,7 @@ class CompletionBudget:
         self._prompt, self._amount = prompt, amount
         self._reservation: Reservation | None = None
         self._unreserved = False
+        self._settlement: Coroutine[Any, Any, None] | None = None
 
     @classmethod
     def admit(cls, state: ProxyState, tenant: Tenant, body: dict[str, Any]) -> CompletionBudget:
@@ -107,6 +97,25 @@ class CompletionBudget:
             raise budget_refused(self._state.metrics, self._tenant, reservation)
         self._reservation = reservation
 
+    # -- how the answer ended (proxy.routes.forward.AnswerEnding) --------------------------------
+
+    def completed(self, answer: UpstreamAnswer) -> None:
+        if isinstance(answer, StreamingAnswer):
+            self._settlement = self.settle(answer.relay.usage, answered=True)
+        else:  # the upstream's error spent nothing
+            self._settlement = self.settle(answer.usage, answered=answer.ok)
+
+    def cut_short(self, usage: Usage | None, events: int) -> None:
+        self._settlement = self.settle_cut_short(usage, events)
+
+    def failed(self, error: ProxyError | None) -> None:
+        self._settlement = self.settle(None, answered=False)
+
+    async def record(self) -> None:
+        settlement, self._settlement = self._settlement, None
+        if settlement is not None:
+            await settlement
+
     async def settle(self, usage: Usage | None, *, answered: bool) -> None:
         """Charge what the backend reported; an answer without readable usage keeps its
         reservation, a request that got no answer gives it all back."""
@@ -134,12 +143,12 @@ class CompletionBudget:
 async def embeddings(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
     raw = await read_body(request, state.settings.max_body_bytes)
     ctx.model = require_model(parse_json_object(raw))
-    return await send_json(state, request, ctx, "/embeddings", raw)
+    return await send_json(state, request, ctx, EMBEDDINGS, raw)
 
 
 async def models(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
     if state.backends.single:
-        return await send_json(state, request, ctx, "/models", None, method="GET")
+        return await send_json(state, request, ctx, MODELS, None, method="GET")
     return await merged_models(state, request, ctx)
 
 

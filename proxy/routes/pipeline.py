@@ -11,9 +11,9 @@ reply are read in the protocol's own terms, and a turn ends the same way streame
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,44 +22,17 @@ from proxy.app_state import ProxyState
 from proxy.canon import CanonResult
 from proxy.canon.fingerprint import stable_prefix_hash
 from proxy.chat.turn import ChatTurn
+from proxy.http.body import parse_json_object, read_body
 from proxy.http.context import RequestContext
 from proxy.http.errors import ProxyError, ServerError
-from proxy.http.relay import SSERelay
-from proxy.http.streaming import RelayResponse
 from proxy.openai.assistant import AssistantRecorder
 from proxy.openai.jsonio import dumps
 from proxy.openai.usage import Usage
-from proxy.protocols.channel import SummaryChannel
-from proxy.routes.forward import UsageReader, after_sending, error_response, send_json, send_stream
-from proxy.routes.observe import after_answer, before_upstream, needs_reply_content
+from proxy.protocols.base import GenerationProtocol, ProtocolView
+from proxy.routes.exchange import StreamingAnswer, UpstreamAnswer, Wire, respond, send
+from proxy.routes.forward import error_response
+from proxy.routes.observe import Observed, after_answer, before_upstream, needs_reply_content
 from proxy.tenants import Tenant
-
-
-class ProtocolView(Protocol):
-    """A request seen as chat: ``chat`` is the view, ``restore`` maps a canonical view back."""
-
-    chat: dict[str, Any]
-    actions: list[str]
-
-    def restore(self, forwarded: dict[str, Any]) -> dict[str, Any]: ...
-
-
-@dataclass
-class ProtocolRoute:
-    """How one protocol's generation endpoint talks to the backend."""
-
-    path: str
-    relay_class: Callable[..., SSERelay]
-    read_usage: UsageReader
-    reply_of: Callable[[Any], AssistantRecorder | None]
-    channel: Callable[[Any], SummaryChannel]
-    # A stream request as sent upstream (asking for usage if the protocol makes that optional), and
-    # whether the client asked for the usage itself.
-    stream_request: Callable[[dict[str, Any]], tuple[dict[str, Any], bool]] = field(default=lambda body: (body, True))
-    # Explain cache misses against earlier prompts and capture traffic (docs/analysis.md), on the
-    # request's chat-shaped view.
-    observed: bool = False
-
 
 # Told the backend's answer (its header as soon as a stream names it, the whole answer at the end)
 # and the backend that gave it.
@@ -80,17 +53,114 @@ class TurnOptions:
     session_id: str | None = None
 
 
+async def read_request(state: ProxyState, request: Request, protocol: GenerationProtocol) -> dict[str, Any]:
+    """The client's body as a JSON object the protocol accepts (InvalidRequest otherwise)."""
+    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+    protocol.validate(body)
+    return body
+
+
+def wire_of(protocol: GenerationProtocol) -> Wire:
+    return Wire(protocol.path, protocol.read_usage, protocol.relay_class, protocol.answer_list)
+
+
+class TurnEnding:
+    """How one turn ends, whole or streamed: :meth:`completed`, :meth:`cut_short` or :meth:`failed`.
+
+    What the client's next request must find is recorded at once (the reply the backend cached,
+    the cache-break observation); the session's side (its record, budget settlement, summary upkeep)
+    is :meth:`record`, the first step after the response (``proxy.routes.forward.after_response``),
+    or before the response where a shared store must hold it first."""
+
+    def __init__(
+        self,
+        state: ProxyState,
+        ctx: RequestContext,
+        turn: ChatTurn,
+        protocol: GenerationProtocol,
+        chat: dict[str, Any],
+        on_answer: AnswerHook | None,
+    ) -> None:
+        self._state, self._ctx, self._turn, self._protocol = state, ctx, turn, protocol
+        self._chat, self._on_answer = chat, on_answer
+        self._forwarded = turn.forwarded
+        # The cache-break observation of the request as forwarded (``before_upstream``), if any.
+        self.observed: Observed | None = None
+        self._pending: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        self._whole_answer: dict[str, Any] | None = None
+        # No answer came (an error, or an answer without a reply): what was reserved goes back
+        # before the client hears of it (it may retry at once, or the route resend it).
+        self._unanswered = False
+
+    def completed(self, answer: UpstreamAnswer) -> None:
+        if isinstance(answer, StreamingAnswer):
+            relay = answer.relay
+            self._conclude(relay.assistant, relay.usage)
+            self._pending.append(partial(self._turn.finish, relay.usage, relay.assistant.message()))
+            if relay.answer is not None:
+                self._answered(relay.answer)
+            return
+        reply = self._protocol.reply_of(answer.parsed) if answer.ok else None
+        if reply is None:
+            self._pending.append(self._turn.abandon)
+            self._unanswered = True
+            return
+        self._conclude(reply, answer.usage)
+        self._whole_answer = answer.parsed
+        self._pending.append(partial(self._turn.finish, answer.usage, reply.message()))
+
+    async def before_response(self) -> None:
+        """What must be recorded before the client has a whole answer: the answer itself where the
+        client may refer to it the moment it has it (a stored response), and the turn where the
+        store is shared. An in-process store records the turn right after the answer, before
+        anything else the proxy serves; a shared one (another replica may serve the next turn)
+        is written first."""
+        if self._whole_answer is not None and self._on_answer is not None:
+            await self._on_answer(self._whole_answer, self._ctx.backend)
+        if self._unanswered or not self._state.sessions.store.in_process:
+            await self.record()
+
+    def cut_short(self, usage: Usage | None, events: int) -> None:
+        self._pending.append(partial(self._turn.settle_unfinished, usage, events))
+
+    def failed(self, error: ProxyError | None) -> None:
+        """No answer: the reserved tokens go back (a client's own error reserved nothing to keep)."""
+        if error is None or isinstance(error, ServerError):
+            self._pending.append(self._turn.abandon)
+        self._unanswered = True
+
+    def answer_named(self, answer: dict[str, Any]) -> None:
+        """A stream named its answer before it ended (Responses' ``response.created``): recorded
+        now, a client that refers to it the moment the stream ends finds it."""
+        self._answered(answer)
+
+    async def record(self) -> None:
+        pending, self._pending = self._pending, []
+        for step in pending:
+            await step()
+
+    def _conclude(self, reply: AssistantRecorder, usage: Usage | None) -> None:
+        self._state.canonicalizer.record_reply(self._forwarded, self._ctx.tenant, reply.calls())
+        if self.observed is not None:
+            after_answer(self._state, self._ctx, self.observed, self._chat, reply.message(), usage)
+
+    def _answered(self, answer: dict[str, Any]) -> None:
+        if self._on_answer is not None:
+            self._state.sessions.spawn(self._on_answer(answer, self._ctx.backend))
+
+
 async def forward_turn(
     state: ProxyState,
     request: Request,
     ctx: RequestContext,
     tenant: Tenant,
+    protocol: GenerationProtocol,
     view: ProtocolView,
-    route: ProtocolRoute,
     options: TurnOptions | None = None,
 ) -> Response:
+    """One turn of a conversation in ``protocol``: canonicalized, admitted, sent, answered."""
     options = options or TurnOptions()
-    turn: ChatTurn | None = None
+    ending: TurnEnding | None = None
     chat = view.chat
     try:
         ctx.model = chat["model"]
@@ -101,105 +171,54 @@ async def forward_turn(
         ctx.prefix_hash = canon.prefix_hash
         ctx.saved_by_canonicalization = count_canonicalization(state, tenant.name, chat, canon)
         turn = await ChatTurn.begin(
-            state,
+            state.turn_services,
+            state.settings,
             tenant,
             request.headers,
             chat,
             canon,
-            channel=route.channel(view),
+            channel=protocol.channel(view),
             summarize=options.summarize,
             history_tokens=options.history_tokens,
             session_id=options.session_id,
         )
+        ending = TurnEnding(state, ctx, turn, protocol, chat, options.on_answer)
         ctx.session_id = turn.session_id
         ctx.route_key = turn.routing_key
         ctx.actions.extend(turn.actions)
-        forwarded_view = turn.forwarded
-        outgoing = state.tenants.cache_salted(tenant, view.restore(forwarded_view))
-        ctx.restructured = _roles(forwarded_view) != _roles(chat)
+        forwarded = turn.forwarded
+        outgoing = state.tenants.cache_salted(tenant, view.restore(forwarded))
+        ctx.restructured = _roles(forwarded) != _roles(chat)
         if state.settings.log_prompts:
-            ctx.logged_messages = forwarded_view["messages"]
+            ctx.logged_messages = forwarded["messages"]
         # Explained in chat shape for every protocol (what the digests read); not a request whose
         # history the backend holds (a Responses chain): its view is the new turn alone.
-        observe = route.observed and options.summarize
-        observed = before_upstream(state, ctx, turn, forwarded_view) if observe else None
-
-        answers: list[dict[str, Any]] = []
-        open_turn = turn
-        hook = options.on_answer
-
-        def answered(answer: dict[str, Any]) -> None:
-            if hook is not None:
-                state.sessions.spawn(hook(answer, ctx.backend))
-
-        def conclude(reply: AssistantRecorder, usage: Usage | None) -> None:
-            """What an answered turn records at once, streamed or not (before the client can send
-            its next request)."""
-            state.canonicalizer.record_reply(forwarded_view, tenant.name, reply.calls())
-            if observed is not None:
-                after_answer(state, ctx, observed, chat, reply.message(), usage)
-
+        if options.summarize:
+            ending.observed = before_upstream(state, ctx, turn, forwarded)
+        client_wants_usage = True
         if ctx.stream:
-            upstream_body, client_wants_usage = route.stream_request(outgoing)
-
-            def on_complete(relay: SSERelay) -> None:
-                conclude(relay.assistant, relay.usage)
-                open_turn.finish_later(relay.usage, relay.assistant.message())
-                if relay.answer is not None:
-                    answered(relay.answer)
-
-            def on_incomplete(relay: SSERelay) -> None:
-                state.sessions.spawn(open_turn.settle_unfinished(relay.usage, relay.events))
-
-            response = await send_stream(
-                state,
-                request,
-                ctx,
-                route.path,
-                dumps(upstream_body),
-                client_wants_usage=client_wants_usage,
-                on_complete=on_complete,
-                on_incomplete=on_incomplete,
-                record_content=turn.session is not None or (observed is not None and needs_reply_content(state)),
-                on_reply=answers.append,
-                relay_class=partial(route.relay_class, on_answer=answered),
-                read_usage=route.read_usage,
-                backend=options.backend,
-            )
-            if isinstance(response, RelayResponse):
-                return response
-        else:
-            response = await send_json(
-                state,
-                request,
-                ctx,
-                route.path,
-                dumps(outgoing),
-                on_reply=answers.append,
-                read_usage=route.read_usage,
-                backend=options.backend,
-            )
-        # A JSON answer (also when the upstream answered a stream request with one).
-        reply = route.reply_of(answers[0]) if answers else None
-        if reply is None:
-            await turn.abandon()
-            return response
-        conclude(reply, ctx.usage)
-        if hook is not None:
-            await hook(answers[0], ctx.backend)  # before the client can refer to it
-        finish = partial(turn.finish, ctx.usage, reply.message())
-        if state.sessions.store.in_process:
-            # The client's next request must find this turn recorded. An in-process store records
-            # it without waiting, so nothing the proxy serves can come between the answer and the
-            # record, and the client need not wait for it; a shared store must be written first.
-            after_sending(response, finish)
-        else:
-            await finish()
-        return response
+            outgoing, client_wants_usage = protocol.stream_request(outgoing)
+        answer = await send(
+            state,
+            request,
+            ctx,
+            wire_of(protocol),
+            dumps(outgoing),
+            stream=ctx.stream,
+            backend=options.backend,
+            client_wants_usage=client_wants_usage,
+            record_content=turn.session is not None or (ending.observed is not None and needs_reply_content(state)),
+            on_answer=ending.answer_named,
+        )
+        if not isinstance(answer, StreamingAnswer):
+            ending.completed(answer)  # a stream's ending is told when the stream ends
+            await ending.before_response()
+        return respond(state, ctx, answer, ending)
     except ProxyError as error:
-        if turn is not None and isinstance(error, ServerError):
-            await turn.abandon()
-        return error_response(state, ctx, error)
+        if ending is not None:
+            ending.failed(error)
+            await ending.before_response()
+        return error_response(state, ctx, error, ending)
 
 
 def _roles(body: dict[str, Any]) -> list[Any]:

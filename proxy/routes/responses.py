@@ -26,34 +26,23 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
-from proxy.http.body import parse_json_object, read_body
 from proxy.http.context import RequestContext
 from proxy.http.errors import ProxyError, ResponseNotFound
 from proxy.protocols import responses
+from proxy.protocols.responses import RESPONSES
 from proxy.routes.forward import api_endpoint, upstream_headers
 from proxy.routes.generic import forward_raw
-from proxy.routes.pipeline import ProtocolRoute, TurnOptions, forward_turn
+from proxy.routes.pipeline import TurnOptions, forward_turn, read_request
 from proxy.sessions.service import StoreUnavailable
 from proxy.tenants import Tenant
-
-RESPONSES = ProtocolRoute(
-    path="/responses",
-    relay_class=responses.ResponsesRelay,
-    read_usage=responses.read_usage,
-    reply_of=responses.reply_message,
-    channel=responses.ResponsesChannel,
-    observed=True,
-)
-
 
 # vLLM's ids are resp_<hex>; anything else is not one (and must not reach a URL unescaped).
 _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,256}")
 
 
 async def create(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
-    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
-    responses.validate_request(body)
-    view = responses.ResponsesView.of(body, state.canonicalizer.tool_orders, tenant.name)
+    body = await read_request(state, request, RESPONSES)
+    view = RESPONSES.view(body, state.canonicalizer.tool_orders, tenant.name)
     options = TurnOptions()
     chain: str | None = None
     previous = view.previous_response_id
@@ -78,7 +67,7 @@ async def create(state: ProxyState, request: Request, ctx: RequestContext, tenan
             await _remember(state, tenant, answer, backend, chain, ctx.session_id)
 
         options.on_answer = remember
-    return await forward_turn(state, request, ctx, tenant, view, RESPONSES, options)
+    return await forward_turn(state, request, ctx, tenant, RESPONSES, view, options)
 
 
 async def retrieve(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
@@ -147,7 +136,7 @@ async def _locate(state: ProxyState, request: Request, ctx: RequestContext, resp
 
 
 routes = [
-    Route("/v1/responses", api_endpoint("responses", create), methods=["POST"]),
+    Route("/v1/responses", api_endpoint(RESPONSES.route, create), methods=["POST"]),
     Route("/v1/responses/{response_id}", api_endpoint("responses_retrieve", retrieve), methods=["GET", "DELETE"]),
     Route("/v1/responses/{response_id}/cancel", api_endpoint("responses_cancel", retrieve), methods=["POST"]),
     # Every other path under a stored response is that response's too: owned here (the ownership

@@ -1,0 +1,284 @@
+"""One exchange with the upstream: a request goes out, an :data:`UpstreamAnswer` comes back.
+
+As httpx's ``send(request, stream=...)``: :func:`send` returns a value and takes no callbacks. A
+whole answer (JSON, success or error) is read and checked; a streaming one is an open relay the
+client's response will iterate. :func:`respond` makes the client's response of either, and every
+response ends the same way after it is sent (``proxy.routes.forward.after_response``): the
+answer's :class:`AnswerEnding` records what the answer means (a session's turn, a budget), then
+the metrics and the access line.
+
+How a stream ended is known only when its response has been sent: the relay response tells the
+ending (:meth:`AnswerEnding.completed` or :meth:`AnswerEnding.cut_short`); a whole answer is in
+the caller's hands, which tells the ending itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response
+
+from proxy.app_state import ProxyState
+from proxy.backends.pool import BACKEND_EXTENSION
+from proxy.http.context import RequestContext, overhead_header
+from proxy.http.errors import DeadlineExceeded, UpstreamProtocolError
+from proxy.http.relay import PROTOCOL_FAILURES, SSERelay
+from proxy.http.streaming import RelayResponse, StreamEnd
+from proxy.openai.jsonio import loads
+from proxy.openai.usage import Usage
+from proxy.routes.forward import (
+    AnswerEnding,
+    after_response,
+    credential_scrubber,
+    proxy_headers,
+    upstream_headers,
+    whole_answer,
+)
+
+UsageReader = Callable[[Any], Usage | None]
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How a route's answers read: the upstream path, its usage, its events, and the list a
+    successful whole answer holds (an answer without it is no answer, however it is labelled)."""
+
+    path: str
+    read_usage: UsageReader = Usage.from_openai
+    relay_class: type[SSERelay] = SSERelay
+    answer_list: str | None = None
+
+
+@dataclass
+class WholeAnswer:
+    """The upstream's whole answer: its status and bytes, and for a success the JSON object and
+    the usage it reports (None when it reports none that could be true)."""
+
+    status: int
+    raw: bytes
+    headers: httpx.Headers
+    parsed: dict[str, Any] | None = None
+    usage: Usage | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status < 400
+
+
+@dataclass
+class StreamingAnswer:
+    """An event stream, open: the relay reads it as the client's response iterates it."""
+
+    relay: SSERelay
+
+
+UpstreamAnswer = WholeAnswer | StreamingAnswer
+
+
+async def send(
+    state: ProxyState,
+    request: Request,
+    ctx: RequestContext,
+    wire: Wire,
+    payload: bytes | None,
+    *,
+    stream: bool = False,
+    method: str = "POST",
+    backend: str | None = None,
+    client_wants_usage: bool = True,
+    record_content: bool = False,
+    on_answer: Callable[[dict[str, Any]], None] | None = None,
+) -> UpstreamAnswer:
+    """Send ``payload`` to ``wire.path`` and return the answer; raises :class:`ProxyError` when
+    none came (unreachable, timed out, not the protocol). ``backend``: only that backend may answer
+    (it holds state the request refers to). A stream request the upstream answers with one JSON
+    body (some servers ignore ``stream``) is a whole answer."""
+    async with within_deadline(ctx):
+        ctx.mark_upstream_sent()
+        response = await state.backends.open(
+            method,
+            wire.path,
+            content=payload,
+            headers=upstream_headers(state, request, ctx),
+            key=ctx.route_key,
+            model=ctx.model,
+            pinned_to=backend,
+        )
+        ctx.backend = response.extensions.get(BACKEND_EXTENSION)
+        ctx.upstream_headers_at = time.perf_counter()
+        ctx.status = response.status_code
+        if stream and response.status_code < 400 and _is_event_stream(response):
+            relay = wire.relay_class(
+                response,
+                client_wants_usage=client_wants_usage,
+                record_content=record_content,
+                max_event_bytes=state.settings.max_sse_event_bytes,
+                dialect=ctx.dialect,
+                scrub=credential_scrubber(state, ctx),
+                on_answer=on_answer,
+            )
+            return StreamingAnswer(relay)
+        raw = await state.backends.read(response)
+    ctx.upstream_done_at = time.perf_counter()
+    ctx.stream = False
+    answer = WholeAnswer(response.status_code, raw, response.headers)
+    if answer.ok:
+        answer.parsed, answer.usage = _checked(state, ctx, raw, wire)
+    return answer
+
+
+def _checked(state: ProxyState, ctx: RequestContext, raw: bytes, wire: Wire) -> tuple[dict[str, Any], Usage | None]:
+    """A successful JSON answer's object and usage; 502 when it is not a JSON object, or lacks the
+    protocol's answer list (it would otherwise reach the client as a success). Usage that cannot be
+    true (see :mod:`proxy.openai.usage`) is no usage, counted."""
+    try:
+        parsed: Any = loads(raw)
+    except ValueError:
+        ctx.status = 502
+        raise UpstreamProtocolError("its answer is not JSON") from None
+    if not isinstance(parsed, dict):
+        ctx.status = 502
+        raise UpstreamProtocolError("its answer is not a JSON object")
+    if wire.answer_list is not None and not isinstance(parsed.get(wire.answer_list), list):
+        ctx.status = 502
+        raise UpstreamProtocolError(f"its answer has no {wire.answer_list!r} list")
+    reported = parsed.get("usage")
+    usage = wire.read_usage(reported)
+    if usage is not None and not usage.plausible:
+        usage = None
+    if usage is None and reported is not None:
+        state.metrics.upstream_errors.labels(ctx.route, "invalid_usage").inc()
+    return parsed, usage
+
+
+def respond(
+    state: ProxyState, ctx: RequestContext, answer: UpstreamAnswer, ending: AnswerEnding | None = None
+) -> Response:
+    """The client's response to ``answer``: the upstream's bytes unchanged (an error in the
+    protocol's shape, without the credentials the proxy sent), the proxy's headers added."""
+    if isinstance(answer, StreamingAnswer):
+        return _relayed(state, ctx, answer, ending)
+    if not answer.ok:
+        return upstream_error(state, ctx, answer.status, answer.raw, answer.headers, ending)
+    ctx.usage = answer.usage
+    headers = {}
+    if answer.usage is not None:
+        headers["x-prefix-proxy-prompt-tokens"] = str(answer.usage.prompt_tokens)
+        headers["x-prefix-proxy-cached-tokens"] = str(answer.usage.cached_tokens)
+    return whole_answer(state, ctx, answer.raw, answer.status, headers, ending)
+
+
+async def send_json(
+    state: ProxyState,
+    request: Request,
+    ctx: RequestContext,
+    wire: Wire,
+    payload: bytes | None,
+    *,
+    method: str = "POST",
+) -> Response:
+    """A whole exchange answered as it came (a route with nothing to record of its answer)."""
+    return respond(state, ctx, await send(state, request, ctx, wire, payload, method=method))
+
+
+def _relayed(state: ProxyState, ctx: RequestContext, answer: StreamingAnswer, ending: AnswerEnding | None) -> Response:
+    """Each SSE event reaches the client as soon as it is complete."""
+    relay = answer.relay
+
+    def ended(end: StreamEnd) -> None:
+        ctx.upstream_done_at = time.perf_counter()
+        ctx.usage = relay.usage
+        if relay.first_event_at is not None:
+            ctx.first_chunk_at = relay.first_event_at
+            state.metrics.ttft.labels(state.metrics.model_label(ctx.model)).observe(ctx.first_chunk_at - ctx.started)
+        if relay.usage_rejected:
+            state.metrics.upstream_errors.labels(ctx.route, "invalid_usage").inc()
+        if relay.failure in PROTOCOL_FAILURES:
+            state.metrics.upstream_errors.labels(ctx.route, "invalid_response").inc()
+        # A disconnect noticed after the last event was relayed is just the client hanging up.
+        if relay.completed:
+            if ending is not None:
+                ending.completed(answer)
+            return
+        if end == "disconnected":
+            state.metrics.streams_cancelled.inc()
+            ctx.error_code = "client_disconnected"
+        elif end == "deadline":
+            state.metrics.upstream_errors.labels(ctx.route, "timeout").inc()
+            ctx.error_code = "request_deadline_exceeded"
+        else:
+            state.metrics.streams_cancelled.inc()
+            ctx.error_code = f"stream_{relay.failure or 'interrupted'}"
+        if ending is not None:
+            ending.cut_short(relay.usage, relay.events)
+
+    headers = proxy_headers(ctx)
+    headers["cache-control"] = "no-cache"
+    headers["x-accel-buffering"] = "no"
+    overhead = ctx.relay_start_overhead(time.perf_counter())
+    headers.update(overhead_header(overhead))
+    return RelayResponse(
+        relay,
+        headers=headers,
+        on_end=ended,
+        close=relay.aclose,
+        deadline_s=max(0.0, ctx.deadline - time.perf_counter()),
+        deadline_event=ctx.dialect.stream_event("the request exceeded its deadline", "request_deadline_exceeded"),
+        background=after_response(state, ctx, overhead, ending),
+    )
+
+
+def _is_event_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").lower().startswith("text/event-stream")
+
+
+class within_deadline:
+    """Bound the upstream work of a request by its overall deadline (``request_timeout_s``):
+    per-read timeouts alone let an upstream that drips a byte at a time hold a request forever.
+
+    A class over ``asyncio.timeout``, not an ``@asynccontextmanager``: no generator per request."""
+
+    def __init__(self, ctx: RequestContext) -> None:
+        self._timeout = asyncio.timeout(max(0.0, ctx.deadline - time.perf_counter()))
+
+    async def __aenter__(self) -> None:
+        await self._timeout.__aenter__()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self._timeout.__aexit__(kind, exc, tb)
+        except TimeoutError:
+            raise DeadlineExceeded() from None
+        if isinstance(exc, TimeoutError):
+            raise DeadlineExceeded() from None
+
+
+def upstream_error(
+    state: ProxyState,
+    ctx: RequestContext,
+    status: int,
+    raw: bytes,
+    headers: Mapping[str, str] | None = None,
+    ending: AnswerEnding | None = None,
+) -> Response:
+    """An upstream's error answer, in the protocol's shape, without the credentials the proxy sent
+    it (an error page may echo the request's Authorization); its ``Retry-After`` (a 429's, a 503's)
+    goes to the client, whose retry should wait as the backend asked."""
+    state.metrics.upstream_errors.labels(ctx.route, "http_4xx" if status < 500 else "http_5xx").inc()
+    ctx.status = status
+    ctx.error_code = f"upstream_{status}"
+    scrub = credential_scrubber(state, ctx)
+    if scrub is not None:
+        raw = scrub(raw)
+    retry_after = headers.get("retry-after") if headers is not None else None
+    extra = {"retry-after": retry_after} if retry_after and retry_after.isascii() and len(retry_after) < 64 else None
+    return whole_answer(state, ctx, ctx.dialect.upstream_body(status, raw), status, extra, ending)
