@@ -37,7 +37,7 @@ from proxy.observability.tracing import start_tracing
 from proxy.observability.tracker import CacheBreakTracker
 from proxy.reload import on_sighup
 from proxy.replicas.build import build_shared
-from proxy.routes import admin, chat, generic, health, messages, passthrough, responses
+from proxy.routes import admin, chat, health, messages, passthrough, responses, unrewritten
 from proxy.sessions.memory import MemorySessionStore
 from proxy.sessions.redis_store import RedisSessionStore
 from proxy.sessions.service import SessionService, StoreUnavailable
@@ -298,7 +298,7 @@ def create_app(
     app.state.proxy = state
     # The forwarded API takes the raw request anyway, so it runs as plain Starlette routes:
     # FastAPI's dependency layer would add ~0.2 ms to every proxied request (bench/overhead.py).
-    forwarded = [*chat.routes, *messages.routes, *responses.routes, *passthrough.routes]
+    forwarded = [*chat.routes, *messages.routes, *responses.routes, *unrewritten.routes]
     app.router.routes.extend(forwarded)
     app.direct = DirectRoutes(forwarded)
     if settings.metrics_port is None:
@@ -306,7 +306,7 @@ def create_app(
     for module in (health, admin):
         app.include_router(module.router)
     # Last: whatever else the backend serves (it matches every path).
-    app.router.routes.extend(generic.routes(app.router.routes))
+    app.router.routes.extend(passthrough.routes(app.router.routes))
 
     @app.exception_handler(ProxyError)
     async def proxy_error(_: Request, exc: ProxyError) -> Response:

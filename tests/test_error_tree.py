@@ -151,7 +151,7 @@ def access_line(lines: list[str], predicate: Callable[[dict[str, Any]], bool]) -
         time.sleep(0.02)
 
 
-# The pipeline's body (proxy.http.body), and a passed-through JSON body, read for its model (routes.generic:
+# The pipeline's body (proxy.http.body), and a passed-through JSON body, read for its model (routes.passthrough:
 # its 499 had no code, and was logged as invalid_request_error).
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
 def test_a_client_leaving_mid_upload_is_logged_499_client_disconnected(

@@ -336,7 +336,7 @@ def test_a_trickled_body_is_cut_at_the_deadline_each_byte_does_not_extend_it(ser
 
 
 def test_a_stalled_pass_through_upload_is_cut_at_the_deadline(served: ProxyProcess) -> None:
-    """The multipart body streams to the backend as it arrives (routes/generic._Upload)."""
+    """The multipart body streams to the backend as it arrives (routes/passthrough._Upload)."""
     before = slow_clients(served)
     client = Client(served, head(UPLOAD_PATH, 10_000, "multipart/form-data; boundary=b") + b"--b\r\n")
 

@@ -1,172 +1,349 @@
-"""Routes the proxy forwards without rewriting: completions, embeddings, models."""
+"""Every other route the backend serves, passed through: tokenize, rerank, score, pooling, classify,
+audio, version, and whatever vLLM adds later.
+
+Bodies are not buffered: a JSON body (bounded by ``max_body_bytes``) is read to learn its model
+(routing and metrics), anything else (multipart audio) streams to the backend as it arrives, and
+the answer streams back as the backend sends it. Each request gets the caller's tenant, metrics
+under the route's name and the overhead header, like the rest of the API. Routes that change or
+expose the engine (``routes.admin_routes``: reset_prefix_cache, sleep, collective_rpc, weight
+updates, LoRA loading...) need the admin key and reach the backend with the proxy's own key.
+"""
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import time
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from urllib.parse import quote
 
-from starlette.requests import Request
+import httpx
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Match, Route
+from starlette.types import Scope
 
-from proxy.app_state import ProxyState
-from proxy.chat.budget import completion_allowance, effective_budget, prompt_ceiling, usage_limits
-from proxy.chat.turn import budget_refused
-from proxy.config import BudgetSettings
-from proxy.http.body import parse_json_object, read_body, require_model, validate_completion_request
-from proxy.http.context import RequestContext
-from proxy.http.errors import ProxyError, UpstreamUnreachable
-from proxy.openai.jsonio import dumps
-from proxy.openai.usage import Usage
-from proxy.protocols.chat import with_upstream_usage
-from proxy.routes.exchange import StreamingAnswer, UpstreamAnswer, Wire, respond, send, send_json, upstream_error
-from proxy.routes.forward import api_endpoint, upstream_headers, whole_answer
-from proxy.sessions.model import Reservation, UsageLimit
-from proxy.sessions.service import StoreUnavailable
-from proxy.tenants import Tenant
+from proxy.app_state import ProxyState, get_state
+from proxy.http.body import MAX_MODEL_CHARS, is_text
+from proxy.http.context import RequestContext, overhead_header
+from proxy.http.errors import (
+    BodyTooDeep,
+    ClientDisconnected,
+    ClientError,
+    NotFound,
+    PayloadTooLarge,
+    ProxyError,
+    RequestTimeout,
+)
+from proxy.http.paths import PATH_SAFE, InvalidPath, canonical_path, invalid_path
+from proxy.http.streaming import RelayResponse, StreamEnd
+from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
+from proxy.routes.admin import require_admin
+from proxy.routes.exchange import upstream_error, within_deadline
+from proxy.routes.forward import (
+    REQUEST_ID_HEADER,
+    after_response,
+    authenticate,
+    error_response,
+    new_context,
+    proxy_headers,
+    upstream_headers,
+)
+
+# Paths the proxy answers itself (or, for /metrics on its own port, must not answer): never
+# forwarded, whatever the method.
+RESERVED = ("/metrics", "/healthz", "/readyz", "/admin", "/v1/sessions")
+
+# vLLM 0.32's routes by metric label (docs/protocols.md); any other forwarded path counts as
+# "other", so clients cannot grow the label set.
+KNOWN_ROUTES = {
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/tokenizer_info": "tokenizer_info",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/score": "score",
+    "/v1/score": "score",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/v2/embed": "embed",
+    "/v1/audio/transcriptions": "audio_transcriptions",
+    "/v1/audio/translations": "audio_translations",
+    "/version": "version",
+    "/health": "health",
+    "/load": "load",
+    "/ping": "ping",
+    "/invocations": "invocations",
+    "/generative_scoring": "generative_scoring",
+    "/v1/chat/completions/batch": "chat_batch",
+    "/v1/chat/completions/render": "render",
+    "/v1/completions/render": "render",
+    "/v1/messages/render": "render",
+    "/v1/responses/render": "render",
+    "/v1/chat/completions/derender": "render",
+    "/v1/completions/derender": "render",
+    "/inference/v1/generate": "generate_tokens",
+    "/cohere/v2/chat": "cohere_chat",
+}
+_FORWARDED_RESPONSE_HEADERS = ("content-type", "content-encoding", "content-disposition")
+_BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+# Set by PassthroughRoute on a request whose path is an owned route's in another letter case.
+OWNED_SPELLING = "prefix_proxy.owned_spelling"
 
 
-async def completions(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
-    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
-    validate_completion_request(body)
-    body = state.tenants.cache_salted(tenant, body)
-    ctx.model = body["model"]
-    ctx.stream = bool(body.get("stream"))
-    budget = CompletionBudget.admit(state, tenant, body)
-    await budget.reserve()
-    client_wants_usage = True
-    if ctx.stream:
-        body, client_wants_usage = with_upstream_usage(body)
+def matches(path: str, patterns: list[str]) -> bool:
+    """Whether ``path`` matches a pattern, ASCII case aside: an upstream that matches routes
+    case-insensitively must not be handed ``/Reset_Prefix_Cache`` as a tenant route."""
+    path = path.lower()
+    return any(fnmatch.fnmatchcase(path, pattern.rstrip("/").lower() or "/") for pattern in patterns)
+
+
+def _ungoverned(state: ProxyState, path: str) -> bool:
+    """A generation route the pipeline does not serve, while tenants or budgets govern generation
+    (and the operator did not allow it by name)."""
+    routes = state.settings.routes
+    if not matches(path, routes.ungoverned_generation):
+        return False
+    if routes.allowed_routes is not None and matches(path, routes.allowed_routes):
+        return False
+    settings = state.settings
+    budgets = settings.budget.tenant_tokens_per_window or settings.budget.session_tokens_per_window
+    return not state.tenants.open or bool(budgets) or bool(settings.model_budgets)
+
+
+def route_label(path: str, admin: bool) -> str:
+    return "admin_passthrough" if admin else KNOWN_ROUTES.get(path, "other")
+
+
+async def passthrough(request: Request) -> Response:
+    state = get_state(request)
+    path: str | None
     try:
-        answer = await send(
-            state, request, ctx, COMPLETIONS, dumps(body), stream=ctx.stream, client_wants_usage=client_wants_usage
+        # Canonical already (proxy.app makes every path so before routing); checked again here
+        # so that this route can never forward another spelling, whatever app it is mounted in.
+        path = canonical_path(request.scope["path"])
+    except InvalidPath:
+        path = None
+    settings = state.settings.routes
+    admin = path is not None and matches(path, settings.admin_routes)
+    ctx = new_context(request, route_label(path or "", admin))
+    ctx.deadline = ctx.started + state.settings.request_timeout_s
+    if state.tracing is not None:
+        state.tracing.start(request, ctx)
+    try:
+        if path is None:
+            raise invalid_path()
+        folded = path.lower()
+        reserved = request.scope.get(OWNED_SPELLING, False) or any(
+            folded == r or folded.startswith(r + "/") for r in RESERVED
         )
-    except ProxyError:
-        await budget.settle(None, answered=False)
-        raise
-    if not isinstance(answer, StreamingAnswer):
-        budget.completed(answer)  # a stream's ending is told when the stream ends
-        await budget.record()
-    return respond(state, ctx, answer, budget)
-
-
-COMPLETIONS = Wire("/completions", answer_list="choices")
-EMBEDDINGS = Wire("/embeddings")
-MODELS = Wire("/models")
-
-
-class CompletionBudget:
-    """The tenant's usage budget on ``/v1/completions`` (no session: the tenant's limit only), so
-    that no route generates past it: reserved as the chat pipeline reserves (the prompt's ceiling,
-    every completion of every prompt), settled to the backend's usage."""
-
-    def __init__(
-        self, state: ProxyState, tenant: str, budget: BudgetSettings, limits: list[UsageLimit], prompt: int, amount: int
-    ) -> None:
-        self._state, self._tenant, self._budget, self._limits = state, tenant, budget, limits
-        self._prompt, self._amount = prompt, amount
-        self._reservation: Reservation | None = None
-        self._unreserved = False
-        self._settlement: Coroutine[Any, Any, None] | None = None
-
-    @classmethod
-    def admit(cls, state: ProxyState, tenant: Tenant, body: dict[str, Any]) -> CompletionBudget:
-        model = str(body.get("model"))
-        budget = effective_budget(state.settings.budget, state.settings.model_budgets.get(model), tenant.budget)
-        limits = usage_limits(budget, tenant.name, None)
-        if not limits:
-            return cls(state, tenant.name, budget, limits, 0, 0)  # no budget: nothing to size
-        prompt = body.get("prompt")
-        prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
-        # The prompt as JSON: at least one byte per token for text, and for token ids alike.
-        ceiling = prompt_ceiling(len(dumps(prompt)) if prompt is not None else 0, prompts)
-        completion = completion_allowance(body, budget) * prompts
-        return cls(state, tenant.name, budget, limits, ceiling, ceiling + completion)
-
-    async def reserve(self) -> None:
-        if not self._limits:
-            return
-        sessions = self._state.sessions
-        try:
-            reservation = await sessions.reserve(self._limits, self._amount, self._budget.window_s)
-        except StoreUnavailable:
-            self._unreserved = True  # admitted: the store's outage is never the client's
-            return
-        if not reservation.admitted:
-            raise budget_refused(self._state.metrics, self._tenant, reservation)
-        self._reservation = reservation
-
-    # -- how the answer ended (proxy.routes.forward.AnswerEnding) --------------------------------
-
-    def completed(self, answer: UpstreamAnswer) -> None:
-        if isinstance(answer, StreamingAnswer):
-            self._settlement = self.settle(answer.relay.usage, answered=True)
-        else:  # the upstream's error spent nothing
-            self._settlement = self.settle(answer.usage, answered=answer.ok)
-
-    def cut_short(self, usage: Usage | None, events: int) -> None:
-        self._settlement = self.settle_cut_short(usage, events)
-
-    def failed(self, error: ProxyError | None) -> None:
-        self._settlement = self.settle(None, answered=False)
-
-    async def record(self) -> None:
-        settlement, self._settlement = self._settlement, None
-        if settlement is not None:
-            await settlement
-
-    async def settle(self, usage: Usage | None, *, answered: bool) -> None:
-        """Charge what the backend reported; an answer without readable usage keeps its
-        reservation, a request that got no answer gives it all back."""
-        if usage is not None:
-            await self._settle_to(usage.prompt_tokens + usage.completion_tokens)
-        elif not answered:
-            await self._settle_to(0)
-
-    async def settle_cut_short(self, usage: Usage | None, events: int) -> None:
-        """A stream that stopped short: what the backend reported, else the prompt and a token per
-        event relayed (vLLM streams about one per event), never more than was reserved."""
-        if usage is not None:
-            await self._settle_to(usage.prompt_tokens + usage.completion_tokens)
+        allowed = settings.allowed_routes is None or admin or matches(path, settings.allowed_routes)
+        if reserved or not settings.passthrough or not allowed or matches(path, settings.denied_routes):
+            raise NotFound(f"no route {path}")
+        if not admin and _ungoverned(state, path):
+            raise NotFound(
+                f"{path} generates outside the proxy's pipeline (no budget, no cache salt): use "
+                "/v1/chat/completions or /v1/completions, or list it in routes.allowed_routes"
+            )
+        if admin:
+            require_admin(state, request)
+            ctx.tenant = "admin"
         else:
-            await self._settle_to(min(self._amount, self._prompt + events))
-
-    async def _settle_to(self, spent: int) -> None:
-        reservation, self._reservation = self._reservation, None
-        if self._unreserved:
-            self._unreserved = False
-            await self._state.sessions.charge_unreserved(self._limits, spent, self._budget.window_s)
-        await self._state.sessions.settle(reservation, spent, self._budget.window_s)
+            await authenticate(state, request, ctx)
+        return await forward_raw(state, request, ctx, path, admin=admin)
+    except ProxyError as error:
+        return error_response(state, ctx, error)
 
 
-async def embeddings(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
-    raw = await read_body(request, state.settings.max_body_bytes)
-    ctx.model = require_model(parse_json_object(raw))
-    return await send_json(state, request, ctx, EMBEDDINGS, raw)
-
-
-async def models(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
-    if state.backends.single:
-        return await send_json(state, request, ctx, MODELS, None, method="GET")
-    return await merged_models(state, request, ctx)
-
-
-async def merged_models(state: ProxyState, request: Request, ctx: RequestContext) -> Response:
-    """Several backends: one list of every model any live backend serves to the caller's credentials."""
+async def forward_raw(
+    state: ProxyState,
+    request: Request,
+    ctx: RequestContext,
+    path: str,
+    *,
+    admin: bool = False,
+    backend: str | None = None,
+) -> Response:
+    """Forward ``request`` to ``path`` (``/v1/...`` under the API base, anything else at the server
+    root), its body streamed or (JSON) read for its model, the answer streamed back."""
+    body, replayable, upload = await _request_body(state, request, ctx)
+    headers = (
+        {REQUEST_ID_HEADER: ctx.request_id, **state.backends.credentials(None)}
+        if admin
+        else {k: v for k, v in upstream_headers(state, request, ctx).items() if k != "content-type"}
+    )
+    if admin and state.tracing is not None:
+        state.tracing.inject(ctx, headers)
+    for name in ("content-type", "accept"):
+        if (value := request.headers.get(name)) is not None and value.isascii():
+            headers[name] = value
+    under_api = path.startswith("/v1/")
+    # Sent as the upstream will decode it to the path matched here (a %00 or a space included).
+    target = quote(path[3:] if under_api else path, safe=PATH_SAFE)
+    if request.url.query:
+        target += "?" + request.url.query
     ctx.mark_upstream_sent()
-    listing = await state.backends.list_models(upstream_headers(state, request, ctx))
-    ctx.upstream_done_at = time.perf_counter()
-    if listing.data is None and listing.refusal is not None:
-        return upstream_error(state, ctx, listing.refusal.status_code, listing.refusal.content)
-    if listing.data is None:
-        raise UpstreamUnreachable("no backend answered")
-    body = dumps({"object": "list", "data": listing.data})
-    return whole_answer(state, ctx, body, 200)
+    try:
+        async with within_deadline(ctx):
+            response = await state.backends.open(
+                request.method,
+                target,
+                content=body,
+                headers=headers,
+                root=not under_api,
+                key=ctx.route_key,
+                model=ctx.model,
+                pinned_to=backend,
+                replayable=replayable,
+            )
+    except ProxyError:
+        if upload is not None and upload.failure is not None:
+            raise upload.failure from None
+        raise
+    ctx.backend = response.extensions.get("prefix_proxy_backend")
+    ctx.upstream_headers_at = time.perf_counter()
+    ctx.status = response.status_code
+    if response.status_code >= 400:
+        async with within_deadline(ctx):
+            raw = await state.backends.read(response)
+        ctx.upstream_done_at = time.perf_counter()
+        return upstream_error(state, ctx, response.status_code, raw, response.headers)
+    return _streamed(state, ctx, response)
 
 
-routes = [
-    Route("/v1/completions", api_endpoint("completions", completions), methods=["POST"]),
-    Route("/v1/embeddings", api_endpoint("embeddings", embeddings), methods=["POST"]),
-    Route("/v1/models", api_endpoint("models", models), methods=["GET"]),
-]
+class _Upload:
+    """The client's body on its way upstream, bounded, without buffering it."""
+
+    def __init__(self, request: Request, limit: int) -> None:
+        self._request = request
+        self._limit = limit
+        self.failure: ClientError | None = None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        size = 0
+        try:
+            async for chunk in self._request.stream():
+                size += len(chunk)
+                if size > self._limit:
+                    self.failure = PayloadTooLarge(self._limit)
+                    raise self.failure
+                yield chunk
+        except ClientDisconnect:
+            self.failure = ClientDisconnected()
+            raise self.failure from None
+        except RequestTimeout as timeout:
+            self.failure = timeout  # the body's read deadline (proxy.http.inbound): the client's 408
+            raise
+
+
+async def _request_body(
+    state: ProxyState, request: Request, ctx: RequestContext
+) -> tuple[bytes | _Upload | None, bool, _Upload | None]:
+    """(body, replayable, upload): a JSON body read (for its model), anything else streamed."""
+    limit = state.settings.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(limit)
+    if request.method in _BODYLESS and declared in (None, "0") and "transfer-encoding" not in request.headers:
+        return None, True, None
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        upload = _Upload(request, limit)
+        return upload, False, upload
+    chunks = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnected() from None
+    raw = b"".join(chunks)
+    try:
+        parsed = loads(raw, max_depth=MAX_DEPTH) if raw else None
+    except TooDeep:
+        # As on the proxy's own routes: no backend needs it, and a parser may not survive it.
+        raise BodyTooDeep(MAX_DEPTH) from None
+    except (ValueError, UnicodeDecodeError):
+        parsed = None  # the backend judges its own input
+    model = parsed.get("model") if isinstance(parsed, dict) else None
+    if isinstance(model, str) and model and len(model) <= MAX_MODEL_CHARS and is_text(model):
+        ctx.model = model
+    return raw, True, None
+
+
+def _streamed(state: ProxyState, ctx: RequestContext, response: httpx.Response) -> Response:
+    headers = proxy_headers(ctx)
+    headers["content-type"] = "application/octet-stream"  # unless the backend says what it is
+    for name in _FORWARDED_RESPONSE_HEADERS:
+        if (value := response.headers.get(name)) is not None:
+            headers[name] = value
+    event_stream = response.headers.get("content-type", "").startswith("text/event-stream")
+    ctx.stream = event_stream
+    overhead = ctx.relay_start_overhead(time.perf_counter())
+    headers.update(overhead_header(overhead))
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        except (httpx.TransportError, httpx.TimeoutException):
+            # Headers are out: the answer can only stop short; the access log says why.
+            ctx.error_code = "upstream_stream_interrupted"
+        finally:
+            await response.aclose()
+
+    def on_end(end: StreamEnd) -> None:
+        ctx.upstream_done_at = time.perf_counter()
+        if end != "sent":
+            ctx.error_code = "client_disconnected" if end == "disconnected" else "request_deadline_exceeded"
+
+    deadline_event = (
+        ctx.dialect.stream_event("the request exceeded its deadline", "request_deadline_exceeded")
+        if event_stream
+        else b""
+    )
+    return RelayResponse(
+        body(),
+        headers=headers,
+        on_end=on_end,
+        close=response.aclose,
+        status_code=response.status_code,
+        deadline_s=max(0.0, ctx.deadline - time.perf_counter()),
+        deadline_event=deadline_event,
+        background=after_response(state, ctx, overhead),
+    )
+
+
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+class PassthroughRoute(Route):
+    """Matches every path but those of the proxy's own routes: a wrong method on those is the
+    proxy's 405 (with ``Allow``), not a request for the backend."""
+
+    def __init__(self, owned: Sequence[BaseRoute]) -> None:
+        super().__init__("/{path:path}", passthrough, methods=METHODS)
+        self._owned = [r for r in owned if isinstance(r, Route)]
+        self._owned_folded = [re.compile(r.path_regex.pattern, re.IGNORECASE) for r in self._owned]
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] != "http":
+            return super().matches(scope)
+        path = scope["path"]
+        if any(r.path_regex.match(path) for r in self._owned):
+            return Match.NONE, {}
+        match, child = super().matches(scope)
+        if match is not Match.NONE and any(r.match(path) for r in self._owned_folded):
+            # An owned route in other letters: never forwarded (the proxy's 404), since an upstream
+            # that matches case-insensitively would serve it past that route's pipeline.
+            child[OWNED_SPELLING] = True
+        return match, child
+
+
+def routes(owned: Sequence[BaseRoute]) -> list[BaseRoute]:
+    """The pass-through route, to be placed after ``owned`` (the app's own routes)."""
+    return [PassthroughRoute(owned)]

@@ -31,7 +31,7 @@ from proxy.http.errors import ProxyError, ResponseNotFound
 from proxy.protocols import responses
 from proxy.protocols.responses import RESPONSES
 from proxy.routes.forward import api_endpoint, upstream_headers
-from proxy.routes.generic import forward_raw
+from proxy.routes.passthrough import forward_raw
 from proxy.routes.pipeline import TurnOptions, forward_turn, read_request
 from proxy.sessions.service import StoreUnavailable
 from proxy.tenants import Tenant
