@@ -141,6 +141,18 @@ class ChatTurn:
         positions = (self.anchored.position(index) for index in self.inserted)
         return frozenset(position for position in positions if position is not None)
 
+    def client_index(self, forwarded_index: int) -> int | None:
+        """Which message of the client's (chat-shaped) request the forwarded message
+        ``forwarded_index`` is, or comes just before (a block canonicalization made); None for the
+        proxy's summary and the messages it restored."""
+        index = forwarded_index
+        anchored = self.anchored
+        if anchored is not None and (anchored.removed or anchored.restored) and index >= anchored.insert_at:
+            if index < anchored.history_start + anchored.restored:
+                return None
+            index = index - anchored.history_start - anchored.restored + anchored.insert_at + anchored.removed
+        return index - sum(1 for made in self.inserted if made < index)
+
     @classmethod
     async def begin(
         cls,

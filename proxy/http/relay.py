@@ -89,6 +89,25 @@ def is_error_event(event: bytes) -> bool:
     return isinstance(payload.get("error"), dict) or payload.get("type") == "error" or payload.get("object") == "error"
 
 
+def with_data_fields(event: bytes, target: Callable[[dict[str, Any]], Any], fields: dict[str, Any]) -> bytes | None:
+    """The event with ``fields`` added to the object ``target`` picks out of its JSON data (the
+    other lines, and the rest of the data, as they were re-serialized); None when it has none."""
+    start = event.find(b"data: {")
+    if start < 0:
+        return None
+    end = event.find(b"\n", start)
+    end = len(event) if end < 0 else end
+    try:
+        payload: Any = loads(event[start + 6 : end])
+    except ValueError:
+        return None
+    found = target(payload) if isinstance(payload, dict) else None
+    if not isinstance(found, dict):
+        return None
+    found.update(fields)
+    return event[:start] + b"data: " + dumps(payload) + event[end:]
+
+
 def _until_foreign(complete: bytes) -> bytes:
     """The events before the first that is not :func:`well_formed`."""
     good: list[bytes] = []
@@ -114,6 +133,7 @@ class SSERelay:
         dialect: ErrorDialect = OPENAI,
         on_answer: Callable[[dict[str, Any]], None] | None = None,
         scrub: Callable[[bytes], bytes] | None = None,
+        answer_fields: dict[str, Any] | None = None,
     ) -> None:
         self._response = response
         self._dialect = dialect
@@ -143,6 +163,11 @@ class SSERelay:
         # ``on_answer`` is told its header as soon as an event names it (Responses' response.created).
         self.answer: dict[str, Any] | None = None
         self._on_answer = on_answer
+        # The backend's id of the answer, once an event names it.
+        self.answer_id: str | None = None
+        # Fields the proxy adds to the answer object at the client's request (cache diagnostics),
+        # in the event that carries it (``_annotate``); None once added.
+        self._answer_fields = answer_fields
 
     @property
     def usage(self) -> Usage | None:
@@ -249,6 +274,8 @@ class SSERelay:
             complete = _until_foreign(complete)
         if self._wants(complete):
             complete = self._inspect(complete)
+        if self._answer_fields is not None:
+            complete = self._annotate(complete)
         self.events += complete.count(_EVENT_END)
         if self._is_final(complete):
             # The answer is whole once [DONE] is relayed: a client that hangs up at once must not
@@ -313,6 +340,22 @@ class SSERelay:
             out.append(event + _EVENT_END)
         return b"".join(out)
 
+    def _annotate(self, block: bytes) -> bytes:
+        """Add the answer fields to the first chunk (chat completions: each chunk is the answer
+        object so far, and SDKs keep the first chunk's extra fields)."""
+        fields = self._answer_fields
+        out: list[bytes] = []
+        for event in block.split(_EVENT_END):
+            if not event:
+                continue
+            if fields is not None and event.startswith(b"data: {"):
+                rewritten = with_data_fields(event, lambda payload: payload, fields)
+                if rewritten is not None:
+                    event, fields = rewritten, None
+            out.append(event + _EVENT_END)
+        self._answer_fields = fields
+        return b"".join(out)
+
     def _inspect_event(self, event: bytes) -> bytes | None:
         """Returns the event to forward (possibly rewritten), or None to drop it."""
         try:
@@ -322,6 +365,8 @@ class SSERelay:
             return None
         if not isinstance(chunk, dict):
             return event
+        if self.answer_id is None and isinstance(chunk.get("id"), str):
+            self.answer_id = chunk["id"]
         choices = chunk.get("choices")
         if isinstance(choices, list):
             for choice in choices:

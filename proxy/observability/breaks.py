@@ -125,6 +125,39 @@ class CacheBreak:
         }
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """A prompt against a given earlier one (the cache diagnostics a client asks for by naming
+    the earlier answer): what changed first, in the order the backend renders it, and where.
+
+    ``changed`` is None when the prompt starts with the whole earlier one (its cache was usable).
+    ``message`` is the first forwarded message that differs (-1: the tools, None: nothing); the
+    byte counts are the earlier prompt's, so that tokens missed are what the earlier request had
+    put in the cache."""
+
+    changed: str | None
+    message: int | None
+    line: int | None
+    shared_bytes: int
+    previous_bytes: int
+    tokens_per_byte: float
+
+    @property
+    def missed_tokens(self) -> int:
+        """Tokens of the earlier prompt after the first difference: what its cache could have served."""
+        return int(max(0, self.previous_bytes - self.shared_bytes) * self.tokens_per_byte)
+
+    @property
+    def reusable_tokens(self) -> int:
+        """Tokens of the earlier prompt a prompt starting with it could reuse."""
+        return int(self.previous_bytes * self.tokens_per_byte)
+
+    @property
+    def divergence_token(self) -> int:
+        """About where, in tokens, the prompts first differ."""
+        return int(self.shared_bytes * self.tokens_per_byte)
+
+
 @dataclass
 class _App:
     prompts: list[int] = field(default_factory=list)
@@ -182,6 +215,27 @@ class BreakMemory:
         forwarded = peek(self._prompts, prompt_id)
         if forwarded is not None and prompt_tokens > 0 and forwarded.prompt.total_bytes:
             forwarded.tokens_per_byte = prompt_tokens / forwarded.prompt.total_bytes
+
+    def compare(self, prompt_id: int, previous_id: int) -> Comparison | None:
+        """``prompt_id``'s prompt against ``previous_id``'s; None when either is forgotten."""
+        current, previous = peek(self._prompts, prompt_id), peek(self._prompts, previous_id)
+        if current is None or previous is None:
+            return None
+        new, old = current.prompt, previous.prompt
+        per_byte = previous.tokens_per_byte
+        if (old.namespace, old.model) != (new.namespace, new.model):
+            return Comparison("model", None, None, 0, old.total_bytes, per_byte)
+        if not _same_system(old, new):
+            message, line = _system_difference(old, new)
+            # What the backend renders ahead of the first differing system message.
+            shared = old.bytes_at(message) if old.tools == new.tools else 0
+            return Comparison("system", message, line, shared, old.total_bytes, per_byte)
+        if old.tools != new.tools:
+            return Comparison("tools", -1, None, 0, old.total_bytes, per_byte)
+        common = _common_prefix(old, new)
+        if common == len(old):
+            return Comparison(None, None, None, old.total_bytes, old.total_bytes, per_byte)
+        return Comparison("messages", common, None, old.bytes_at(common), old.total_bytes, per_byte)
 
     # -- internals -----------------------------------------------------------------------------
 

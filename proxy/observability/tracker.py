@@ -12,12 +12,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from cachetools import LRUCache
+
 from proxy.config import CacheBreakSettings
 from proxy.http.context import PendingCacheBreak
-from proxy.observability.breaks import CAUSES, NONE, BreakMemory, CacheBreak
+from proxy.observability.breaks import CAUSES, NONE, BreakMemory, CacheBreak, Comparison
 from proxy.observability.digests import digest_prompt, message_hash
 from proxy.observability.metrics import Metrics
 from proxy.openai.usage import Usage
+from proxy.recent import peek
 
 HEADER = "x-prefix-proxy-cache-break"
 
@@ -51,6 +54,10 @@ class CacheBreakTracker:
     def __init__(self, settings: CacheBreakSettings, metrics: Metrics) -> None:
         self.enabled = settings.enabled
         self.memory = BreakMemory(settings.memory_prompts, settings.block_size)
+        # (tenant, the backend's answer id) -> the prompt it answered: what a client's cache
+        # diagnostics name (Anthropic's previous_message_id, Responses' comparison_response_id).
+        # Per tenant: another tenant's id is not found.
+        self._answers: LRUCache[tuple[str, str], int] = LRUCache(max(1, settings.memory_prompts))
         self._metrics = metrics
         for cause in CAUSES:
             metrics.cache_break_tokens.labels(cause)
@@ -76,6 +83,20 @@ class CacheBreakTracker:
         key = f"{tenant}\x1f{conversation}" if conversation else None
         explanation, prompt_id = self.memory.observe(prompt, key, moved_volatile=moved, tokens_per_byte=tokens_per_byte)
         return PendingBreak(explanation, prompt_id, self.memory)
+
+    def remember_answer(self, tenant: str, answer_id: str, pending: PendingBreak) -> None:
+        if answer_id and len(answer_id) <= 256:
+            self._answers[(tenant, answer_id)] = pending.prompt_id
+
+    def compare(self, tenant: str, answer_id: str | None, pending: PendingBreak) -> Comparison | None:
+        """This request's prompt against the one the tenant's answer ``answer_id`` answered; None
+        when that answer is unknown (another tenant's, forgotten, or never relayed)."""
+        if not answer_id:
+            return None
+        previous = peek(self._answers, (tenant, answer_id))
+        if previous is None:
+            return None
+        return self.memory.compare(pending.prompt_id, previous)
 
     def count(self, pending: PendingCacheBreak) -> None:
         """Counters for a settled request (label values: :data:`CAUSES` only, never text)."""

@@ -27,13 +27,20 @@ from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
 from proxy.http.body import is_text, require_model
 from proxy.http.dialect import ANTHROPIC
 from proxy.http.errors import InvalidRequest
-from proxy.http.relay import SSERelay
+from proxy.http.relay import SSERelay, with_data_fields
 from proxy.openai.assistant import AssistantRecorder, ToolCall
 from proxy.openai.jsoncanon import sort_keys_deep
 from proxy.openai.messages import STABLE_ROLES
 from proxy.openai.usage import Usage, token_count
 from proxy.protocols.align import align
-from proxy.protocols.base import GenerationProtocol, event_payloads, summary_options, texts
+from proxy.protocols.base import (
+    Diagnosis,
+    DiagnosticsAsk,
+    GenerationProtocol,
+    event_payloads,
+    summary_options,
+    texts,
+)
 
 BILLING_HEADER = "x-anthropic-billing-header"
 ROLES = frozenset({"user", "assistant", "system"})
@@ -162,6 +169,14 @@ class AnthropicView:
         if isinstance(metadata, dict) and isinstance(metadata.get("user_id"), str):
             chat["user"] = metadata["user_id"]  # a session id only where sessions.use_user says so
         return cls(body, chat, sources, actions)
+
+    def position(self, index: int) -> tuple[int | str | None, int | None]:
+        """The client's message (``"system"``: the ``system`` field) and first content block."""
+        if not 0 <= index < len(self.sources):
+            return None, None
+        source = self.sources[index]
+        block = source.blocks[0] if source.blocks else None
+        return ("system" if source.message is None else source.message), block
 
     # -- back to the client's protocol --------------------------------------------------------
 
@@ -625,9 +640,24 @@ class AnthropicRelay(SSERelay):
                 self._read(payload)
         return block
 
+    def _annotate(self, block: bytes) -> bytes:
+        """The answer fields go on the message ``message_start`` carries (the SDKs' Message)."""
+        if b'"message_start"' not in block:
+            return block
+        out: list[bytes] = []
+        for event in block.split(b"\n\n"):
+            if event and self._answer_fields is not None and b'"message_start"' in event:
+                rewritten = with_data_fields(event, lambda payload: payload.get("message"), self._answer_fields)
+                if rewritten is not None:
+                    event, self._answer_fields = rewritten, None
+            out.append(event)
+        return b"\n\n".join(out)
+
     def _read(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
         if kind == "message_start" and isinstance(event.get("message"), dict):
+            if isinstance(event["message"].get("id"), str):
+                self.answer_id = event["message"]["id"]
             usage = read_usage(event["message"].get("usage"))
             if usage is not None:
                 self.usage = usage
@@ -704,6 +734,34 @@ class AnthropicMessages(GenerationProtocol):
 
     def channel(self, view: AnthropicView) -> AnthropicChannel:
         return AnthropicChannel(view)
+
+    def diagnostics_asked(self, body: dict[str, Any]) -> tuple[dict[str, Any], DiagnosticsAsk | None]:
+        """``diagnostics: {previous_message_id}`` (``null`` on a conversation's first turn)."""
+        asked = body.get("diagnostics")
+        if "diagnostics" not in body:
+            return body, None
+        body = {key: value for key, value in body.items() if key != "diagnostics"}
+        previous = asked.get("previous_message_id") if isinstance(asked, dict) else None
+        return body, DiagnosticsAsk(previous if isinstance(previous, str) and previous else None)
+
+    def diagnostics_fields(self, diagnosis: Diagnosis) -> dict[str, Any]:
+        """``diagnostics: {cache_miss_reason}``: null for a hit and for a first turn (nothing to
+        compare with), else the reason and the input tokens that missed."""
+        reason: dict[str, Any] | None
+        if diagnosis.outcome in ("hit", "not_compared"):
+            reason = None
+        elif diagnosis.outcome == "not_found":
+            reason = {"type": "previous_message_not_found"}
+        elif diagnosis.outcome == "unavailable":
+            reason = {"type": "unavailable"}
+        else:
+            changed = "messages" if diagnosis.changed == "compacted" else diagnosis.changed
+            reason = {
+                "type": f"{changed}_changed",
+                "cache_missed_input_tokens": diagnosis.missed_tokens,
+                "divergence": diagnosis.divergence(),
+            }
+        return {"diagnostics": {"cache_miss_reason": reason}}
 
 
 MESSAGES = AnthropicMessages()

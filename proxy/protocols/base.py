@@ -11,7 +11,8 @@ summarizer's request for the conversation is sent in the same protocol. The pipe
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, ClassVar, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol
 
 from proxy.canon.tools import ToolOrders
 from proxy.http.dialect import OPENAI, ErrorDialect
@@ -24,12 +25,49 @@ from proxy.protocols.channel import SummaryChannel
 
 class ProtocolView(Protocol):
     """A request seen as chat: ``chat`` is the view, ``restore`` maps a canonical view back onto
-    the client's body (byte-identical wherever nothing changed)."""
+    the client's body (byte-identical wherever nothing changed), ``position`` names where a view
+    message came from in the client's body (its message or input item, and content block)."""
 
     chat: dict[str, Any]
     actions: list[str]
 
     def restore(self, forwarded: dict[str, Any]) -> dict[str, Any]: ...
+
+    def position(self, index: int) -> tuple[int | str | None, int | None]: ...
+
+
+@dataclass(frozen=True)
+class DiagnosticsAsk:
+    """A client's request for cache diagnostics, and the earlier answer it names (None: none yet,
+    as Anthropic's ``previous_message_id: null`` on a conversation's first turn)."""
+
+    previous_id: str | None
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What the proxy found, for a protocol to answer in its hosted shape.
+
+    ``outcome``: ``hit`` (the prompt starts with the earlier one), ``miss`` (``changed`` says what
+    changed first: model, system, tools, messages, or compacted when the difference is the
+    proxy's summary), ``not_found`` (the earlier answer is not the tenant's, or is forgotten),
+    ``unavailable`` (the explanation is off), ``not_compared`` (no earlier answer named). Where
+    the prompts first differ: the client's ``message`` (an index; ``"system"``,
+    ``"instructions"`` or ``"tools"`` for what is not in the message list), its content ``block``,
+    the system prompt's ``line`` and about which ``token``."""
+
+    outcome: Literal["hit", "miss", "not_found", "unavailable", "not_compared"]
+    changed: str | None = None
+    missed_tokens: int = 0
+    reusable_tokens: int = 0
+    message: int | str | None = None
+    block: int | None = None
+    line: int | None = None
+    token: int | None = None
+
+    def divergence(self) -> dict[str, Any]:
+        where = {"message": self.message, "block": self.block, "line": self.line, "token": self.token}
+        return {key: value for key, value in where.items() if value is not None}
 
 
 class GenerationProtocol:
@@ -68,6 +106,17 @@ class GenerationProtocol:
     def channel(self, view: Any) -> SummaryChannel:
         raise NotImplementedError
 
+    # -- cache diagnostics ---------------------------------------------------------------------
+
+    def diagnostics_asked(self, body: dict[str, Any]) -> tuple[dict[str, Any], DiagnosticsAsk | None]:
+        """The body without the protocol's diagnostics request (the proxy answers it; a backend
+        may not know it), and that request; None when the client asked for none."""
+        return openai_diagnostics_asked(body)
+
+    def diagnostics_fields(self, diagnosis: Diagnosis) -> dict[str, Any]:
+        """The fields the answer object gets for ``diagnosis``, in the protocol's hosted shape."""
+        return openai_diagnostics_fields(diagnosis)
+
 
 def texts(content: Any) -> list[str]:
     """The text parts of a message's content (a string, or a list of ``{"type": "text"}`` parts)."""
@@ -99,3 +148,45 @@ def summary_options(body: dict[str, Any], original: dict[str, Any], tool_choice_
         body["tool_choice"] = tool_choice_none
     if original.get("cache_salt"):
         body["cache_salt"] = original["cache_salt"]
+
+
+# OpenAI's shape (Responses' ``prompt_cache_options.comparison_response_id`` and
+# ``prompt_cache_diagnostics``, which the proxy also answers on chat completions).
+_OPENAI_REASONS = {
+    "model": "model_changed",
+    "tools": "tools_changed",
+    "system": "input_changed",
+    "messages": "input_changed",
+    "compacted": "context_compacted",
+}
+
+
+def openai_diagnostics_asked(body: dict[str, Any]) -> tuple[dict[str, Any], DiagnosticsAsk | None]:
+    options = body.get("prompt_cache_options")
+    if not isinstance(options, dict) or "comparison_response_id" not in options:
+        return body, None
+    previous = options.get("comparison_response_id")
+    rest = {key: value for key, value in options.items() if key != "comparison_response_id"}
+    body = {key: value for key, value in body.items() if key != "prompt_cache_options"}
+    if rest:
+        body["prompt_cache_options"] = rest
+    return body, DiagnosticsAsk(previous if isinstance(previous, str) and previous else None)
+
+
+def openai_diagnostics_fields(diagnosis: Diagnosis) -> dict[str, Any]:
+    found: dict[str, Any]
+    if diagnosis.outcome == "hit":
+        found = {"type": "cache_hit"}
+    elif diagnosis.outcome == "miss":
+        found = {
+            "type": "cache_miss",
+            "reason": _OPENAI_REASONS.get(diagnosis.changed or "", "input_changed"),
+            "cache_missed_tokens": diagnosis.missed_tokens,
+            "comparison_reusable_tokens": diagnosis.reusable_tokens,
+            "divergence": diagnosis.divergence(),
+        }
+    elif diagnosis.outcome in ("not_found", "not_compared"):
+        found = {"type": "comparison_response_not_found"}
+    else:
+        found = {"type": "unavailable"}
+    return {"prompt_cache_diagnostics": found}

@@ -26,6 +26,9 @@ class ChatView:
     def restore(self, forwarded: dict[str, Any]) -> dict[str, Any]:
         return forwarded
 
+    def position(self, index: int) -> tuple[int | str | None, int | None]:
+        return index, None
+
 
 def with_upstream_usage(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """The body asking the upstream for the usage chunk, and whether the client asked for it itself."""

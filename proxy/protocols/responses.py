@@ -25,7 +25,7 @@ from typing import Any
 from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
 from proxy.http.body import is_text, require_model
 from proxy.http.errors import InvalidRequest
-from proxy.http.relay import SSERelay
+from proxy.http.relay import SSERelay, with_data_fields
 from proxy.openai.assistant import AssistantRecorder, ToolCall
 from proxy.openai.jsoncanon import sort_keys_deep
 from proxy.openai.messages import STABLE_ROLES
@@ -161,6 +161,17 @@ class ResponsesView:
     def previous_response_id(self) -> str | None:
         value = self.body.get("previous_response_id")
         return value if isinstance(value, str) else None
+
+    def position(self, index: int) -> tuple[int | str | None, int | None]:
+        """The client's input item (``"instructions"``, or 0 for a string ``input``)."""
+        if not 0 <= index < len(self.sources):
+            return None, None
+        source = self.sources[index]
+        if source.instructions:
+            return "instructions", None
+        if source.text:
+            return 0, None
+        return (source.items[0] if source.items else None), None
 
     def restore(self, forwarded: dict[str, Any]) -> dict[str, Any]:
         instructions, items = self.restore_input(forwarded["messages"])
@@ -428,6 +439,9 @@ _FINAL = (b"event: response.completed", b"event: response.incomplete", b"event: 
 _MARKS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b'"response.created"')
 
 
+_ANSWER_EVENTS = (b'"response.created"', b'"response.in_progress"', b'"response.completed"')
+
+
 class ResponsesRelay(SSERelay):
     """Relays Responses events unchanged; the whole answer (usage, output, its id) is read from the
     last one (``response.completed``), the reply's text and calls from it too."""
@@ -438,11 +452,29 @@ class ResponsesRelay(SSERelay):
     def _is_final(self, complete: bytes) -> bool:
         return any(mark in complete for mark in _FINAL)
 
+    def _annotate(self, block: bytes) -> bytes:
+        """The answer fields go on each Response object the stream carries (created, in progress,
+        completed: what the SDKs hand the client)."""
+        fields = self._answer_fields
+        if fields is None or not any(mark in block for mark in _ANSWER_EVENTS):
+            return block
+        out: list[bytes] = []
+        for event in block.split(b"\n\n"):
+            if event and any(mark in event for mark in _ANSWER_EVENTS):
+                rewritten = with_data_fields(event, lambda payload: payload.get("response"), fields)
+                event = rewritten if rewritten is not None else event
+                if b'"response.completed"' in event:
+                    self._answer_fields = None
+            out.append(event)
+        return b"\n\n".join(out)
+
     def _inspect(self, block: bytes) -> bytes:
         for payload in event_payloads(block):
             response = payload.get("response") if isinstance(payload, dict) else None
             if not isinstance(response, dict):
                 continue
+            if isinstance(response.get("id"), str):
+                self.answer_id = response["id"]
             if payload.get("type") == "response.created":
                 # The id is known before the answer is: recorded now, a client that chains on it
                 # the moment the stream ends finds it.

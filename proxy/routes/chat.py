@@ -10,14 +10,16 @@ from proxy.app_state import ProxyState
 from proxy.http.context import RequestContext
 from proxy.protocols.chat import CHAT_COMPLETIONS
 from proxy.routes.forward import api_endpoint, new_context
-from proxy.routes.pipeline import forward_turn, read_request
+from proxy.routes.pipeline import TurnOptions, forward_turn, read_request
 from proxy.tenants import Tenant
 
 
 async def chat_completions(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
     body = await read_request(state, request, CHAT_COMPLETIONS)
+    body, diagnostics = CHAT_COMPLETIONS.diagnostics_asked(body)
     view = CHAT_COMPLETIONS.view(body, state.canonicalizer.tool_orders, tenant.name)
-    response = await forward_turn(state, request, ctx, tenant, CHAT_COMPLETIONS, view)
+    options = TurnOptions(diagnostics=diagnostics)
+    response = await forward_turn(state, request, ctx, tenant, CHAT_COMPLETIONS, view, options)
     if response.status_code == 400 and ctx.restructured and not state.canonicalizer.keeps_structure(ctx.model):
         # Strict chat templates (Mistral's, Gemma's) refuse a system message after the first one.
         # Once such a refusal is cured by keeping the client's message order, it is kept for the model.
@@ -28,7 +30,7 @@ async def chat_completions(state: ProxyState, request: Request, ctx: RequestCont
         retry.span, ctx.span = ctx.span, None  # one span for the client's request, ended with the retry
         retry.actions.append("retried_keeping_message_order")
         view = CHAT_COMPLETIONS.view(body, state.canonicalizer.tool_orders, tenant.name)
-        response = await forward_turn(state, request, retry, tenant, CHAT_COMPLETIONS, view)
+        response = await forward_turn(state, request, retry, tenant, CHAT_COMPLETIONS, view, options)
         if response.status_code == 400:
             state.canonicalizer.forget_structure(ctx.model)  # the request itself was the problem
     return response

@@ -31,7 +31,7 @@ from proxy.http.context import RequestContext, overhead_header
 from proxy.http.errors import DeadlineExceeded, UpstreamProtocolError
 from proxy.http.relay import PROTOCOL_FAILURES, SSERelay
 from proxy.http.streaming import RelayResponse, StreamEnd
-from proxy.openai.jsonio import loads
+from proxy.openai.jsonio import dumps, loads
 from proxy.openai.usage import Usage
 from proxy.routes.forward import (
     AnswerEnding,
@@ -95,11 +95,13 @@ async def send(
     client_wants_usage: bool = True,
     record_content: bool = False,
     on_answer: Callable[[dict[str, Any]], None] | None = None,
+    answer_fields: dict[str, Any] | None = None,
 ) -> UpstreamAnswer:
     """Send ``payload`` to ``wire.path`` and return the answer; raises :class:`ProxyError` when
     none came (unreachable, timed out, not the protocol). ``backend``: only that backend may answer
     (it holds state the request refers to). A stream request the upstream answers with one JSON
-    body (some servers ignore ``stream``) is a whole answer."""
+    body (some servers ignore ``stream``) is a whole answer. ``answer_fields``: added to a
+    successful answer's object (what the client asked the proxy for, cache diagnostics)."""
     async with within_deadline(ctx):
         ctx.mark_upstream_sent()
         response = await state.backends.open(
@@ -123,6 +125,7 @@ async def send(
                 dialect=ctx.dialect,
                 scrub=credential_scrubber(state, ctx),
                 on_answer=on_answer,
+                answer_fields=answer_fields,
             )
             return StreamingAnswer(relay)
         raw = await state.backends.read(response)
@@ -131,7 +134,20 @@ async def send(
     answer = WholeAnswer(response.status_code, raw, response.headers)
     if answer.ok:
         answer.parsed, answer.usage = _checked(state, ctx, raw, wire)
+        if answer_fields:
+            answer.raw = with_fields(raw, answer_fields)
     return answer
+
+
+def with_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
+    """A JSON object's bytes with ``fields`` added at its end, the rest byte for byte as it came."""
+    body = raw.rstrip()
+    if not body.endswith(b"}"):
+        return raw
+    added = dumps(fields)[1:-1]
+    inner = body[:-1].rstrip()
+    separator = b"" if inner.endswith(b"{") else b","
+    return inner + separator + added + b"}"
 
 
 def _checked(state: ProxyState, ctx: RequestContext, raw: bytes, wire: Wire) -> tuple[dict[str, Any], Usage | None]:

@@ -18,7 +18,7 @@ from proxy.protocols import anthropic
 from proxy.protocols.anthropic import MESSAGES
 from proxy.routes.exchange import Wire, send_json
 from proxy.routes.forward import api_endpoint
-from proxy.routes.pipeline import forward_turn, read_request
+from proxy.routes.pipeline import TurnOptions, forward_turn, read_request
 from proxy.tenants import Tenant
 
 COUNT_TOKENS = Wire("/messages/count_tokens", read_usage=lambda _: None)
@@ -26,8 +26,9 @@ COUNT_TOKENS = Wire("/messages/count_tokens", read_usage=lambda _: None)
 
 async def messages(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
     body = await read_request(state, request, MESSAGES)
+    body, diagnostics = MESSAGES.diagnostics_asked(body)
     view = MESSAGES.view(body, state.canonicalizer.tool_orders, tenant.name)
-    return await forward_turn(state, request, ctx, tenant, MESSAGES, view)
+    return await forward_turn(state, request, ctx, tenant, MESSAGES, view, TurnOptions(diagnostics=diagnostics))
 
 
 async def count_tokens(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:

@@ -1,4 +1,5 @@
-"""What a chat route calls: explain the forwarded prompt, then account the answer.
+"""What a chat route calls: explain the forwarded prompt, then account the answer; the cache
+diagnostics a client asks for.
 
 Kept apart from the route so the route gains two calls, not the logic.
 """
@@ -10,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.http.context import RequestContext
 from proxy.observability.capture import arrival, capture_record
-from proxy.observability.tracker import summary_index
+from proxy.observability.tracker import PendingBreak, summary_index
 from proxy.openai.usage import Usage
+from proxy.protocols.base import Diagnosis, DiagnosticsAsk, ProtocolView
 
 if TYPE_CHECKING:
     from proxy.app_state import ProxyState
@@ -63,6 +65,50 @@ def after_answer(
                 observed.seq, observed.arrived, ctx.tenant, ctx.session_id, body, usage, reply, backend=ctx.backend
             )
         )
+
+
+def diagnose(
+    state: ProxyState, ctx: RequestContext, turn: ChatTurn, view: ProtocolView, ask: DiagnosticsAsk
+) -> Diagnosis:
+    """The cache diagnostics a client asked for: this request's prompt as forwarded against the
+    one that the earlier answer it names answered (the tenant's own only), in the client's terms."""
+    pending = ctx.cache_break
+    if not isinstance(pending, PendingBreak):
+        return Diagnosis("unavailable")
+    if ask.previous_id is None:
+        return Diagnosis("not_compared")
+    found = state.cache_breaks.compare(ctx.tenant, ask.previous_id, pending)
+    if found is None:
+        return Diagnosis("not_found")
+    if found.changed is None:
+        return Diagnosis("hit", reusable_tokens=found.reusable_tokens)
+    changed = found.changed
+    message: int | str | None = None
+    block: int | None = None
+    if found.message == -1:
+        message = "tools"
+    elif found.message is not None:
+        client = turn.client_index(found.message)
+        if client is None:
+            changed = "compacted"  # the difference is the proxy's summary of the conversation
+        else:
+            message, block = view.position(client)
+    return Diagnosis(
+        "miss",
+        changed,
+        missed_tokens=found.missed_tokens,
+        reusable_tokens=found.reusable_tokens,
+        message=message,
+        block=block,
+        line=found.line,
+        token=found.divergence_token,
+    )
+
+
+def remember_answer(state: ProxyState, ctx: RequestContext, answer_id: str | None) -> None:
+    """The backend's id of this request's answer, for a later request's diagnostics to name."""
+    if answer_id and isinstance(ctx.cache_break, PendingBreak):
+        state.cache_breaks.remember_answer(ctx.tenant, answer_id, ctx.cache_break)
 
 
 def needs_reply_content(state: ProxyState) -> bool:

@@ -28,10 +28,17 @@ from proxy.http.errors import ProxyError, ServerError
 from proxy.openai.assistant import AssistantRecorder
 from proxy.openai.jsonio import dumps
 from proxy.openai.usage import Usage
-from proxy.protocols.base import GenerationProtocol, ProtocolView
+from proxy.protocols.base import DiagnosticsAsk, GenerationProtocol, ProtocolView
 from proxy.routes.exchange import StreamingAnswer, UpstreamAnswer, Wire, respond, send
 from proxy.routes.forward import error_response
-from proxy.routes.observe import Observed, after_answer, before_upstream, needs_reply_content
+from proxy.routes.observe import (
+    Observed,
+    after_answer,
+    before_upstream,
+    diagnose,
+    needs_reply_content,
+    remember_answer,
+)
 from proxy.tenants import Tenant
 
 # Told the backend's answer (its header as soon as a stream names it, the whole answer at the end)
@@ -51,6 +58,8 @@ class TurnOptions:
     history_tokens: int = 0
     # The session the request belongs to, known to the proxy (a Responses chain's).
     session_id: str | None = None
+    # The client asked for cache diagnostics (``GenerationProtocol.diagnostics_asked``).
+    diagnostics: DiagnosticsAsk | None = None
 
 
 async def read_request(state: ProxyState, request: Request, protocol: GenerationProtocol) -> dict[str, Any]:
@@ -95,7 +104,7 @@ class TurnEnding:
     def completed(self, answer: UpstreamAnswer) -> None:
         if isinstance(answer, StreamingAnswer):
             relay = answer.relay
-            self._conclude(relay.assistant, relay.usage)
+            self._conclude(relay.assistant, relay.usage, relay.answer_id)
             self._pending.append(partial(self._turn.finish, relay.usage, relay.assistant.message()))
             if relay.answer is not None:
                 self._answered(relay.answer)
@@ -105,7 +114,7 @@ class TurnEnding:
             self._pending.append(self._turn.abandon)
             self._unanswered = True
             return
-        self._conclude(reply, answer.usage)
+        self._conclude(reply, answer.usage, answer.parsed.get("id") if answer.parsed else None)
         self._whole_answer = answer.parsed
         self._pending.append(partial(self._turn.finish, answer.usage, reply.message()))
 
@@ -139,8 +148,9 @@ class TurnEnding:
         for step in pending:
             await step()
 
-    def _conclude(self, reply: AssistantRecorder, usage: Usage | None) -> None:
+    def _conclude(self, reply: AssistantRecorder, usage: Usage | None, answer_id: Any) -> None:
         self._state.canonicalizer.record_reply(self._forwarded, self._ctx.tenant, reply.calls())
+        remember_answer(self._state, self._ctx, answer_id if isinstance(answer_id, str) else None)
         if self.observed is not None:
             after_answer(self._state, self._ctx, self.observed, self._chat, reply.message(), usage)
 
@@ -195,6 +205,9 @@ async def forward_turn(
         # history the backend holds (a Responses chain): its view is the new turn alone.
         if options.summarize:
             ending.observed = before_upstream(state, ctx, turn, forwarded)
+        answer_fields = None
+        if options.diagnostics is not None:
+            answer_fields = protocol.diagnostics_fields(diagnose(state, ctx, turn, view, options.diagnostics))
         client_wants_usage = True
         if ctx.stream:
             outgoing, client_wants_usage = protocol.stream_request(outgoing)
@@ -209,6 +222,7 @@ async def forward_turn(
             client_wants_usage=client_wants_usage,
             record_content=turn.session is not None or (ending.observed is not None and needs_reply_content(state)),
             on_answer=ending.answer_named,
+            answer_fields=answer_fields,
         )
         if not isinstance(answer, StreamingAnswer):
             ending.completed(answer)  # a stream's ending is told when the stream ends

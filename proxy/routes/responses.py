@@ -42,8 +42,9 @@ _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,256}")
 
 async def create(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
     body = await read_request(state, request, RESPONSES)
+    body, diagnostics = RESPONSES.diagnostics_asked(body)
     view = RESPONSES.view(body, state.canonicalizer.tool_orders, tenant.name)
-    options = TurnOptions()
+    options = TurnOptions(diagnostics=diagnostics)
     chain: str | None = None
     previous = view.previous_response_id
     if previous is not None and not _RESPONSE_ID.fullmatch(previous):
