@@ -14,11 +14,11 @@ import json
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachetools import LRUCache
 from pydantic import ValidationError
 
 from proxy.config import BudgetOverrides, TenantSettings
@@ -132,9 +132,10 @@ class TenantDirectory:
         self.salt_key = salt_key or SaltKey(None)
         self._redis_lookup = redis_lookup
         # Redis lookups by key digest: (tenant or None for an unknown key, fresh until), known and
-        # unknown keys apart.
-        self._cache: OrderedDict[str, tuple[Tenant | None, float]] = OrderedDict()
-        self._unknown: OrderedDict[str, tuple[Tenant | None, float]] = OrderedDict()
+        # unknown keys apart, least recently used out. An entry past its time is kept: it answers
+        # for a known tenant while Redis is down (a TTL cache would have dropped it).
+        self._cache: LRUCache[str, tuple[Tenant | None, float]] = LRUCache(REDIS_CACHE_MAX_KEYS)
+        self._unknown: LRUCache[str, tuple[Tenant | None, float]] = LRUCache(REDIS_CACHE_MAX_UNKNOWN_KEYS)
         self.replace(tenants)
 
     def replace(self, tenants: list[TenantSettings]) -> None:
@@ -180,9 +181,8 @@ class TenantDirectory:
             return None
         now = time.monotonic()
         cache = self._cache if digest in self._cache else self._unknown
-        cached = cache.get(digest)
+        cached = cache.get(digest)  # a read is a use
         if cached is not None and cached[1] > now:
-            cache.move_to_end(digest)
             return cached[0]
         try:
             raw = await self._redis_lookup(digest)
@@ -195,12 +195,8 @@ class TenantDirectory:
             logger.warning("tenant lookup failed (%s): answering 503", type(exc).__name__)
             raise directory_unavailable() from None
         tenant = _tenant_record(digest, raw) if raw else None
-        cache, limit = (self._cache, REDIS_CACHE_MAX_KEYS) if tenant else (self._unknown, REDIS_CACHE_MAX_UNKNOWN_KEYS)
         (self._unknown if tenant else self._cache).pop(digest, None)
-        cache[digest] = (tenant, now + REDIS_CACHE_TTL_S)
-        cache.move_to_end(digest)
-        while len(cache) > limit:
-            cache.popitem(last=False)
+        (self._cache if tenant else self._unknown)[digest] = (tenant, now + REDIS_CACHE_TTL_S)
         return tenant
 
     def named(self, name: str) -> Tenant:
