@@ -44,9 +44,11 @@ def _serve(args: argparse.Namespace) -> int:
 def _check_config(args: argparse.Namespace) -> int:
     from proxy.config import check_settings
 
-    lines, problems = check_settings(args.config, **_flags(args))
+    lines, problems, notes = check_settings(args.config, **_flags(args))
     for line in lines:
         print(line)
+    for note in notes:
+        print(f"prefix-proxy: note: {note}", file=sys.stderr)
     if problems:
         for problem in problems:
             print(f"prefix-proxy: {problem}", file=sys.stderr)

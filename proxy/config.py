@@ -464,7 +464,10 @@ class Settings(BaseSettings):
     # the backend is closing at that moment, a 502 the proxy cannot retry (the request may have
     # been read).
     upstream_keepalive_s: float = Field(4.0, ge=0)
-    # aiohttp under the httpx client API (faster); "httpx" uses httpx's own transport.
+    # No effect, either value: every upstream request goes through the one upstream transport
+    # (proxy/backends/transport.py: aiohttp's pool behind httpx's transport API), which measured
+    # less CPU per request than httpx's own. Still accepted so existing configs load; check-config
+    # notes it when it is set.
     upstream_transport: Literal["aiohttp", "httpx"] = "aiohttp"
     log_level: str = "info"
     log_prompts: bool = False
@@ -585,14 +588,32 @@ def load_settings(config_file: str | None = None, **overrides: Any) -> Settings:
     return _load(config_file, overrides)[0]
 
 
-def check_settings(config_file: str | None = None, **overrides: Any) -> tuple[list[str], list[str]]:
+def check_settings(config_file: str | None = None, **overrides: Any) -> tuple[list[str], list[str], list[str]]:
     """``prefix-proxy check-config``: the effective settings as ``key = value  [source]`` lines
-    (secrets masked), and the problems (none when the settings load)."""
+    (secrets masked), the problems (none when the settings load), and notes on settings that load
+    but do nothing."""
     try:
         settings, sources = _load(config_file, overrides)
     except ConfigError as error:
-        return [], error.problems
-    return effective(settings, sources), []
+        return [], error.problems, []
+    return effective(settings, sources), [], notes(sources)
+
+
+# Settings still accepted, so that configs written for an earlier release load, that no longer do
+# anything: why, for check-config to say when one is set.
+NO_EFFECT: dict[str, str] = {
+    "upstream_transport": (
+        "has no effect: every upstream request goes through the one upstream transport "
+        "(aiohttp's connection pool behind httpx's transport API); remove it"
+    ),
+}
+
+
+def notes(sources: Sources) -> list[str]:
+    """What check-config notes about settings that load: each set one of :data:`NO_EFFECT`."""
+    return [
+        f"{sources.where((name,))}: {why}" for name, why in NO_EFFECT.items() if sources.origin((name,)) != "default"
+    ]
 
 
 def _load(config_file: str | None, overrides: dict[str, Any]) -> tuple[Settings, Sources]:

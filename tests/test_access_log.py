@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from proxy.http.context import RequestContext
-from proxy.observability import access_log
 from proxy.observability.access_log import (
     ACCESS_LOGGER,
     JsonFormatter,
@@ -84,29 +83,61 @@ def answered_context() -> RequestContext:
     return ctx
 
 
-def test_the_line_written_past_the_record_is_the_line_a_record_gives(proxy_logging: io.StringIO) -> None:
-    """With only the proxy's handler configured, the access line skips logging's record; anything
-    else on the way (a handler, a filter) gets a record. Both write the same line."""
-    root = logging.getLogger("prefix_proxy")
-    # pytest attaches its capture handlers to non-propagating loggers: not part of this setup.
-    root.handlers[:] = [h for h in root.handlers if isinstance(h, JsonLinesHandler)]
-    assert isinstance(access_log._sole_json_handler(), JsonLinesHandler)
-    log_request(answered_context(), 1.25)
-    direct = json.loads(proxy_logging.getvalue().splitlines()[-1])
+# The access line of answered_context(), after its "ts": every field, in this order.
+ANSWERED_LINE = (
+    '"level":"info","logger":"prefix_proxy.access","event":"request","request_id":"req-1","route":"chat",'
+    '"status":200,"model":"m","tenant":"anonymous","stream":false,"session":null,"prefix":null,"backend":null,'
+    '"prompt_tokens":80,"cached_tokens":64,"completion_tokens":5,"actions":["volatile_moved:date"],"overhead_ms":1.25}'
+)
 
+
+def without_ts(line: str) -> str:
+    ts, rest = line.split(",", 1)
+    assert ts.startswith('{"ts":"') and ts.endswith('Z"'), line
+    return rest
+
+
+def test_the_access_line_is_the_same_under_the_proxys_handler_and_a_users(proxy_logging: io.StringIO) -> None:
+    """``prefix-proxy serve`` installs the proxy's handler; an application that embeds the proxy
+    installs its own (here: a plain StreamHandler with the proxy's formatter). Same line."""
+    root = logging.getLogger("prefix_proxy")
+    # pytest attaches its capture handlers to non-propagating loggers: not part of either setup.
+    root.handlers[:] = [h for h in root.handlers if isinstance(h, JsonLinesHandler)]
+    log_request(answered_context(), 1.25)
+    proxys = proxy_logging.getvalue().splitlines()
+
+    users_stream = io.StringIO()
+    users = logging.StreamHandler(users_stream)
+    users.setFormatter(JsonFormatter())
+    root.handlers[:] = [users]
+    log_request(answered_context(), 1.25)
+    users_lines = users_stream.getvalue().splitlines()
+
+    assert len(proxys) == len(users_lines) == 1
+    assert without_ts(proxys[0]) == without_ts(users_lines[0]) == ANSWERED_LINE
+
+
+def test_what_is_added_to_the_loggers_after_configure_logging_sees_every_line(proxy_logging: io.StringIO) -> None:
+    """Nothing about the loggers is decided once: a filter or a handler added to the access logger
+    after the proxy configured logging gets each line (and a filter can still drop one)."""
     access = logging.getLogger(ACCESS_LOGGER)
     seen: list[logging.LogRecord] = []
-    access.addFilter(lambda record: seen.append(record) or True)
+    capture_stream = io.StringIO()
+    capture = logging.StreamHandler(capture_stream)
+    capture.setFormatter(JsonFormatter())
+    access.addFilter(lambda record: seen.append(record) or record.fields["request_id"] != "dropped")  # type: ignore[attr-defined]
+    access.addHandler(capture)
     try:
-        assert access_log._sole_json_handler() is None
         log_request(answered_context(), 1.25)
+        dropped = answered_context()
+        dropped.request_id = "dropped"
+        log_request(dropped, 1.25)
     finally:
         access.filters.clear()
-    through_record = json.loads(proxy_logging.getvalue().splitlines()[-1])
-    assert len(seen) == 1
-    assert direct.pop("ts").endswith("Z") and through_record.pop("ts").endswith("Z")
-    assert direct == through_record
-    assert direct["logger"] == ACCESS_LOGGER and direct["level"] == "info" and direct["cached_tokens"] == 64
+        access.removeHandler(capture)
+    assert len(seen) == 2
+    assert [without_ts(line) for line in capture_stream.getvalue().splitlines()] == [ANSWERED_LINE]
+    assert [without_ts(line) for line in proxy_logging.getvalue().splitlines()] == [ANSWERED_LINE]
 
 
 def test_a_failing_log_stream_is_reported_not_raised_into_the_request(
@@ -114,7 +145,6 @@ def test_a_failing_log_stream_is_reported_not_raised_into_the_request(
 ) -> None:
     root = logging.getLogger("prefix_proxy")
     root.handlers[:] = [h for h in root.handlers if isinstance(h, JsonLinesHandler)]
-    assert access_log._sole_json_handler() is not None  # the direct path, past logging's record
     proxy_logging.close()
     log_request(answered_context(), 1.25)  # does not raise
     assert "--- Logging error ---" in capsys.readouterr().err

@@ -37,7 +37,7 @@ from tests.helpers import LiveServer, free_port
 
 
 def _backends(*names: str) -> list[Backend]:
-    return [Backend(name, Upstream(f"http://{name}/v1", use_aiohttp=False)) for name in names]
+    return [Backend(name, Upstream(f"http://{name}/v1")) for name in names]
 
 
 def test_backend_name_never_carries_credentials_or_the_default_path() -> None:
@@ -431,8 +431,7 @@ class _SSEBody(httpx.AsyncByteStream):
 
 def _mock_pool(handler: Any) -> tuple[BackendPool, list[Backend]]:
     backends = [
-        Backend(name, Upstream(f"http://{name}/v1", transport=httpx.MockTransport(handler), use_aiohttp=False))
-        for name in ("a:1", "b:1")
+        Backend(name, Upstream(f"http://{name}/v1", transport=httpx.MockTransport(handler))) for name in ("a:1", "b:1")
     ]
     return BackendPool(backends, RoundRobin()), backends
 
@@ -547,7 +546,7 @@ def test_a_request_that_never_left_fails_over_but_a_read_timeout_does_not() -> N
 
     async def scenario(first: Any) -> int:
         backends = [
-            Backend(name, Upstream(f"http://{name}/v1", transport=httpx.MockTransport(handler), use_aiohttp=False))
+            Backend(name, Upstream(f"http://{name}/v1", transport=httpx.MockTransport(handler)))
             for name, handler in (("first:1", first), ("second:1", answered))
         ]
         pool = BackendPool(backends, RoundRobin())

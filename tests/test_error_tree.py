@@ -208,15 +208,14 @@ def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
     return dict(error)
 
 
-@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
 @pytest.mark.parametrize("model", ["drop", "cut"])
 def test_a_connection_lost_mid_answer_is_counted_as_connection_lost(
-    make_proxy: Callable[..., LiveServer], hostile: HostileUpstream, model: str, transport: str
+    make_proxy: Callable[..., LiveServer], hostile: HostileUpstream, model: str
 ) -> None:
     """``drop``: the upstream reads the request and hangs up before answering; ``cut``: it hangs up
     halfway through its body. Either way the request went out: 502 upstream_connection_lost, counted
     as ``connection_lost``, not as ``unreachable`` (what the alert on a dead upstream reads alone)."""
-    proxy = make_proxy(upstream=hostile.url, upstream_transport=transport)
+    proxy = make_proxy(upstream=hostile.url)
     error = openai_error(chat(proxy, HI, model=model), 502)
     assert (error["type"], error["code"]) == ("upstream_error", "upstream_connection_lost")
     assert error["message"].startswith("upstream closed the connection: ")

@@ -156,6 +156,20 @@ def test_check_config_prints_every_setting_with_its_source_and_masks_secrets(tmp
     assert "sk-acme-secret" not in out and "s3cret" not in out and '"api_key": "********"' in out
 
 
+def test_a_setting_that_no_longer_does_anything_loads_and_check_config_says_so(tmp_path: Path) -> None:
+    """``upstream_transport`` chose between two upstream transports; there is one now. A config that
+    sets it still loads, and check-config names where it is set."""
+    path = config_file(tmp_path, "upstream: http://x/v1\nupstream_transport: httpx\n")
+    result = run_cli("check-config", "--config", path)
+    assert result.returncode == 0, result.stderr
+    assert f'upstream_transport = "httpx"  [{path}: upstream_transport]' in result.stdout
+    assert f"prefix-proxy: note: {path}: upstream_transport: has no effect" in result.stderr
+    variable = run_cli("check-config", env={"PREFIX_PROXY_UPSTREAM_TRANSPORT": "aiohttp"})
+    assert variable.returncode == 0, variable.stderr
+    assert "note: PREFIX_PROXY_UPSTREAM_TRANSPORT: has no effect" in variable.stderr
+    assert "note:" not in run_cli("check-config").stderr
+
+
 def test_version_and_help() -> None:
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.strip() == f"prefix-proxy {__version__}"

@@ -372,8 +372,8 @@ def test_a_trial_that_times_out_or_is_cancelled_never_leaves_the_backend_stuck()
 
     async def scenario() -> None:
         transport = httpx.MockTransport(handler)
-        slow = Backend("slow:1", Upstream("http://slow:1/v1", transport=transport, use_aiohttp=False))
-        other = Backend("other:1", Upstream("http://other:1/v1", use_aiohttp=False))
+        slow = Backend("slow:1", Upstream("http://slow:1/v1", transport=transport))
+        other = Backend("other:1", Upstream("http://other:1/v1"))
         pool = BackendPool([slow, other], RoundRobin(), outliers=OutlierDetection(base_ejection_s=0.05))
         slow.eject(ERRORS, time.monotonic(), 0.0)  # its ejection is over: the next request is its trial
         with pytest.raises(ProxyError) as timed_out:
@@ -395,7 +395,7 @@ def test_a_trial_that_times_out_or_is_cancelled_never_leaves_the_backend_stuck()
 
 
 def test_one_failure_in_flight_per_request_does_not_escalate_an_ejection() -> None:
-    backend = Backend("a:1", Upstream("http://a:1/v1", use_aiohttp=False), outliers=OutlierDetection())
+    backend = Backend("a:1", Upstream("http://a:1/v1"), outliers=OutlierDetection())
     now = time.monotonic()
     assert not backend.failed(trial=False, at_once=False)
     assert not backend.failed(trial=False, at_once=False)
@@ -432,7 +432,7 @@ def test_settings_defaults_are_the_pools_and_reach_it() -> None:
     )
     rules = OutlierDetection.from_settings(routing)
     assert rules == OutlierDetection(5, 2.0, 300.0, 10.0, 1)
-    backends = [Backend(name, Upstream(f"http://{name}/v1", use_aiohttp=False)) for name in ("a:1", "b:1")]
+    backends = [Backend(name, Upstream(f"http://{name}/v1")) for name in ("a:1", "b:1")]
     pool = BackendPool(backends, RoundRobin(), outliers=rules)
     assert pool.outliers is rules and all(b.outliers is rules for b in backends)
     with pytest.raises(ValueError):

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from proxy.backends.transport import ProxyAiohttpTransport
+from proxy.backends.transport import UpstreamTransport
 from tests.helpers import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -41,11 +41,13 @@ async def read_request(reader: asyncio.StreamReader) -> None:
 
 
 async def send(url: str, read_s: float = 5.0) -> httpx.Response:
-    transport = ProxyAiohttpTransport(limits=httpx.Limits(max_connections=4), trust_env=False)
+    transport = UpstreamTransport(httpx.Limits(max_connections=4))
+    timeout = httpx.Timeout(read_s, connect=2.0).as_dict()
+    request = httpx.Request(
+        "POST", url, content=REQUEST, headers={"content-type": "application/json"}, extensions={"timeout": timeout}
+    )
     try:
-        response = await transport.send_bytes(
-            "POST", url, REQUEST, {"content-type": "application/json"}, httpx.Timeout(read_s, connect=2.0)
-        )
+        response = await transport.handle_async_request(request)
         assert isinstance(response.stream, httpx.AsyncByteStream)
         await response.aread()
         return response

@@ -34,7 +34,6 @@ from proxy.backends.backend import (
 from proxy.backends.echo import EchoedHeaders
 from proxy.backends.keyheaders import KeyHeaders
 from proxy.backends.policies import RoutingPolicy
-from proxy.backends.transport import WholeBodyStream
 from proxy.backends.upstream import model_list, read_response
 from proxy.http.errors import ProxyError, UpstreamTimeout, UpstreamUnreachable
 from proxy.observability.metrics import Metrics
@@ -400,7 +399,7 @@ class BackendPool:
         await asyncio.gather(*(b.upstream.aclose() for b in self.backends))
 
 
-class _ReleaseOnClose(WholeBodyStream):
+class _ReleaseOnClose(httpx.AsyncByteStream):
     """A response body that gives the backend's in-flight slot back when it is closed."""
 
     def __init__(self, inner: httpx.AsyncByteStream | httpx.SyncByteStream, backend: Backend) -> None:
@@ -411,11 +410,6 @@ class _ReleaseOnClose(WholeBodyStream):
         assert isinstance(self._inner, httpx.AsyncByteStream)
         async for chunk in self._inner:
             yield chunk
-
-    async def read_all(self) -> bytes:
-        if isinstance(self._inner, WholeBodyStream):
-            return await self._inner.read_all()
-        return await super().read_all()
 
     async def aclose(self) -> None:
         if self._backend is not None:

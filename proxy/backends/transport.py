@@ -1,108 +1,87 @@
-"""httpx-aiohttp's transport, with aiohttp's errors mapped to the httpx errors that mean the same.
+"""The upstream transport: the one place an upstream request leaves the proxy.
 
-httpx-aiohttp maps every ``aiohttp.ClientConnectionError`` to ``httpx.ConnectTimeout``: a
-connection refused, and a connection the upstream dropped after it read the request, both read
-as "the request never left". The proxy fails a request over to another backend only when it
-never left (or it could be computed twice), so the difference matters: here a failure to connect
-stays a connect error, and anything after the connection was made becomes a read or protocol
-error, during the request and while its body streams.
+An ``httpx.AsyncBaseTransport``, httpx's seam between a request and the network (as its own
+``_transports/`` are): :meth:`proxy.backends.upstream.Upstream.open` hands it every request and
+it answers an ``httpx.Response`` whose body is not yet read. Underneath is aiohttp's connection
+pool, which measured less CPU per proxied request than httpx's own transport (bench/hop.py; the
+figures are in docs/profiles/README.md).
+
+aiohttp's errors become the httpx errors that mean the same, and the difference matters: the proxy
+fails a request over to another backend only when it never left (or it could be computed twice).
+A failure to connect is a connect error; anything after the connection was made is a read or
+protocol error, during the request and while its body streams.
+
+No cookie is kept: one transport serves every tenant, and a cookie an upstream sets for one must
+never ride along on another's request (aiohttp's session gets a jar that keeps none; nothing
+between ``Upstream`` and here handles cookies at all). No proxy from the environment is used.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
-from typing import Any
 
 import aiohttp
 import httpx
-from httpx_aiohttp import AiohttpTransport
-from httpx_aiohttp.transport import AiohttpResponseStream, map_aiohttp_exceptions
+
+# The body read whole in one call from aiohttp, past httpx's per-chunk layers (decoders, chunkers,
+# one async generator per wrapper): a response extension, ``() -> Awaitable[bytes]``. For a body
+# without a content-encoding only (see proxy.backends.upstream.read_response); the response is
+# still closed as any other.
+READ_ALL = "prefix_proxy_read_all"
+CHUNK_SIZE = 16 * 1024
+# aiohttp's timeout objects, one per distinct set of httpx timeouts (an upstream has one or two).
+MAX_CACHED_TIMEOUTS = 16
 
 
-def _remap(exc: httpx.TransportError) -> httpx.TransportError:
-    cause = exc.__cause__
-    message = str(exc) or type(cause).__name__
+def transport_error(exc: BaseException) -> httpx.TransportError | None:
+    """The httpx error that ``exc`` (aiohttp's) means; None for one that is not aiohttp's."""
+    if not isinstance(exc, aiohttp.ClientError):
+        return None
+    message = str(exc) or type(exc).__name__
     # Most specific first: aiohttp's connection timeout is also a server timeout and an OSError.
-    if isinstance(cause, aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # connecting, or waiting for a pooled connection
         return httpx.ConnectTimeout(message)
-    if isinstance(cause, aiohttp.ClientConnectorError):
-        return httpx.ConnectError(message)
-    if isinstance(cause, aiohttp.SocketTimeoutError):
+    if isinstance(exc, aiohttp.SocketTimeoutError):
         return httpx.ReadTimeout(message)
-    if isinstance(cause, aiohttp.ServerDisconnectedError):
+    if isinstance(exc, aiohttp.ServerTimeoutError):
+        return httpx.TimeoutException(message)
+    if isinstance(exc, aiohttp.ClientConnectorError):  # refused, DNS, TLS handshake
+        return httpx.ConnectError(message)
+    if isinstance(exc, aiohttp.ServerDisconnectedError):  # hung up after it read the request
         return httpx.RemoteProtocolError(message)
-    if isinstance(cause, aiohttp.ClientOSError | aiohttp.ClientPayloadError):
+    if isinstance(exc, aiohttp.ClientOSError | aiohttp.ClientPayloadError):
         return httpx.ReadError(message)
-    return exc
+    if isinstance(exc, aiohttp.ClientResponseError):
+        # An answer that is not HTTP (a bad status line, a body on a HEAD answer).
+        return httpx.RemoteProtocolError(f"invalid upstream response: {exc.message}"[:200])
+    if isinstance(exc, aiohttp.ClientConnectionError):
+        # The connection closed before the request was written to it (a reset pooled connection),
+        # or the server's certificate is not the pinned one: nothing was sent.
+        return httpx.ConnectError(message)
+    if isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
+        return httpx.UnsupportedProtocol(message)
+    return None
 
 
 class _MappedErrors:
-    """aiohttp's errors as httpx-aiohttp maps them, then remapped to what they mean (above).
+    """Raises aiohttp's errors as :func:`transport_error` maps them.
 
-    A class, not ``@contextmanager`` over httpx-aiohttp's own: entered three times per proxied
-    request, and a generator-based manager (two of them nested) costs several times this."""
+    A class, not ``@contextmanager``: entered up to three times per proxied request, and a
+    generator-based manager costs several times this."""
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if not isinstance(exc, Exception):
-            return
-        mapped = exc if isinstance(exc, httpx.TransportError) else _httpx_aiohttp_error(exc)
-        if mapped is None:
-            if isinstance(exc, aiohttp.ClientResponseError):
-                # An answer that is not HTTP (a bad status line, a body on a HEAD answer): httpx-aiohttp
-                # lets aiohttp's own error through, which would be a 500 of the proxy's.
-                raise httpx.RemoteProtocolError(f"invalid upstream response: {exc.message}"[:200]) from exc
-            return
-        remapped = _remap(mapped)
-        if remapped is not exc:
-            raise remapped from mapped.__cause__
-
-
-def _httpx_aiohttp_error(exc: Exception) -> httpx.TransportError | None:
-    """What httpx-aiohttp's own mapping raises for ``exc`` (caused by it); None where it lets
-    ``exc`` through."""
-    try:
-        with map_aiohttp_exceptions():
-            raise exc
-    except httpx.TransportError as mapped:
-        return mapped
-    except Exception:
-        return None
+        if exc is not None and (mapped := transport_error(exc)) is not None:
+            raise mapped from exc
 
 
 _mapped_errors = _MappedErrors()
 
 
-class _MappedStream(httpx.AsyncByteStream):
-    def __init__(self, inner: httpx.AsyncByteStream) -> None:
-        self._inner = inner
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._inner:
-                yield chunk
-        except httpx.TransportError as exc:
-            raise _remap(exc) from exc.__cause__
-
-    async def aclose(self) -> None:
-        try:
-            await self._inner.aclose()
-        except httpx.TransportError as exc:
-            raise _remap(exc) from exc.__cause__
-
-
-class WholeBodyStream(httpx.AsyncByteStream):
-    """A response body that can also be read whole in one call (a JSON answer), past httpx's
-    per-chunk layers (decoders, chunkers, one async generator per wrapper)."""
-
-    async def read_all(self) -> bytes:
-        return b"".join([chunk async for chunk in self])
-
-
-class _AiohttpBody(WholeBodyStream):
+class _Body(httpx.AsyncByteStream):
     """aiohttp's response body, its errors mapped as for the request."""
 
     def __init__(self, response: aiohttp.ClientResponse) -> None:
@@ -110,7 +89,7 @@ class _AiohttpBody(WholeBodyStream):
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         with _mapped_errors:
-            async for chunk in self._response.content.iter_chunked(AiohttpResponseStream.CHUNK_SIZE):
+            async for chunk in self._response.content.iter_chunked(CHUNK_SIZE):
                 yield chunk
 
     async def read_all(self) -> bytes:
@@ -122,58 +101,84 @@ class _AiohttpBody(WholeBodyStream):
             await self._response.__aexit__(None, None, None)
 
 
-class ProxyAiohttpTransport(AiohttpTransport):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._aiohttp_timeouts: dict[tuple[float | None, float | None, float | None], aiohttp.ClientTimeout] = {}
+def read_all(response: httpx.Response) -> Callable[[], Awaitable[bytes]] | None:
+    """The transport's one-call read of ``response``'s body (identity-encoded only), or None where
+    it has none (another transport: a test's ``httpx.MockTransport``)."""
+    reader = response.extensions.get(READ_ALL)
+    return reader if callable(reader) else None
 
-    def get_client(self) -> aiohttp.ClientSession:
-        if self.client is not None:
-            return super().get_client()
+
+class UpstreamTransport(httpx.AsyncBaseTransport):
+    """httpx's request in, httpx's response out (its body not yet read), aiohttp's pool underneath.
+
+    ``limits``: ``max_connections`` (None: no limit) and ``keepalive_expiry`` (how long an idle
+    connection is kept). Proxies from the environment are not used (aiohttp's ``trust_env`` off):
+    every upstream request goes where its URL says.
+    """
+
+    def __init__(self, limits: httpx.Limits) -> None:
+        self._limits = limits
+        # httpx's default verification (certifi's CAs), as the transport this one replaced had.
+        self._ssl = httpx.create_ssl_context(trust_env=False)
+        self._session: aiohttp.ClientSession | None = None
+        self._timeouts: dict[tuple[float | None, float | None, float | None], aiohttp.ClientTimeout] = {}
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        # Made on the first request, inside the event loop that serves them.
         connector = aiohttp.TCPConnector(
-            limit=self.limits.max_connections or 0,
-            keepalive_timeout=self.limits.keepalive_expiry,
-            ssl=self.ssl_context,
+            limit=self._limits.max_connections or 0,
+            keepalive_timeout=self._limits.keepalive_expiry,
+            ssl=self._ssl,
         )
-        # One session serves every tenant: a cookie an upstream sets for one must never ride along
-        # on another's request (aiohttp keeps cookies of named hosts by default).
-        return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+        # aiohttp keeps the cookies of named hosts by default: this jar keeps none.
+        self._session = aiohttp.ClientSession(
+            connector=connector, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False, auto_decompress=False
+        )
+        return self._session
+
+    def _timeout(self, timeouts: object) -> aiohttp.ClientTimeout:
+        """httpx's timeouts (the request's ``timeout`` extension) in aiohttp's terms: its connect
+        timeout includes the wait for a pooled connection (httpx's pool timeout)."""
+        get = timeouts.get if isinstance(timeouts, dict) else {}.get
+        key = (get("connect"), get("read"), get("pool"))
+        timeout = self._timeouts.get(key)
+        if timeout is None:
+            timeout = aiohttp.ClientTimeout(sock_connect=key[0], sock_read=key[1], connect=key[2])
+            if len(self._timeouts) < MAX_CACHED_TIMEOUTS:
+                self._timeouts[key] = timeout
+        return timeout
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        session = self._session or self._open_session()
+        pairs = request.headers.multi_items()  # names in lower case
+        stream = request.stream
+        data: bytes | httpx.AsyncByteStream | None
+        if isinstance(stream, httpx.ByteStream):
+            # A body in memory, sent whole with its length (aiohttp writes Content-Length).
+            data = request.read() or None
+        elif isinstance(stream, httpx.AsyncByteStream):
+            # A streamed body, sent as it comes: chunked, aiohttp writes the framing.
+            data = stream
+            pairs = [(name, value) for name, value in pairs if name != "transfer-encoding"]
+        else:
+            raise TypeError(f"an upstream request body must be in memory or asynchronous, not {type(stream).__name__}")
         with _mapped_errors:
-            response = await super().handle_async_request(request)
-        assert isinstance(response.stream, httpx.AsyncByteStream)
-        response.stream = _MappedStream(response.stream)
-        return response
-
-    async def send_bytes(
-        self, method: str, url: str, content: bytes | None, headers: Mapping[str, str], timeout: httpx.Timeout
-    ) -> httpx.Response:
-        """A request whose body is whole, straight to aiohttp: httpx's client and request models
-        around it (header merging, the auth and redirect flows) cost ~5% of a proxied request's CPU."""
-        if not isinstance(self.client, aiohttp.ClientSession):
-            self.client = self.get_client()
-        # The same timeouts handle_async_request derives from httpx's (an upstream has one set).
-        key = (timeout.connect, timeout.read, timeout.pool)
-        aiohttp_timeout = self._aiohttp_timeouts.get(key)
-        if aiohttp_timeout is None:
-            aiohttp_timeout = aiohttp.ClientTimeout(sock_connect=key[0], sock_read=key[1], connect=key[2])
-            if len(self._aiohttp_timeouts) < 16:
-                self._aiohttp_timeouts[key] = aiohttp_timeout
-        with _mapped_errors:
-            response = await self.client.request(
-                method,
-                url,
-                headers=headers,
-                data=content or None,
+            response = await session.request(
+                request.method,
+                str(request.url),
+                headers=pairs,
+                data=data,
                 allow_redirects=False,
-                auto_decompress=False,
                 compress=False,
-                timeout=aiohttp_timeout,
-            ).__aenter__()
-        return httpx.Response(
-            status_code=response.status,
-            headers=response.raw_headers,
-            stream=_AiohttpBody(response),
-            extensions={"http_version": b"HTTP/1.1"},
-        )
+                timeout=self._timeout(request.extensions.get("timeout")),
+            )
+        body = _Body(response)
+        extensions: dict[str, object] = {"http_version": b"HTTP/1.1", READ_ALL: body.read_all}
+        if response.reason:
+            extensions["reason_phrase"] = response.reason.encode("ascii", "replace")
+        return httpx.Response(response.status, headers=response.raw_headers, stream=body, extensions=extensions)
+
+    async def aclose(self) -> None:
+        # The closed session stays: a request after this is aiohttp's RuntimeError, not a new pool.
+        if self._session is not None:
+            await self._session.close()

@@ -1,19 +1,28 @@
 """The upstream OpenAI-compatible server (vLLM, or anything that speaks its API).
 
-One pooled ``httpx.AsyncClient`` per upstream; transport failures become
-OpenAI-shaped 502/504 errors so no client ever sees a stack trace.
+Every request to an upstream is an ``httpx.Request`` handed to its transport, the one seam between
+the proxy and the network (:class:`proxy.backends.transport.UpstreamTransport`, aiohttp's pool
+underneath; a test gives another, e.g. ``httpx.MockTransport``), which answers an
+``httpx.Response`` whose body is not yet read. Transport failures become OpenAI-shaped 502/504
+errors so no client ever sees a stack trace.
+
+No ``httpx.AsyncClient`` stands in between: what it would add (auth, timeouts, redirects, cookie
+persistence, event hooks) is a header, a request extension, or must not happen to a proxy, and
+its layers measured 60-160 us of CPU a request (docs/profiles/README.md). In particular nothing here
+keeps a cookie: one upstream serves every tenant, and a cookie it sets for one must never ride
+along on another's request (the transport's aiohttp session has a jar that keeps none).
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from collections.abc import AsyncIterable, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import httpx
 
-from proxy.backends.transport import ProxyAiohttpTransport, WholeBodyStream
+from proxy.backends.transport import UpstreamTransport, read_all
 from proxy.http.errors import (
     UpstreamConnectionLost,
     UpstreamError,
@@ -30,28 +39,30 @@ REDACTED = b"[redacted]"
 MIN_REDACTED_PASSWORD = 4
 
 
-class _NoCookies(httpx.Cookies):
-    def extract_cookies(self, response: httpx.Response) -> None:
-        return None
-
-    def set_cookie_header(self, request: httpx.Request) -> None:
-        return None
-
-
 async def read_response(response: httpx.Response) -> bytes:
     """Read a response body, mapping a mid-body timeout or drop to :class:`UpstreamTimeout` (504) or
     :class:`UpstreamConnectionLost` (502)."""
     try:
-        stream = response.stream
-        if isinstance(stream, WholeBodyStream) and "content-encoding" not in response.headers:
-            return await stream.read_all()  # no decoding to do: one read from the transport
-        return await response.aread()
+        # An identity-encoded body in one read from the transport; one to decode through httpx.
+        reader = read_all(response) if "content-encoding" not in response.headers else None
+        return await reader() if reader is not None else await response.aread()
     except httpx.TimeoutException as exc:
         raise UpstreamTimeout() from exc
     except httpx.TransportError as exc:
         raise UpstreamConnectionLost(type(exc).__name__) from exc
     finally:
         await response.aclose()
+
+
+class _Streamed(httpx.AsyncByteStream):
+    """A body the caller streams (a client's upload), as an httpx request body."""
+
+    def __init__(self, chunks: AsyncIterable[bytes]) -> None:
+        self._chunks = chunks
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._chunks:
+            yield chunk
 
 
 def model_list(response: httpx.Response) -> list[dict[str, Any]]:
@@ -76,38 +87,36 @@ class Upstream:
         transport: httpx.AsyncBaseTransport | None = None,
         use_aiohttp: bool = True,
     ) -> None:
+        """``transport``: another transport than the upstream one (a test's ``httpx.MockTransport``).
+        ``use_aiohttp`` is ignored: there is one upstream transport (``upstream_transport`` in
+        proxy/config.py)."""
         url = httpx.URL(base_url)
-        # Credentials in the URL (http://user:pw@host/v1) are sent as HTTP Basic auth, as httpx does
-        # itself; the URL used for requests carries none (aiohttp refuses a URL with credentials
-        # next to an Authorization header, and a URL is easier to leak than a header).
-        auth = httpx.BasicAuth(url.username, url.password) if url.userinfo else None
         # Every form in which this upstream's own credentials leave the proxy, to be scrubbed from
         # what it answers (an error page that echoes the request's headers): see :class:`Redactor`.
         self.credentials = credential_forms(api_key, url)
+        # Credentials in the URL (http://user:pw@host/v1) are sent as HTTP Basic auth, replacing any
+        # other Authorization; the URL used for requests carries none (aiohttp refuses a URL with
+        # credentials next to an Authorization header, and a URL is easier to leak than a header).
+        self._basic_auth: str | None = None
         if url.userinfo:
+            token = base64.b64encode(f"{url.username}:{url.password}".encode()).decode("ascii")
+            self._basic_auth = f"Basic {token}"
             base_url = str(url.copy_with(userinfo=b""))
         self.base_url = base_url.rstrip("/")
         # vLLM serves /tokenize, /health and /metrics at the server root, not under /v1.
         self.root_url = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
         self._api_key = api_key
         self._urls: dict[tuple[str, bool], httpx.URL] = {}
-        limits = httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=keepalive_s
-        )
-        # Requests with a whole body go straight to aiohttp (ProxyAiohttpTransport.send_bytes) unless
-        # the client has something to add (Basic auth from the URL).
-        self._direct: ProxyAiohttpTransport | None = None
-        if transport is None and use_aiohttp:
-            # Same httpx client API, aiohttp's connection handling underneath: measured 2 ms less
-            # per proxied request than httpx's own transport (bench/overhead.py).
-            transport = ProxyAiohttpTransport(limits=limits, trust_env=False)
-            self._direct = transport if auth is None else None
-        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        self.client = httpx.AsyncClient(timeout=self._timeout, limits=limits, transport=transport, auth=auth)
-        # One client serves every tenant: a cookie the upstream sets for one must never ride along
-        # on another's request. httpx has no switch for its jar, so it gets one that keeps nothing
-        # (which also saves parsing every response for cookies: ~80 us per request).
-        self.client._cookies = _NoCookies()
+        # The request extension every transport reads its timeouts from.
+        self._timeouts = {"timeout": httpx.Timeout(timeout_s, connect=connect_timeout_s).as_dict()}
+        if transport is None:
+            limits = httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=keepalive_s,
+            )
+            transport = UpstreamTransport(limits)
+        self.transport = transport
 
     def _url(self, path: str, root: bool) -> httpx.URL:
         # A handful of paths, each parsed once: httpx's URL parser is pure Python.
@@ -136,14 +145,23 @@ class Upstream:
         content: bytes | AsyncIterable[bytes] | None = None,
         headers: Mapping[str, str] | None = None,
         root: bool = False,
+        timeout_s: float | None = None,
     ) -> httpx.Response:
-        """Send a request and return the response with its body not yet read (streaming)."""
-        url = self._url(path, root)
+        """Send a request and return the response with its body not yet read (streaming).
+
+        Every request to this upstream is sent here, ``GET /models`` included; ``timeout_s``: one
+        timeout for every phase instead of the upstream's own.
+
+        The request is made with ``stream=``, so httpx adds no header of its own (``Host``,
+        ``Content-Length`` or ``Transfer-Encoding``): the transport's HTTP client writes them from
+        the URL and the body, as it must anyway (~20 us a request less than ``content=``)."""
+        extensions = {"timeout": httpx.Timeout(timeout_s).as_dict()} if timeout_s is not None else self._timeouts
+        body = httpx.ByteStream(content or b"") if content is None or isinstance(content, bytes) else _Streamed(content)
+        request = httpx.Request(method, self._url(path, root), headers=headers, stream=body, extensions=extensions)
+        if self._basic_auth is not None:
+            request.headers["authorization"] = self._basic_auth
         try:
-            if self._direct is not None and not isinstance(content, AsyncIterable):
-                return await self._direct.send_bytes(method, str(url), content, headers or {}, self._timeout)
-            request = self.client.build_request(method, url, content=content, headers=headers)
-            return await self.client.send(request, stream=True)
+            return await self.transport.handle_async_request(request)
         except httpx.TimeoutException as exc:
             # Neither a connect nor a pool timeout ever sent the request: another backend may take it.
             if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
@@ -164,14 +182,18 @@ class Upstream:
     ) -> httpx.Response | None:
         """``GET /models`` with the given credentials (default: the proxy's own), body read; None when
         the upstream cannot be reached."""
+        headers = headers if headers is not None else self.auth_headers(None)
         try:
-            return await self.client.get(
-                self.base_url + "/models",
-                headers=headers if headers is not None else self.auth_headers(None),
-                timeout=timeout_s,
-            )
+            response = await self.open("GET", "/models", headers=headers, timeout_s=timeout_s)
+        except UpstreamError:
+            return None
+        try:
+            await response.aread()  # ``response.content`` is the listing
         except httpx.HTTPError:
             return None
+        finally:
+            await response.aclose()
+        return response
 
     async def probe_models(self, timeout_s: float = 3.0) -> list[dict[str, Any]] | None:
         """The models listed (``[]`` if the answer lists none), or None when the upstream is
@@ -185,7 +207,7 @@ class Upstream:
         return await self.probe_models() is not None
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.transport.aclose()
 
 
 def upstream_error_kind(exc: UpstreamError) -> str:

@@ -1,4 +1,10 @@
-"""One structured JSON line per request; prompt text never appears unless asked for."""
+"""One structured JSON line per request; prompt text never appears unless asked for.
+
+The line is built in one place (:class:`JsonFormatter`) and written the one way logging writes
+any record, so it is the same line under the proxy's handler (``prefix-proxy serve``:
+:func:`configure_logging`) and under any handler an embedding application gives the
+``prefix_proxy`` loggers that formats with :class:`JsonFormatter`.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,10 @@ _access = logging.getLogger(ACCESS_LOGGER)
 
 
 class JsonFormatter(logging.Formatter):
+    """A record as one JSON line: ``ts`` (UTC, milliseconds), ``level``, ``logger``, then the
+    record's ``fields`` (the access line's) or its ``message``; an error's traceback as
+    ``exception``. The one place a line of the proxy's is built."""
+
     # UTC: the "Z" the timestamps end with says so.
     converter = staticmethod(time.gmtime)
 
@@ -24,9 +34,7 @@ class JsonFormatter(logging.Formatter):
         self._second: tuple[int, str] = (-1, "")
 
     def _timestamp(self, record: logging.LogRecord) -> str:
-        return self.timestamp(record.created)
-
-    def timestamp(self, created: float) -> str:
+        created = record.created
         second = int(created)
         if second != self._second[0]:
             self._second = (second, time.strftime("%Y-%m-%dT%H:%M:%S", self.converter(created)))
@@ -53,23 +61,7 @@ class JsonLinesHandler(logging.StreamHandler):
 
     def __init__(self, stream: Any = None) -> None:
         super().__init__(stream)
-        self.json = JsonFormatter()
-        self.setFormatter(self.json)
-
-    def write_fields(self, logger: str, fields: dict[str, Any]) -> None:
-        """An INFO line of ``fields``, as :meth:`emit` would write it for a record carrying them,
-        without the record: see :func:`log_request`."""
-        payload: dict[str, Any] = {"ts": self.json.timestamp(time.time()), "level": "info", "logger": logger}
-        payload.update(fields)
-        line = dumps(payload, default=str).decode() + self.terminator
-        try:
-            with self.lock:  # type: ignore[union-attr]
-                self.stream.write(line)
-                self.stream.flush()
-        except Exception:
-            # As emit() does: a stream that fails (closed, a full disk) is reported, never raised
-            # into the request that logs.
-            self.handleError(logging.makeLogRecord({"name": logger, "msg": "request", "levelno": logging.INFO}))
+        self.setFormatter(JsonFormatter())
 
 
 def configure_logging(level: str, stream: Any = None) -> None:
@@ -82,6 +74,11 @@ def configure_logging(level: str, stream: Any = None) -> None:
 
 
 def log_request(ctx: RequestContext, overhead_ms: float, extra: dict[str, Any] | None = None) -> None:
+    """The request's access line: a record of ``prefix_proxy.access`` at INFO carrying its
+    ``fields``, which :class:`JsonFormatter` writes as one JSON line (with ``ts``, ``level`` and
+    ``logger`` first). It goes through logging as any record does: the proxy's handler
+    (:func:`configure_logging`), or whatever handlers and filters the embedding application
+    configured. The prompt's text is among the fields only with ``log_prompts``."""
     if not _access.isEnabledFor(logging.INFO):
         return
     usage = ctx.usage
@@ -113,28 +110,6 @@ def log_request(ctx: RequestContext, overhead_ms: float, extra: dict[str, Any] |
         fields["messages"] = ctx.logged_messages
     if extra:
         fields.update(extra)
-    handler = _sole_json_handler()
-    if handler is not None:
-        handler.write_fields(ACCESS_LOGGER, fields)
-        return
     # The record made directly: Logger.info would walk the stack for a caller no access line shows.
     record = _access.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields})
     _access.handle(record)
-
-
-def _sole_json_handler() -> JsonLinesHandler | None:
-    """The proxy's handler when it is all an access record would meet (no other handler, no
-    filter, nothing that could change the line): the line is then written without a record,
-    whose making and dispatch cost several times the line itself."""
-    parent = _access.parent
-    if _access.handlers or _access.filters or not _access.propagate or parent is None or parent.filters:
-        return None
-    handlers = parent.handlers
-    if len(handlers) != 1 or parent.propagate:
-        return None
-    handler = handlers[0]
-    if type(handler) is not JsonLinesHandler or handler.filters or handler.level > logging.INFO:
-        return None
-    if handler.formatter is not handler.json:
-        return None
-    return handler
