@@ -37,7 +37,7 @@ from proxy.observability.tracing import start_tracing
 from proxy.observability.tracker import CacheBreakTracker
 from proxy.reload import on_sighup
 from proxy.replicas.build import build_shared
-from proxy.routes import admin, chat, health, messages, passthrough, responses, unrewritten
+from proxy.routes import admin, chat, compaction, health, messages, passthrough, responses, unrewritten
 from proxy.sessions.memory import MemorySessionStore
 from proxy.sessions.redis_store import RedisSessionStore
 from proxy.sessions.service import SessionService, StoreUnavailable
@@ -84,7 +84,6 @@ def build_backends(
                 max_connections=settings.max_connections,
                 keepalive_s=settings.upstream_keepalive_s,
                 transport=transport,
-                use_aiohttp=settings.upstream_transport == "aiohttp",
             ),
         )
         for url in settings.upstream_urls
@@ -298,7 +297,8 @@ def create_app(
     app.state.proxy = state
     # The forwarded API takes the raw request anyway, so it runs as plain Starlette routes:
     # FastAPI's dependency layer would add ~0.2 ms to every proxied request (bench/overhead.py).
-    forwarded = [*chat.routes, *messages.routes, *responses.routes, *unrewritten.routes]
+    # The compaction route first: /v1/responses/compact is not a stored response's id.
+    forwarded = [*chat.routes, *messages.routes, *compaction.routes, *responses.routes, *unrewritten.routes]
     app.router.routes.extend(forwarded)
     app.direct = DirectRoutes(forwarded)
     if settings.metrics_port is None:

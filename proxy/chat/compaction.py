@@ -23,9 +23,10 @@ from cachetools import TLRUCache
 
 from proxy.backends import BackendPool
 from proxy.config import SummarizerSettings
-from proxy.http.errors import ProxyError
+from proxy.http.errors import ProxyError, UpstreamProtocolError, UpstreamTimeout
 from proxy.observability.metrics import Metrics
 from proxy.openai.jsonio import dumps
+from proxy.openai.usage import Usage
 from proxy.protocols.channel import SummaryChannel
 from proxy.sessions.service import SessionService, StoreUnavailable
 from proxy.tenants import Tenant, TenantDirectory
@@ -39,10 +40,19 @@ from summarizer import (
     SummaryState,
     client_messages,
 )
-from summarizer.prompt import DEFAULT_INSTRUCTION
+from summarizer.prompt import DEFAULT_INSTRUCTION, build_request
 
 logger = logging.getLogger("prefix_proxy.summarizer")
 WAIT_POLL_S = 0.2
+
+
+class SummaryRefused(UpstreamProtocolError):
+    """502: the backend answered the summary request with an error status (nothing was summarized)."""
+
+    code = "summary_failed"
+
+    def __init__(self, status: int) -> None:
+        self._describe(f"the backend answered HTTP {status} to the summary request; nothing was compacted", None, None)
 
 
 @dataclass(frozen=True)
@@ -105,31 +115,85 @@ class CompactionService:
         return Compactor(complete, self._policy, replace(self._options, repair=job.slides_window))
 
     async def _complete(self, job: CompactionJob, body: dict[str, Any]) -> tuple[str, int]:
-        channel = job.channel  # the conversation's own protocol: rendered as it was, its prefix hits
-        payload = self._tenants.cache_salted(job.tenant, channel.request(body))  # its cache namespace
-        headers = {"content-type": "application/json", **job.upstream_auth}
         try:
-            # Same backend as the conversation: the summary request starts with its cached prefix.
-            response = await self._backends.open(
-                "POST",
-                channel.path,
-                content=dumps(payload),
-                headers=headers,
-                key=job.routing_key,
-                model=str(body.get("model")),
-            )
-            raw = await self._backends.read(response)
+            text, usage = await self._request_summary(job.tenant, job.channel, body, job.upstream_auth, job.routing_key)
         except ProxyError as exc:
             raise CompactionFailed(exc.message) from exc
+        if usage is not None:
+            self._metrics.record_usage(str(body.get("model")), job.tenant.name, usage)
+        return text, usage.completion_tokens if usage else 0
+
+    async def _request_summary(
+        self,
+        tenant: Tenant,
+        channel: SummaryChannel,
+        body: dict[str, Any],
+        upstream_auth: Mapping[str, str],
+        routing_key: str,
+    ) -> tuple[str, Usage | None]:
+        """The one upstream call of every summary (the background compaction's and a client's):
+        ``body`` (chat-shaped) sent in the conversation's own protocol, with its cache salt, to its
+        backend. Raises a :class:`ProxyError` when no readable answer came."""
+        payload = self._tenants.cache_salted(tenant, channel.request(body))  # its cache namespace
+        headers = {"content-type": "application/json", **upstream_auth}
+        # Same backend as the conversation: the summary request starts with its cached prefix.
+        response = await self._backends.open(
+            "POST",
+            channel.path,
+            content=dumps(payload),
+            headers=headers,
+            key=routing_key,
+            model=str(body.get("model")),
+        )
+        raw = await self._backends.read(response)
         if response.status_code >= 400:
-            raise CompactionFailed(f"upstream answered {response.status_code}")
+            raise SummaryRefused(response.status_code)
         try:
             text, usage = channel.reply(json.loads(raw))
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise CompactionFailed("unreadable summary response") from exc
-        if usage is not None:
-            self._metrics.record_usage(str(body.get("model")), job.tenant.name, usage)
-        return str(text), usage.completion_tokens if usage else 0
+            raise UpstreamProtocolError("unreadable summary response") from exc
+        return str(text), usage
+
+    async def summarize_conversation(
+        self,
+        tenant: Tenant,
+        chat: Mapping[str, Any],
+        channel: SummaryChannel,
+        upstream_auth: Mapping[str, str],
+        routing_key: str,
+        *,
+        instruction: str | None = None,
+    ) -> tuple[str, Usage | None]:
+        """A summary of the whole conversation ``chat``, for a client that asked to compact it
+        (docs/compaction.md): ``chat`` is the request's canonical chat view, as a turn of it is
+        forwarded, so the summary request (that conversation plus the instruction, in ``channel``'s
+        protocol, with the tenant's cache salt, routed by ``routing_key``) renders as the
+        conversation did and its prefix hits the cache. ``instruction``: the client's own, else the
+        configured one, else the default.
+
+        Returns the summary (stripped) and the backend's usage, which is not recorded here (the
+        client's request accounts it). Raises a :class:`ProxyError` when no summary came: the
+        upstream's (unreachable, timed out), :class:`SummaryRefused`, or an
+        :class:`UpstreamProtocolError` for an unreadable or empty answer."""
+        body = build_request(
+            dict(chat),
+            list(chat["messages"]),
+            instruction=instruction or self._options.instruction,
+            max_tokens=self._options.max_summary_tokens,
+            model=self._options.model,
+        )
+        try:
+            text, usage = await asyncio.wait_for(
+                self._request_summary(tenant, channel, body, upstream_auth, routing_key), self.settings.timeout_s
+            )
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"the summary request took longer than {self.settings.timeout_s:g} s (summarizer.timeout_s)"
+            ) from None
+        text = text.strip()
+        if not text:
+            raise UpstreamProtocolError("the backend returned an empty summary")
+        return text, usage
 
     # -- entry points ----------------------------------------------------------------------------
 

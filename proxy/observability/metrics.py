@@ -254,6 +254,26 @@ class Metrics:
             "prefix_proxy_compaction_tokens_removed", "Tokens of history replaced by summaries.", registry=r
         )
         self.summary_tokens = Counter("prefix_proxy_summary_tokens", "Tokens of the summaries produced.", registry=r)
+        # Compaction a client asked for (docs/compaction.md): per protocol (responses, messages).
+        self.client_compactions = Counter(
+            "prefix_proxy_client_compactions",
+            "Compactions served to clients that asked for one, by protocol and outcome (served, failed).",
+            ["protocol", "outcome"],
+            registry=r,
+        )
+        self.client_compaction_items = Counter(
+            "prefix_proxy_client_compaction_items",
+            "Compaction items clients sent back, by protocol and outcome (expanded, refused).",
+            ["protocol", "outcome"],
+            registry=r,
+        )
+        self.client_compaction_tokens_saved = Counter(
+            "prefix_proxy_client_compaction_tokens_saved",
+            "Prefill tokens a client compacting locally would have computed and the proxy's summary "
+            "request did not (docs/metrics.md: how it is estimated).",
+            ["protocol"],
+            registry=r,
+        )
         self.store_up = Gauge(
             "prefix_proxy_store_up", "1 when the session store answers, 0 while degraded.", registry=r
         )
@@ -316,6 +336,12 @@ class Metrics:
         # Known label values start at zero, so dashboards and alerts see a series before the first event.
         for outcome in ("started", "succeeded", "failed"):
             self.compactions.labels(outcome)
+        for protocol in ("responses", "messages"):
+            for outcome in ("served", "failed"):
+                self.client_compactions.labels(protocol, outcome)
+            for outcome in ("expanded", "refused"):
+                self.client_compaction_items.labels(protocol, outcome)
+            self.client_compaction_tokens_saved.labels(protocol)
         for tenant in ("anonymous", *(tenants or [])):
             for kind in ("context", "session", "tenant"):
                 self.budget_rejections.labels(kind, self.tenant_label(tenant))

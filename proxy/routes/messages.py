@@ -16,16 +16,19 @@ from proxy.http.context import RequestContext
 from proxy.http.dialect import ANTHROPIC
 from proxy.protocols import anthropic
 from proxy.protocols.anthropic import MESSAGES
+from proxy.routes import compaction
 from proxy.routes.exchange import Wire, send_json
 from proxy.routes.forward import api_endpoint
-from proxy.routes.pipeline import TurnOptions, forward_turn, read_request
+from proxy.routes.pipeline import TurnOptions, forward_turn
 from proxy.tenants import Tenant
 
 COUNT_TOKENS = Wire("/messages/count_tokens", read_usage=lambda _: None)
 
 
 async def messages(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
-    body = await read_request(state, request, MESSAGES)
+    body = await compaction.read_messages(state, request, ctx, tenant)  # compaction items expanded
+    if isinstance(body, Response):
+        return body  # a compaction, answered by the proxy's summarizer (docs/compaction.md)
     body, diagnostics = MESSAGES.diagnostics_asked(body)
     view = MESSAGES.view(body, state.canonicalizer.tool_orders, tenant.name)
     return await forward_turn(state, request, ctx, tenant, MESSAGES, view, TurnOptions(diagnostics=diagnostics))

@@ -30,9 +30,10 @@ from proxy.http.context import RequestContext
 from proxy.http.errors import ProxyError, ResponseNotFound
 from proxy.protocols import responses
 from proxy.protocols.responses import RESPONSES
+from proxy.routes import compaction
 from proxy.routes.forward import api_endpoint, upstream_headers
 from proxy.routes.passthrough import forward_raw
-from proxy.routes.pipeline import TurnOptions, forward_turn, read_request
+from proxy.routes.pipeline import TurnOptions, forward_turn
 from proxy.sessions.service import StoreUnavailable
 from proxy.tenants import Tenant
 
@@ -41,7 +42,9 @@ _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,256}")
 
 
 async def create(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
-    body = await read_request(state, request, RESPONSES)
+    body = await compaction.read_responses(state, request, ctx, tenant)  # compaction items expanded
+    if isinstance(body, Response):
+        return body  # a compaction, answered by the proxy's summarizer (docs/compaction.md)
     body, diagnostics = RESPONSES.diagnostics_asked(body)
     view = RESPONSES.view(body, state.canonicalizer.tool_orders, tenant.name)
     options = TurnOptions(diagnostics=diagnostics)

@@ -1,0 +1,274 @@
+"""Compaction a client asks for, served by the proxy's summarizer (docs/compaction.md).
+
+vLLM has no compaction: it refuses Responses' ``compaction`` and ``compaction_trigger`` items and
+Anthropic's ``compaction`` blocks, has no ``/v1/responses/compact`` and drops Anthropic's
+``compaction`` parameter. The proxy serves them itself:
+
+- ``POST /v1/responses`` whose last input item is a ``compaction_trigger`` (what Codex sends with
+  ``remote_compaction = "v2"``): a Response (or its event stream) with exactly one ``compaction``
+  output item;
+- ``POST /v1/responses/compact``: a ``response.compaction`` with the request's user messages and
+  one ``compaction`` item;
+- ``POST /v1/messages`` with ``compaction: {"type": "summarize"}``: a Message holding one
+  ``compaction`` block, ``stop_reason`` ``compaction``.
+
+The summary is one request to the conversation's backend: the request's conversation, converted
+and canonicalized as a turn of it is, plus the instruction (``CompactionService.
+summarize_conversation``), so its prefix is the one the conversation left in the cache. The item
+holds the summary, sealed for the tenant (``proxy.chat.handoff``); sent back, it is expanded into
+the same summary message on every turn (``proxy.protocols.compaction``) before the request is
+validated, and the pipeline sees ordinary messages. A summary that fails is the protocol's error
+(502/504), never a made-up item.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from proxy.app_state import ProxyState
+from proxy.canon import CanonResult
+from proxy.chat import handoff
+from proxy.chat.budget import effective_budget, usage_limits
+from proxy.http.body import parse_json_object, read_body
+from proxy.http.context import RequestContext, overhead_header
+from proxy.http.errors import InvalidRequest, ProxyError
+from proxy.openai.jsonio import dumps
+from proxy.openai.usage import Usage
+from proxy.protocols import compaction as wire
+from proxy.protocols.anthropic import MESSAGES
+from proxy.protocols.base import GenerationProtocol
+from proxy.protocols.responses import RESPONSES
+from proxy.routes.forward import after_response, api_endpoint, proxy_headers, upstream_headers
+from proxy.routes.pipeline import count_canonicalization
+from proxy.sessions.identity import conversation_root
+from proxy.tenants import Tenant
+from summarizer.prompt import DEFAULT_INSTRUCTION
+
+Expand = Callable[[dict[str, Any], wire.Unseal], tuple[dict[str, Any], int]]
+
+
+# -- the handlers' entry points ----------------------------------------------------------------
+
+
+async def read_responses(
+    state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant
+) -> dict[str, Any] | Response:
+    """A ``POST /v1/responses`` body, its compaction items expanded and validated; or, for a
+    request ending in a ``compaction_trigger``, the proxy's answer to it (a :class:`Response`)."""
+    body = await _read(state, request)
+    body = _expanded(state, ctx, tenant, RESPONSES, body, wire.expand_responses)
+    if not wire.is_trigger_request(body):
+        RESPONSES.validate(body)
+        return body
+    body = wire.without_trigger(body)
+    _no_chain(body)
+    RESPONSES.validate(body)
+    text, usage = await _summarize(state, request, ctx, tenant, RESPONSES, body, None)
+    token = handoff.seal(state.tenants.salt_key.secret, tenant.name, text, usage.completion_tokens if usage else 0)
+    answer = wire.responses_answer(body, _id("resp_"), int(time.time()), [wire.compaction_item(token)], usage)
+    if body.get("stream"):
+        return _answer(state, ctx, wire.responses_events(answer), "text/event-stream")
+    return _answer(state, ctx, dumps(answer), "application/json")
+
+
+async def read_messages(
+    state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant
+) -> dict[str, Any] | Response:
+    """A ``POST /v1/messages`` body, its compaction blocks expanded and validated; or, for a
+    request with ``compaction: {"type": "summarize"}``, the proxy's answer to it."""
+    body = await _read(state, request)
+    body = _expanded(state, ctx, tenant, MESSAGES, body, wire.expand_messages)
+    param = wire.compaction_param(body)
+    if param is None:
+        MESSAGES.validate(body)
+        return body
+    body = {key: value for key, value in body.items() if key != "compaction"}
+    MESSAGES.validate(body)
+    text, usage = await _summarize(state, request, ctx, tenant, MESSAGES, body, wire.compaction_instruction(param))
+    token = handoff.seal(state.tenants.salt_key.secret, tenant.name, text, usage.completion_tokens if usage else 0)
+    answer = wire.anthropic_answer(_id("msg_"), str(body["model"]), text, token, usage)
+    if body.get("stream"):
+        return _answer(state, ctx, wire.anthropic_events(answer), "text/event-stream")
+    return _answer(state, ctx, dumps(answer), "application/json")
+
+
+async def compact(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
+    """``POST /v1/responses/compact``: the request's user messages, then one compaction item."""
+    body = await _read(state, request)
+    original = body.get("input")
+    body = _expanded(state, ctx, tenant, RESPONSES, body, wire.expand_responses)
+    _no_chain(body)
+    if wire.is_trigger_request(body):
+        body = wire.without_trigger(body)
+    RESPONSES.validate(body)
+    # A compaction is never streamed, whatever the body says.
+    body = {key: value for key, value in body.items() if key != "stream"}
+    text, usage = await _summarize(state, request, ctx, tenant, RESPONSES, body, None)
+    token = handoff.seal(state.tenants.salt_key.secret, tenant.name, text, usage.completion_tokens if usage else 0)
+    output = [*wire.retained_user_items(original), wire.compaction_item(token)]
+    answer = wire.compacted_response(_id("resp_"), int(time.time()), output, usage)
+    return _answer(state, ctx, dumps(answer), "application/json")
+
+
+# -- the work ----------------------------------------------------------------------------------
+
+
+async def _read(state: ProxyState, request: Request) -> dict[str, Any]:
+    return parse_json_object(await read_body(request, state.settings.max_body_bytes))
+
+
+def unsealer(state: ProxyState, tenant: Tenant) -> wire.Unseal:
+    """What opens the compaction tokens of ``tenant``'s requests."""
+    return partial(handoff.unseal, state.tenants.salt_key.secret, tenant.name)
+
+
+def _expanded(
+    state: ProxyState,
+    ctx: RequestContext,
+    tenant: Tenant,
+    protocol: GenerationProtocol,
+    body: dict[str, Any],
+    expand: Expand,
+) -> dict[str, Any]:
+    items = state.metrics.client_compaction_items
+    try:
+        body, count = expand(body, unsealer(state, tenant))
+    except wire.InvalidCompactionItem:
+        items.labels(protocol.route, "refused").inc()
+        raise
+    if count:
+        items.labels(protocol.route, "expanded").inc(count)
+        ctx.actions.append(f"compaction_expanded:{count}")
+    return body
+
+
+def _no_chain(body: dict[str, Any]) -> None:
+    """A compaction of a ``previous_response_id`` chain would need the history the backend holds,
+    which the request does not carry: refused, saying what works instead."""
+    if body.get("previous_response_id") is not None:
+        raise InvalidRequest(
+            "compaction through this proxy needs the conversation in 'input': it cannot compact a "
+            "previous_response_id chain (the backend holds that history). Send the whole input instead.",
+            param="previous_response_id",
+        )
+
+
+async def _summarize(
+    state: ProxyState,
+    request: Request,
+    ctx: RequestContext,
+    tenant: Tenant,
+    protocol: GenerationProtocol,
+    body: dict[str, Any],
+    instruction: str | None,
+) -> tuple[str, Usage | None]:
+    """The summary of the request's conversation, asked of its backend as a turn of it is sent
+    (the protocol's view, canonicalized, the tenant's cache salt, the conversation's routing key),
+    accounted on ``ctx`` (usage, actions, metrics) and charged to the tenant's usage budget."""
+    view = protocol.view(body, state.canonicalizer.tool_orders, tenant.name)
+    chat = view.chat
+    ctx.model = str(chat["model"])
+    ctx.stream = bool(body.get("stream"))
+    canon = state.canonicalizer.apply(chat, tenant.name)
+    ctx.actions.extend(view.actions)
+    ctx.actions.extend(str(action) for action in canon.actions)
+    ctx.prefix_hash = canon.prefix_hash
+    ctx.saved_by_canonicalization = count_canonicalization(state, tenant.name, chat, canon)
+    named = state.sessions.explicit_id(request.headers, chat)
+    ctx.session_id = named
+    ctx.route_key = routing_key(tenant, named, canon)
+    metrics = state.metrics
+    headers = upstream_headers(state, request, ctx)
+    ctx.mark_upstream_sent()
+    try:
+        text, usage = await state.compaction.summarize_conversation(
+            tenant, canon.body, protocol.channel(view), headers, ctx.route_key, instruction=instruction
+        )
+    except ProxyError:
+        metrics.client_compactions.labels(protocol.route, "failed").inc()
+        raise
+    finally:
+        ctx.upstream_done_at = time.perf_counter()
+    ctx.usage = usage
+    ctx.actions.append("compaction_served")
+    metrics.client_compactions.labels(protocol.route, "served").inc()
+    saved = tokens_saved(state, protocol, canon, usage, ctx.saved_by_canonicalization, instruction)
+    if saved:
+        metrics.client_compaction_tokens_saved.labels(protocol.route).inc(saved)
+    await _charge(state, tenant, ctx.model, named, usage)
+    return text, usage
+
+
+def tokens_saved(
+    state: ProxyState,
+    protocol: GenerationProtocol,
+    canon: CanonResult,
+    usage: Usage | None,
+    by_canonicalization: bool,
+    instruction: str | None,
+) -> int:
+    """Prefill tokens the client compacting locally would have computed and the proxy's summary
+    request did not; an estimate, a lower bound (docs/metrics.md).
+
+    Codex (the client that sends ``compaction_trigger``) compacts locally with the history and its
+    prompt but without the tools, which most templates render first: its request recomputes at
+    least the turns after the system prompt, and the prompt. So for a Responses conversation with
+    tools: those turns and the instruction, counted by the proxy's token counter, less what the
+    summary request computed. Anywhere else the local request would share the conversation's
+    prefix as the proxy's does (Claude Code's, per its docs): only what hit because the proxy
+    canonicalized the prefix counts, as for any request (a local compaction sent straight to the
+    backend would have missed it)."""
+    if usage is None:
+        return 0
+    if protocol is RESPONSES and canon.body.get("tools"):
+        prompt = instruction or state.settings.summarizer.instruction or DEFAULT_INSTRUCTION
+        turns = [*canon.body["messages"][canon.stable_count :], {"role": "user", "content": prompt}]
+        return max(0, state.token_counter.count_messages(turns) - usage.prefill_tokens)
+    return usage.cached_tokens if by_canonicalization else 0
+
+
+def routing_key(tenant: Tenant, named: str | None, canon: CanonResult) -> str:
+    """The key a turn of this conversation is routed by (``ChatTurn.routing_key``, without the
+    session record: the session the client names, else the stable prefix and the conversation's
+    first message), so the summary goes to the backend holding its prefix."""
+    if named:
+        return f"{tenant.name}\x1fs:{named}"
+    root = conversation_root(canon.body["messages"])
+    return f"{tenant.name}\x1fp:{canon.prefix_hash}:{root or 0:x}"
+
+
+async def _charge(state: ProxyState, tenant: Tenant, model: str, session: str | None, usage: Usage | None) -> None:
+    """The summary's tokens count against the tenant's (and the session's) usage budget."""
+    if usage is None:
+        return
+    settings = state.settings
+    budget = effective_budget(settings.budget, settings.model_budgets.get(model), tenant.budget)
+    limits = usage_limits(budget, tenant.name, session)
+    if limits:
+        await state.sessions.charge_unreserved(limits, usage.prompt_tokens + usage.completion_tokens, budget.window_s)
+
+
+def _answer(state: ProxyState, ctx: RequestContext, content: bytes, media_type: str) -> Response:
+    """The proxy's own answer, with its headers; metrics and the access line after it is sent."""
+    overhead = ctx.overhead_seconds()
+    headers: Mapping[str, str] = {**proxy_headers(ctx), **overhead_header(overhead)}
+    if media_type == "text/event-stream":
+        headers = {**headers, "cache-control": "no-cache"}
+    return Response(
+        content, 200, headers=dict(headers), media_type=media_type, background=after_response(state, ctx, overhead)
+    )
+
+
+def _id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+routes = [Route("/v1/responses/compact", api_endpoint("responses_compact", compact), methods=["POST"])]
