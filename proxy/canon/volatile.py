@@ -99,7 +99,14 @@ def detect_context_blocks(text: str) -> Iterable[Span]:
         yield Span(match.start(), match.end(), "context_block")
 
 
+# Every date and clock pattern holds a digit, and every id one of 0-9: text without one has none.
+_DIGIT = re.compile(r"\d")
+_ASCII_DIGIT = re.compile(r"[0-9]")
+
+
 def detect_datetimes(text: str) -> Iterable[Span]:
+    if _DIGIT.search(text) is None:
+        return
     for match in _DATETIME.finditer(text):
         value = match.group(0)
         if not value.strip():
@@ -115,11 +122,15 @@ def detect_weekdays(text: str) -> Iterable[Span]:
 
 
 def detect_uuids(text: str) -> Iterable[Span]:
+    if "-" not in text:
+        return
     for match in _UUID.finditer(text):
         yield Span(match.start(), match.end(), "uuid")
 
 
 def detect_request_ids(text: str) -> Iterable[Span]:
+    if _ASCII_DIGIT.search(text) is None:
+        return
     for match in _REQUEST_ID.finditer(text):
         value = match.group(0)
         if any(c.isdigit() for c in value) and any(c.isalpha() for c in value):
