@@ -214,6 +214,9 @@ SOUP = st.lists(
             "src/main.py",
             "时间：2026-11-29 14:03",
             "line\r",
+            "<context>",
+            "retrieved 中文 chunk",
+            "</context>",
         ]
     ),
     min_size=1,
@@ -256,7 +259,17 @@ def test_line_functions_agree_with_relocate(lines: list[str], picked: set[int], 
 
 
 @settings(max_examples=200, deadline=None)
-@given(SOUP, st.lists(st.tuples(st.integers(0, 45), st.sampled_from(["x: 1", "", "```", "<doc>", "Mon 14:03", "a"]))))
+@given(
+    SOUP,
+    st.lists(
+        st.tuples(
+            st.integers(0, 45),
+            st.sampled_from(
+                ["x: 1", "", "```", "<doc>", "Mon 14:03", "a", "中文 ü 14:03:11", "<context>", "x</context>"]
+            ),
+        )
+    ),
+)
 def test_a_text_filled_into_a_place_has_the_facts_of_the_text_read_whole(lines: list[str], edits: list[Any]) -> None:
     memo = tm.TextMemo()
     scope = memo.scope("t", DETECTORS)

@@ -252,34 +252,46 @@ def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, wher
     spans = facts.spans
     detected = facts.detected
     learned_lines: frozenset[int] = frozenset()
-    blocks: list[tuple[int, int]] | None = None
     if memories.learned is not None:
         observed = memories.learned.observe_lines(key, facts.learned_input(detected))
         if observed:
-            unaligned = _reindex_around(detected, observed)
-            blocks = facts.blocks(text)
-            learned_lines = frozenset(tm.close_blocks(facts, tm.widen(facts, unaligned, facts.weak(text)), blocks))
+            unaligned = frozenset(_reindex_around(detected, observed))
+
+            def whole_regions() -> frozenset[int]:
+                widened = tm.widen(facts, set(unaligned), facts.weak(text))
+                return frozenset(tm.close_blocks(facts, widened, facts.blocks(text)))
+
+            learned_lines = facts.cached(("learned lines", unaligned), whole_regions)
     candidates = detected | learned_lines
     skeleton = facts.skeleton(text, detected, learned_lines) if memories.varying is not None and candidates else 0
     place_key = f"{key}\x00{skeleton:x}"
     varied = _varied_spans(text, spans, memories.varying, place_key, where)
     moving = set(_varied_learned_facts(text, facts, learned_lines, memories.varying, place_key, where))
-    varied_lines = facts.lines_touched(varied)
+    varied_lines = frozenset(facts.lines_touched(varied))
     if varied_lines:
-        moving |= tm.close_blocks(facts, varied_lines, blocks if blocks is not None else facts.blocks(text))
-    moving = tm.bridge_blanks(facts, moving)
+        closed = facts.cached(
+            ("closed", varied_lines), lambda: frozenset(tm.close_blocks(facts, set(varied_lines), facts.blocks(text)))
+        )
+        moving |= closed
     if not moving:
         return _Split(text, learned=len(learned_lines), candidates=len(candidates))
-    stable, moved = tm.partition(facts, text, moving)
+    planned, at_end, ids = _planned(facts, moving)
+    stable, moved = tm.cut(facts, text, planned)
     return _Split(
-        stable,
-        moved,
-        varied,
-        len(learned_lines),
-        len(candidates),
-        tm.already_at_end(facts, moving),
-        tm.line_ids(facts, moving, where[1]),
+        stable, moved, varied, len(learned_lines), len(candidates), at_end, [(where[1], line) for line in ids]
     )
+
+
+def _planned(facts: TextFacts, moving: set[int]) -> tuple[tm.Plan, bool, tuple[int, ...]]:
+    """What moves (``moving`` with the blank lines between its lines) as runs, whether it already
+    sits at the end, and the hashes of its lines."""
+
+    def compute() -> tuple[tm.Plan, bool, tuple[int, ...]]:
+        bridged = tm.bridge_blanks(facts, moving)
+        ids = tuple(line for _, line in tm.line_ids(facts, bridged, 0))
+        return tm.plan(facts, bridged), tm.already_at_end(facts, bridged), ids
+
+    return facts.cached(("planned", frozenset(moving)), compute)
 
 
 def _reindex_around(excluded: frozenset[int], learned: set[int]) -> set[int]:
@@ -320,6 +332,15 @@ def _varied_learned_facts(
 
 def _split_forced_facts(text: str, facts: TextFacts, forced: Counter[int]) -> _Split:
     """:func:`_split_forced` on the text's facts."""
+    moving = facts.cached(("forced", frozenset(forced.items())), lambda: _forced_lines(facts, forced))
+    if not moving:
+        return _Split(text)
+    planned, _, ids = _planned(facts, moving)
+    stable, moved = tm.cut(facts, text, planned)
+    return _Split(stable, moved, candidates=len(tm.bridge_blanks(facts, moving)), lines=[(0, line) for line in ids])
+
+
+def _forced_lines(facts: TextFacts, forced: Counter[int]) -> frozenset[int]:
     moving: set[int] = set()
     ambiguous: list[tuple[int, list[int]]] = []
     for hashed, count in forced.items():
@@ -334,11 +355,7 @@ def _split_forced_facts(text: str, facts: TextFacts, forced: Counter[int]) -> _S
     for count, found in ambiguous:
         nearest = sorted(found, key=lambda i: (min((abs(i - a) for a in anchors), default=0), i))
         moving.update(nearest[:count])
-    moving = tm.bridge_blanks(facts, moving)
-    if not moving:
-        return _Split(text)
-    stable, moved = tm.partition(facts, text, moving)
-    return _Split(stable, moved, candidates=len(moving), lines=tm.line_ids(facts, moving, 0))
+    return frozenset(moving)
 
 
 def _split_forced(text: str, lines: list[str], forced: Counter[int]) -> _Split:
@@ -569,7 +586,7 @@ def _holds_lines(messages: list[dict[str, Any]], block: Block, texts: TextScope)
         if index >= len(messages):
             return False
         found = _texts(messages[index].get("content"))
-        if part >= len(found) or line not in texts.facts(found[part], "").hash_set():
+        if part >= len(found) or not texts.facts(found[part], "").holds(line):
             return False
     return True
 

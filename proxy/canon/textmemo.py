@@ -21,6 +21,7 @@ bounded by lines held, and keyed per tenant so that no tenant's request is faste
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from array import array
@@ -68,12 +69,21 @@ def _text_bytes(text: str) -> bytes:
         return b"\x00" + text.encode("utf-8", "surrogatepass")
 
 
+def _utf8(text: str) -> bytes:
+    """The text's UTF-8 bytes. Through orjson first, which keeps them with the string: the request's
+    later serializations of it (the layout's digests, the body sent upstream) do not convert again."""
+    with contextlib.suppress(TypeError):  # a lone surrogate: no bytes kept
+        orjson.dumps(text)
+    return text.encode("utf-8", "surrogatepass")
+
+
 class LineFacts:
     """What relocation reads from one line, apart from the text itself."""
 
     __slots__ = (
         "blank",
         "close_tag",
+        "context",
         "env_close",
         "env_tag",
         "fence",
@@ -98,6 +108,8 @@ class LineFacts:
         tag = vo._TAG_OPEN.match(line) if "<" in line else None
         self.env_tag = _name_hash(f"</{tag.group(1)}>") if tag else None  # the closing line it wants
         self.env_close = _name_hash(stripped) if stripped.startswith("</") else None
+        # Holds a marker of volatile's <context> blocks (which span lines, but no marker does).
+        self.context = "<context>" in line or "</context>" in line
         self.weak: bool | None = None  # relocate's block facts: read when blocks are asked for
 
     def read_blocks(self, line: str) -> None:
@@ -230,15 +242,16 @@ class TextFacts:
         return starts[line] + (self.deltas[before - 1] if before else 0)
 
     def line_of(self, offset: int) -> int:
-        """The line holding ``offset`` (``relocate._line_of``)."""
-        lo, hi = 0, self.n - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.start(mid) <= offset:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        """The line holding ``offset``: the last line starting at or before it (``relocate._line_of``)."""
+        starts: array[int] = (self.base or self).memo["starts"]
+        shift = 0
+        for number, hole in enumerate(self.holes):
+            if offset < starts[hole] + shift:
+                break
+            if offset < starts[hole + 1] + self.deltas[number]:
+                return hole
+            shift = self.deltas[number]
+        return max(0, min(self.n - 1, bisect_right(starts, offset - shift) - 1))
 
     def line(self, text: str, index: int) -> str:
         return text[self.start(index) : self.start(index + 1) - 1]
@@ -255,6 +268,13 @@ class TextFacts:
         """Non-blank lines in ``[first, end)``."""
         blank = self.index["blank"]
         return (end - first) - (bisect_left(blank, end) - bisect_left(blank, first))
+
+    def cached(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per ``key`` for these facts (what relocation derives from a set of lines)."""
+        found = self.memo.get(key)
+        if found is None:
+            found = self.remember(key, compute())
+        return found
 
     def remember(self, key: Any, value: Any) -> Any:
         if len(self.memo) > MAX_RESULTS_PER_TEXT:
@@ -277,12 +297,34 @@ class TextFacts:
                 continue
             if detector is detect_environment_blocks:
                 spans.extend(self.environment_spans(text))
+            elif detector is vo.detect_context_blocks:
+                spans.extend(self._context_spans(text))
             else:
                 spans.extend(detector(text))
         for index in self.index["local"]:
             offset = self.start(index)
             spans.extend(Span(offset + s, offset + e, kind) for s, e, kind in self.facts[index].local)
         return sorted(spans)
+
+    def _context_spans(self, text: str) -> list[Span]:
+        """``volatile.detect_context_blocks(text)``: the base's blocks, moved by the holes' lengths, when
+        no hole holds a marker (the markers, hence the blocks, are where they were)."""
+        base = self.base
+        if base is None or "context" not in base.memo:
+            found = list(vo.detect_context_blocks(text))
+            self.memo["context"] = found
+            return found
+        if any(self.facts[h].context or base.facts[h].context for h in self.holes):
+            return list(vo.detect_context_blocks(text))
+        return [
+            Span(self._moved(span.start), self._moved(span.end - 1) + 1, span.kind) for span in base.memo["context"]
+        ]
+
+    def _moved(self, offset: int) -> int:
+        """An offset into the base's text (on a line that is no hole), in this text."""
+        assert self.base is not None
+        before = bisect_left(self.holes, self.base.line_of(offset))
+        return offset + (self.deltas[before - 1] if before else 0)
 
     def environment_spans(self, text: str) -> list[Span]:
         """``volatile.detect_environment_blocks(text)``."""
@@ -373,6 +415,16 @@ class TextFacts:
                     by_hash.setdefault(value, []).append(index)
             self.memo["by_hash"] = by_hash
         return by_hash.get(hashed, [])
+
+    def holds(self, hashed: int) -> bool:
+        """Whether a non-blank line has this hash."""
+        base = self.base
+        if base is None:
+            return hashed in self.hash_set()
+        facts = self.facts
+        if any(facts[h].hash == hashed and not facts[h].blank for h in self.holes):
+            return True
+        return base.holds(hashed) and any(p not in self.holes for p in base.line_positions(hashed))
 
     def hash_set(self) -> frozenset[int]:
         """The hashes of the non-blank lines."""
@@ -662,6 +714,25 @@ def already_at_end(tf: TextFacts, volatile: set[int]) -> bool:
 
 def partition(tf: TextFacts, text: str, volatile: set[int]) -> tuple[str, str]:
     """``relocate.partition_lines``, cut from the text in stretches."""
+    return cut(tf, text, plan(tf, volatile))
+
+
+# Which lines stay and which move, as runs (first, last), or None: everything moves.
+Plan = tuple[list[tuple[int, int]], list[tuple[int, int]]] | None
+
+
+def cut(tf: TextFacts, text: str, planned: Plan) -> tuple[str, str]:
+    if planned is None:
+        return "", text
+    stable, moved = planned
+    return (
+        "\n".join(text[tf.start(a) : tf.start(b + 1) - 1] for a, b in stable),
+        "\n".join(text[tf.start(a) : tf.start(b + 1) - 1] for a, b in moved),
+    )
+
+
+def plan(tf: TextFacts, volatile: set[int]) -> Plan:
+    """``relocate.partition_lines`` in runs of lines."""
     facts, n = tf.facts, tf.n
     moving = set(volatile)
     for first, last in runs(tf, sorted(volatile), bridge_blank=False):
@@ -675,18 +746,17 @@ def partition(tf: TextFacts, text: str, volatile: set[int]) -> tuple[str, str]:
             moving.add(first - 1)
     moving_nonblank = sum(1 for i in moving if i < n and not facts[i].blank)
     if tf.nonblank(0, n) - moving_nonblank == 0:
-        return "", text
-    ordered = sorted(i for i in moving if i < n)
-    moved = runs(tf, ordered, bridge_blank=False)
-    stable: list[str] = []
+        return None
+    moved = runs(tf, sorted(i for i in moving if i < n), bridge_blank=False)
+    stable: list[tuple[int, int]] = []
     cursor = 0
     for first, last in moved:
         if first > cursor:
-            stable.append(text[tf.start(cursor) : tf.start(first) - 1])
+            stable.append((cursor, first - 1))
         cursor = last + 1
     if cursor < n:
-        stable.append(text[tf.start(cursor) : tf.start(n) - 1])
-    return "\n".join(stable), "\n".join(text[tf.start(a) : tf.start(b + 1) - 1] for a, b in moved)
+        stable.append((cursor, n - 1))
+    return stable, moved
 
 
 def line_ids(tf: TextFacts, moving: set[int], part: int) -> list[tuple[int, int]]:
@@ -699,46 +769,57 @@ def line_ids(tf: TextFacts, moving: set[int], part: int) -> list[tuple[int, int]
 
 
 class _Place:
-    """The last text of a place read whole, its holes, and the stretches of text around them as
-    (length, digest): the first up to the first hole, then from each hole's newline to the next hole
-    (the last to the end of the text)."""
+    """The last text of a place read whole, its holes, and the stretches of its UTF-8 bytes around
+    them as (length, digest): the first up to the first hole, then from the newline ending each hole
+    to the next hole (the last to the end of the text)."""
 
-    __slots__ = ("facts", "holes", "seed", "stretches")
+    __slots__ = ("facts", "filled", "holes", "seed", "stretches")
 
     def __init__(self, facts: TextFacts, text: str, holes: tuple[int, ...], seed: int) -> None:
         self.facts = facts
         self.holes = holes
         self.seed = seed
+        # The last text filled in, by its holes' line keys: a conversation re-sends the same one.
+        self.filled: tuple[tuple[int, ...], TextFacts] | None = None
+        data = _utf8(text)
+        raw = memoryview(data)
         self.stretches: list[tuple[int, int]] = []
-        cursor = 0
+        start = 0  # where the stretch begins
+        cursor = line = 0  # the first byte of a line, and that line
         for hole in holes:
-            end = facts.start(hole)
-            self.stretches.append((end - cursor, self._digest(text, cursor, end)))
-            cursor = facts.start(hole + 1) - 1
-        self.stretches.append((len(text) - cursor, self._digest(text, cursor, len(text))))
+            while line < hole:
+                cursor = data.find(b"\n", cursor) + 1
+                line += 1
+            self.stretches.append((cursor - start, self._digest(raw[start:cursor])))
+            end = data.find(b"\n", cursor)
+            start = len(data) if end < 0 else end
+            cursor, line = start + 1, hole + 1
+        self.stretches.append((len(data) - start, self._digest(raw[start:])))
 
-    def _digest(self, text: str, start: int, end: int) -> int:
-        return xxhash.xxh3_128_intdigest(_text_bytes(text[start:end]), seed=self.seed)
+    def _digest(self, raw: memoryview) -> int:
+        return xxhash.xxh3_128_intdigest(raw, seed=self.seed)
 
     def fill(self, text: str) -> list[str] | None:
         """The holes' lines in ``text``, if it is this place's text but for them; else None."""
+        data = _utf8(text)
+        raw = memoryview(data)
         cursor = 0
         contents: list[str] = []
         last_line = self.facts.n - 1
         for number, (size, digest) in enumerate(self.stretches):
             end = cursor + size
-            if end > len(text) or self._digest(text, cursor, end) != digest:
+            if end > len(raw) or self._digest(raw[cursor:end]) != digest:
                 return None
             if number == len(self.holes):
-                return contents if end == len(text) else None
-            newline = text.find("\n", end)
+                return contents if end == len(raw) else None
+            newline = data.find(b"\n", end)
             if self.holes[number] == last_line:
                 if newline >= 0:
                     return None
-                newline = len(text)
+                newline = len(raw)
             elif newline < 0:
                 return None
-            contents.append(text[end:newline])
+            contents.append(data[end:newline].decode("utf-8", "surrogatepass"))
             cursor = newline
         return None
 
@@ -826,22 +907,21 @@ class TextScope:
 
     def _facts(self, text: str, place: str) -> TextFacts:
         memo = self._memo
-        digest = xxhash.xxh3_128_intdigest(_text_bytes(text), seed=self._seed)
-        found = memo._texts.get(digest)
-        if found is not None:
-            return found
         place_key = (self._salt, place)  # a place is one tenant's, whatever its name says
         spot = memo._places.get(place_key) if place else None
         if spot is not None:
+            # The place's text, or that text with other lines in its holes: its stretches tell.
             contents = spot.fill(text)
             if contents is not None:
-                found = self._filled(spot, text, contents)
+                return self._filled(spot, text, contents)
+        digest = xxhash.xxh3_128_intdigest(_text_bytes(text), seed=self._seed)
+        found = memo._texts.get(digest)
         if found is None:
             found = self._read(text)
-            if place:
-                self._settle(place_key, spot, found, text)
-        if memo._seen.add(digest):
-            memo._texts[digest] = found  # seen twice: kept
+            if memo._seen.add(digest):
+                memo._texts[digest] = found  # seen twice: kept
+        if place:
+            self._settle(place_key, spot, found, text)
         return found
 
     def _keys(self, lines: Sequence[str]) -> array[int]:
@@ -865,6 +945,9 @@ class TextScope:
         new_keys = self._keys(contents)
         if all(base.keys[h] == k for h, k in zip(spot.holes, new_keys, strict=True)):
             return base
+        known = tuple(new_keys)
+        if spot.filled is not None and spot.filled[0] == known:
+            return spot.filled[1]
         keys = base.keys[:]
         facts = base.facts[:]
         hashes = base.hashes[:]
@@ -878,10 +961,13 @@ class TextScope:
             shift += len(content) - (base.start(hole + 1) - 1 - base.start(hole))
             deltas.append(shift)
         filled = TextFacts(keys, facts, base.memo["starts"], hashes, base, spot.holes, tuple(deltas))
-        return filled.prepare(text, self.detectors)
+        spot.filled = (known, filled.prepare(text, self.detectors))
+        return filled
 
     def _settle(self, place: tuple[int, str], spot: _Place | None, found: TextFacts, text: str) -> None:
         """Remember the text read whole as its place's, with the lines that differ from the last one."""
+        if spot is not None and spot.facts is found:
+            return
         holes: tuple[int, ...] = ()
         if spot is not None and spot.facts.n == found.n:
             changed = set(compress(range(found.n), map(ne, spot.facts.keys, found.keys)))
