@@ -363,7 +363,9 @@ async def measure(direct: str, hops: list[Hop], shape: Shape, requests: int) -> 
     results = [HopResult(hop.name) for hop in hops]
     paths: list[tuple[str, dict[str, str] | None]] = [(direct, None), *((hop.base_url, hop.headers) for hop in hops)]
     sender = Sender(shape)
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    # Idle connections expire well before the servers' keep-alive (uvicorn's 5 s, httpx's default
+    # too): a path idles while the others take their turns, slow shapes for seconds.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         warm = shape.phase_start(1)
         sender.prepare(range(warm, warm + 20))
@@ -424,7 +426,7 @@ async def profile(hop: Hop, shape: Shape, requests: int, out: Path, py_spy: str,
     sender = Sender(shape)
     start = shape.phase_start(5)
     sender.prepare(range(start, start + requests))
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(keepalive_expiry=2.0)) as client:
         with profiled(hop.pid, out, py_spy, native):
             for i in range(start, start + requests):
                 await sender.send(client, hop.base_url, i, hop.headers)

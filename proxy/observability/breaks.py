@@ -323,14 +323,15 @@ class BreakMemory:
         app = peek(self._apps, (prompt.namespace, prompt.model))
         if app is None or not prompt.system_lines:
             return None
-        lines = set(prompt.system_lines[0])
+        lines = _line_set(prompt.namespace, prompt.system_lines[0])
         best: tuple[float, Forwarded] | None = None
         for prompt_id in app.prompts:
             found = peek(self._prompts, prompt_id)
             if found is None or not found.prompt.system_lines:
                 continue
-            theirs = set(found.prompt.system_lines[0])
-            score = len(lines & theirs) / max(len(lines | theirs), 1)
+            theirs = _line_set(found.prompt.namespace, found.prompt.system_lines[0])
+            # The same system prompt shares its set: all of its lines in common.
+            score = 1.0 if theirs is lines and lines else len(lines & theirs) / max(len(lines | theirs), 1)
             if score >= SAME_APP_LINES and (best is None or score > best[0]):
                 best = (score, found)
         return best[1] if best else None
@@ -356,6 +357,18 @@ class BreakMemory:
         app.prompts = [prompt_id, *kept][:APP_PROMPTS]
         self._apps[key] = app
         return prompt_id
+
+
+# The line sets of recent system prompts, by tenant and line hashes: an app's first turns compare
+# the same prompts again and again (per tenant: no tenant's request is faster for another's).
+_LINE_SETS: LRUCache[tuple[str, tuple[int, ...]], frozenset[int]] = LRUCache(256)
+
+
+def _line_set(namespace: str, lines: tuple[int, ...]) -> frozenset[int]:
+    found = _LINE_SETS.get((namespace, lines))
+    if found is None:
+        found = _LINE_SETS[(namespace, lines)] = frozenset(lines)
+    return found
 
 
 def _common_prefix(old: PromptDigest, new: PromptDigest) -> int:
