@@ -402,3 +402,40 @@ def test_learned_volatility_observes_as_it_did(seed: int) -> None:
         if rng.random() < 0.05:
             lines = lines[: rng.randrange(1, len(lines) + 1)]
         assert learned.observe("app", lines) == reference.observe(lines), i
+
+
+# -- the detectors' prefilters ---------------------------------------------------------------------
+
+
+def _line_kind_unfiltered(line: str) -> int:
+    """``volatile._line_kind`` as it was, every pattern tried on every line."""
+    from proxy.canon import volatile as vo
+
+    stripped = line.strip()
+    if not stripped:
+        return vo._BLANK
+    if vo._ENV_KEY.match(line) or vo._PATH_VALUE.match(line) or vo._COMMIT.match(line) or vo._PORCELAIN.match(line):
+        return vo._FACT
+    if vo._FILE_PATH.match(line) or vo._PARENTHESIZED.match(line):
+        return vo._PATH
+    if stripped.endswith(":") and len(stripped) <= vo._HEADER_MAX_CHARS:
+        return vo._HEADER
+    return vo._OTHER
+
+
+LINE_CHARS = st.text(alphabet="0123456789abcdef:：/.\\()=-月日年号点 aZTM?!├─│\t", max_size=30)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.one_of(LINE_CHARS, st.sampled_from([line for p in PARAGRAPHS for line in p.split("\n")])))
+def test_prefilters_leave_the_detectors_as_they_were(line: str) -> None:
+    from proxy.canon import volatile as vo
+
+    assert vo._line_kind(line) == _line_kind_unfiltered(line)
+    unfiltered = [m.group(0) for m in vo._DATETIME.finditer(line)]
+    if vo._DATE_MARK.search(line) is None:
+        assert unfiltered == []
+    if vo._ASCII_DIGIT.search(line) is None:
+        assert [m.group(0) for m in vo._REQUEST_ID.finditer(line) if any(c.isdigit() for c in m.group(0))] == []
+    if "-" not in line:
+        assert list(vo._UUID.finditer(line)) == []
