@@ -1,8 +1,9 @@
 """The proxy's server and upstream client with none of its logic: the floor of its stack.
 
-uvicorn (as ``prefix-proxy serve`` runs it) and one Starlette route that forwards the body through
-the proxy's own :class:`~proxy.backends.upstream.Upstream` (aiohttp underneath) and relays the
-answer's bytes. ``bench.hop`` runs it next to prefix-proxy: the difference is what the proxy's logic
+uvicorn (as ``prefix-proxy serve`` runs it) and Starlette routes (chat completions, messages) that
+forward the body through the proxy's own :class:`~proxy.backends.upstream.Upstream` (aiohttp
+underneath) and relay the answer's bytes, whole (an SSE answer too: the instant backend's is short).
+``bench.hop`` runs it next to prefix-proxy: the difference is what the proxy's logic
 (canonicalization, sessions, budgets, metrics, the access log) costs per request.
 
     python -m bench.bare_hop --upstream http://127.0.0.1:8000/v1 --port 8001
@@ -27,11 +28,13 @@ from proxy.serve import SERVER_OPTIONS
 def create_app(upstream_url: str) -> Starlette:
     upstream = Upstream(upstream_url)
 
-    async def chat(request: Request) -> Response:
+    async def forward(request: Request) -> Response:
         headers = {"content-type": "application/json"}
-        response = await upstream.open("POST", "/chat/completions", content=await request.body(), headers=headers)
+        path = request.url.path.removeprefix("/v1")
+        response = await upstream.open("POST", path, content=await request.body(), headers=headers)
         raw = await upstream.read(response)
-        return Response(raw, status_code=response.status_code, media_type="application/json")
+        kind = response.headers.get("content-type", "application/json")
+        return Response(raw, status_code=response.status_code, media_type=kind)
 
     async def health(_: Request) -> Response:
         return PlainTextResponse("ok")
@@ -42,7 +45,12 @@ def create_app(upstream_url: str) -> Starlette:
         await upstream.aclose()
 
     return Starlette(
-        routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/healthz", health)], lifespan=lifespan
+        routes=[
+            Route("/v1/chat/completions", forward, methods=["POST"]),
+            Route("/v1/messages", forward, methods=["POST"]),
+            Route("/healthz", health),
+        ],
+        lifespan=lifespan,
     )
 
 

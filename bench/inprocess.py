@@ -1,10 +1,12 @@
 """The CPU the proxy's own code spends per request: its ASGI app driven in process, no server.
 
     python -m bench.inprocess [--requests 300] [--rounds 7] [--tokens 8000] [--messages 0]
-                              [--settings JSON] [--bare] [--cprofile TOP]
+                              [--shape NAME] [--settings JSON] [--bare] [--cprofile TOP]
 
 Each request is an 8k-token chat (``--messages N``: a system prompt and N earlier turns instead)
-of a new conversation, sent to ``create_app`` with ASGI messages and answered by
+of a new conversation, or (``--shape NAME``) the next request of one of ``bench.shapes``'s
+shapes (a Dify app, a 20-turn agent, Claude Code on ``/v1/messages``, Open WebUI, a new system
+prompt each time), sent to ``create_app`` with ASGI messages and answered by
 ``bench.instant_backend`` in another process; the access log goes to ``/dev/null`` and the heap is
 frozen after warm-up, as ``prefix-proxy serve`` has them. Printed: the process CPU time per request
 of each round (min and median first). ``--bare`` drives ``bench.bare_hop``'s app instead (the
@@ -33,6 +35,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from bench import shapes
 from bench.bare_hop import create_app as create_bare_app
 from bench.instant_backend import MODEL
 from bench.overhead import prompt_of
@@ -57,8 +60,8 @@ def body_of(salt: int, tokens: int, messages: int) -> bytes:
     return json.dumps({"model": MODEL, "max_tokens": 16, "messages": history}).encode()
 
 
-async def send_one(app: Any, body: bytes) -> None:
-    scope = json_post_scope("/v1/chat/completions", body)
+async def send_one(app: Any, body: bytes, path: str = "/v1/chat/completions") -> None:
+    scope = json_post_scope(path, body)
     received = False
     sent: list[Message] = []
 
@@ -80,13 +83,17 @@ async def send_one(app: Any, body: bytes) -> None:
 
 async def measure(app: Any, args: argparse.Namespace) -> list[float]:
     salts = iter(range(10**9))
+    shape = shapes.build(args.shape, args.tokens) if args.shape else None
+    path = "/v1" + shape.path if shape is not None else "/v1/chat/completions"
 
     def bodies(count: int) -> list[bytes]:
+        if shape is not None:
+            return [json.dumps(shape.body(next(salts))).encode() for _ in range(count)]
         return [body_of(next(salts), args.tokens, args.messages) for _ in range(count)]
 
     async with app.router.lifespan_context(app):
         for body in bodies(100):
-            await send_one(app, body)
+            await send_one(app, body, path)
         gc.collect()
         gc.freeze()
         rounds = []
@@ -94,14 +101,14 @@ async def measure(app: Any, args: argparse.Namespace) -> list[float]:
             batch = bodies(args.requests)  # made before the clock starts: only the app is timed
             started_at = time.process_time()
             for body in batch:
-                await send_one(app, body)
+                await send_one(app, body, path)
             rounds.append((time.process_time() - started_at) / args.requests * 1e6)
         if args.cprofile:
             batch = bodies(args.requests)
             profiler = cProfile.Profile()
             profiler.enable()
             for body in batch:
-                await send_one(app, body)
+                await send_one(app, body, path)
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
     gc.unfreeze()
@@ -130,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--messages", type=int, default=0, help="earlier turns in each request")
+    parser.add_argument("--shape", choices=shapes.SHAPE_NAMES, help="requests of this shape (bench.shapes) instead")
     parser.add_argument("--settings", default="{}", help="settings overrides (JSON)")
     parser.add_argument("--bare", action="store_true", help="bench.bare_hop's app: no logic")
     parser.add_argument("--cprofile", type=int, default=0, metavar="TOP")

@@ -2,8 +2,9 @@
 
 A bare ASGI app (no framework) under uvicorn: it reads the request body and answers a fixed
 OpenAI-shaped chat completion (or three SSE chunks and ``[DONE]`` for ``stream: true``), with
-``usage`` so proxies that account tokens have something to read. ``GET /v1/models`` and
-``GET /health`` answer too (readiness checks of the proxies under test).
+``usage`` so proxies that account tokens have something to read; on ``/v1/messages`` an Anthropic
+message (or its SSE events). ``GET /v1/models`` and ``GET /health`` answer too (readiness checks of
+the proxies under test).
 
     python -m bench.instant_backend --port 8000
 """
@@ -47,6 +48,32 @@ _STREAM = (
     )
     + b"data: [DONE]\n\n"
 )
+_MESSAGE = {
+    "id": "msg_instant",
+    "type": "message",
+    "role": "assistant",
+    "model": MODEL,
+    "content": [{"type": "text", "text": "OK, done."}],
+    "stop_reason": "end_turn",
+    "stop_sequence": None,
+    "usage": {"input_tokens": 8000, "output_tokens": 4},
+}
+_ANTHROPIC = json.dumps(_MESSAGE).encode()
+_ANTHROPIC_STREAM = b"".join(
+    f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+    for event in (
+        {"type": "message_start", "message": {**_MESSAGE, "content": [], "stop_reason": None}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "OK, done."}},
+        {"type": "content_block_stop", "index": 0},
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+            "usage": {"output_tokens": 4},
+        },
+        {"type": "message_stop"},
+    )
+)
 _MODELS = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 131072}]}).encode()
 
 
@@ -63,6 +90,9 @@ async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
     if path.endswith("/chat/completions"):
         stream = b'"stream":true' in body.replace(b" ", b"")
         payload, kind = (_STREAM, b"text/event-stream") if stream else (_COMPLETION, b"application/json")
+    elif path.endswith("/messages"):
+        stream = b'"stream":true' in body.replace(b" ", b"")
+        payload, kind = (_ANTHROPIC_STREAM, b"text/event-stream") if stream else (_ANTHROPIC, b"application/json")
     elif path.endswith("/models"):
         payload, kind = _MODELS, b"application/json"
     else:

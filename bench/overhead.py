@@ -50,9 +50,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
+import orjson
 
-from bench import stacks
+from bench import shapes, stacks
 from bench.servers import fake_backend, free_port, spawn
+from bench.shapes import Shape
 from proxy.tokenization import load_encoding
 
 MODEL = "fake-model"
@@ -307,17 +309,31 @@ class HopResult:
     notes: list[str] = field(default_factory=list)
 
 
-def body(prompt: str, salt: str) -> dict[str, object]:
-    return {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": f"{salt} {prompt}"}]}
+class Sender:
+    """Request ``i`` of a shape, as bytes made before the clock starts, to one path (every path gets
+    the same sequence)."""
 
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+        self._made: dict[int, tuple[bytes, dict[str, str]]] = {}
 
-async def timed(
-    client: httpx.AsyncClient, url: str, payload: dict[str, object], headers: dict[str, str] | None = None
-) -> float:
-    started = time.perf_counter()
-    response = await client.post(url, json=payload, headers=headers)
-    response.raise_for_status()
-    return time.perf_counter() - started
+    def prepare(self, indices: range) -> None:
+        for i in indices:
+            if i not in self._made:
+                headers = {"content-type": "application/json", **(self.shape.headers(i) or {})}
+                self._made[i] = (orjson.dumps(self.shape.body(i)), headers)
+
+    def forget(self) -> None:
+        self._made.clear()
+
+    async def send(self, client: httpx.AsyncClient, base: str, i: int, headers: dict[str, str] | None) -> float:
+        if i not in self._made:
+            self.prepare(range(i, i + 1))
+        content, own = self._made[i]
+        started = time.perf_counter()
+        response = await client.post(base + self.shape.path, content=content, headers={**own, **(headers or {})})
+        response.raise_for_status()
+        return time.perf_counter() - started
 
 
 @contextlib.contextmanager
@@ -341,33 +357,45 @@ def profiled(pid: int, out: Path, py_spy: str, native: bool = False) -> Iterator
             raise RuntimeError(f"py-spy failed ({recorder.returncode}): {error.decode(errors='replace')[-500:]}")
 
 
-async def measure(direct: str, hops: list[Hop], prompt: str, requests: int) -> list[HopResult]:
-    """Every hop against the direct path, the paths taking turns (see ``rotated``)."""
+async def measure(direct: str, hops: list[Hop], shape: Shape, requests: int) -> list[HopResult]:
+    """Every hop against the direct path, the paths taking turns (see ``rotated``); each path is
+    sent the same requests of ``shape`` (made before they are timed)."""
     results = [HopResult(hop.name) for hop in hops]
     paths: list[tuple[str, dict[str, str] | None]] = [(direct, None), *((hop.base_url, hop.headers) for hop in hops)]
-    url = "/chat/completions"
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    sender = Sender(shape)
+    # Idle connections expire well before the servers' keep-alive (uvicorn's 5 s, httpx's default
+    # too): a path idles while the others take their turns, slow shapes for seconds.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        warm = shape.phase_start(1)
+        sender.prepare(range(warm, warm + 20))
         for base, headers in paths:
-            for i in range(20):  # warm connections and code paths
-                await timed(client, base + url, body(prompt, f"warm{i}"), headers)
+            for i in range(warm, warm + 20):  # warm connections and code paths
+                await sender.send(client, base, i, headers)
         rss_before = [rss_mib(hop.pid) for hop in hops]
         # Concurrency 1: one request on each path in turn.
+        start = shape.phase_start(2)
+        sender.prepare(range(start, start + requests))
         latencies: list[list[float]] = [[] for _ in paths]
-        for i in range(requests):
+        for i in range(start, start + requests):
             for k in rotated(list(range(len(paths))), i):
                 base, headers = paths[k]
-                latencies[k].append(await timed(client, base + url, body(prompt, f"{k}-{i}"), headers))
+                latencies[k].append(await sender.send(client, base, i, headers))
         for result, samples in zip(results, latencies[1:], strict=True):
             result.added_p50_c1 = statistics.median(samples) - statistics.median(latencies[0])
         # Concurrency 16: a batch of 16 on each path in turn.
+        sender.forget()
+        start = shape.phase_start(3)
+        batches = max(4, requests // 16)
+        sender.prepare(range(start, start + batches * 16))
         latencies = [[] for _ in paths]
         walls = [0.0 for _ in paths]
-        for batch in range(max(4, requests // 16)):
+        for batch in range(batches):
             for k in rotated(list(range(len(paths))), batch):
                 base, headers = paths[k]
+                first = start + batch * 16
                 started = time.perf_counter()
-                concurrent = (timed(client, base + url, body(prompt, f"c{k}-{batch}-{j}"), headers) for j in range(16))
+                concurrent = (sender.send(client, base, first + j, headers) for j in range(16))
                 latencies[k].extend(await asyncio.gather(*concurrent))
                 walls[k] += time.perf_counter() - started
         for result, samples, wall in zip(results, latencies[1:], walls[1:], strict=True):
@@ -375,14 +403,17 @@ async def measure(direct: str, hops: list[Hop], prompt: str, requests: int) -> l
             result.added_p99_c16 = percentile(samples, 0.99) - percentile(latencies[0], 0.99)
             result.throughput_c16 = (len(samples) / wall) / (len(latencies[0]) / walls[0])
         # CPU per request: sequential requests through each hop, in four rounds of turns.
+        sender.forget()
+        start = shape.phase_start(4)
+        sender.prepare(range(start, start + requests))
         cpu = [0.0 for _ in hops]
         rounds = CPU_ROUNDS
         for r in range(rounds):
             for k in rotated(list(range(len(hops))), r):
                 hop = hops[k]
                 before = cpu_seconds(hop.pid)
-                for i in range(r * requests // rounds, (r + 1) * requests // rounds):
-                    await timed(client, hop.base_url + url, body(prompt, f"cpu{k}-{i}"), hop.headers)
+                for i in range(start + r * requests // rounds, start + (r + 1) * requests // rounds):
+                    await sender.send(client, hop.base_url, i, hop.headers)
                 cpu[k] += cpu_seconds(hop.pid) - before
         for result, hop, seconds, rss in zip(results, hops, cpu, rss_before, strict=True):
             result.cpu_ms_per_request = seconds / requests * 1e3
@@ -390,12 +421,15 @@ async def measure(direct: str, hops: list[Hop], prompt: str, requests: int) -> l
     return results
 
 
-async def profile(hop: Hop, prompt: str, requests: int, out: Path, py_spy: str, native: bool) -> None:
+async def profile(hop: Hop, shape: Shape, requests: int, out: Path, py_spy: str, native: bool) -> None:
     """The same sequential load as the CPU figure, recorded by py-spy."""
-    async with httpx.AsyncClient(timeout=120) as client:
+    sender = Sender(shape)
+    start = shape.phase_start(5)
+    sender.prepare(range(start, start + requests))
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(keepalive_expiry=2.0)) as client:
         with profiled(hop.pid, out, py_spy, native):
-            for i in range(requests):
-                await timed(client, hop.base_url + "/chat/completions", body(prompt, f"profile{i}"), hop.headers)
+            for i in range(start, start + requests):
+                await sender.send(client, hop.base_url, i, hop.headers)
 
 
 async def rss_after_sessions(hop: Hop, sessions: int, concurrency: int = 16) -> float:
@@ -441,14 +475,41 @@ def hop_table(results: list[HopResult]) -> str:
     return "\n".join(lines)
 
 
+def summary_table(rows: list[tuple[Shape, shapes.Size, list[HopResult]]]) -> str:
+    """One line per shape: each hop's CPU per request (and its ratio to vLLM Router's, when it ran),
+    the p50 added at c=1 and the throughput against direct at c=16."""
+    names = [r.name for r in rows[0][2]]
+    floor = names.index("vLLM Router") if "vLLM Router" in names else None
+    header = ["shape", "prompt / new tokens"]
+    header += [f"CPU/req {n} (ms{', x router' if floor is not None and n != 'vLLM Router' else ''})" for n in names]
+    header += [f"p50 added c=1 {n} (ms)" for n in names] + [f"thru c=16 {n}" for n in names]
+    lines = [f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
+    for shape, size, results in rows:
+        cells = [shape.name, f"{size.prompt_tokens:,} / {size.new_tokens:,}"]
+        for result in results:
+            cell = f"{result.cpu_ms_per_request:.2f}"
+            if floor is not None and result.name != "vLLM Router" and results[floor].cpu_ms_per_request > 0:
+                cell += f" ({result.cpu_ms_per_request / results[floor].cpu_ms_per_request:.1f}x)"
+            cells.append(cell)
+        cells += [f"{r.added_p50_c1 * 1e3:+.2f}" for r in results] + [f"{r.throughput_c16:.2f}x" for r in results]
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 async def instant_mode(args: argparse.Namespace) -> str:
     backend_port = free_port()
     root = f"http://127.0.0.1:{backend_port}"
-    prompt = prompt_of(args.tokens, 0)
     requests = args.requests or 400
     py_spy = find(args.py_spy, "py-spy") if args.profile else None
+    names = shapes.parse(args.shapes)
+    print(f"building shapes {', '.join(names)} ...", file=sys.stderr, flush=True)
+    built = [shapes.build(name, args.tokens) for name in names]
     notes = []
+    if any(name != "oneline" for name in names):
+        notes.append(f"prompts: {shapes.corpus().source}")
     backend = [sys.executable, "-m", "bench.instant_backend", "--port", str(backend_port)]
+    rows: list[tuple[Shape, shapes.Size, list[HopResult]]] = []
+    sections: list[str] = []
     with spawn(backend, root + "/health"), contextlib.ExitStack() as stack:
         contexts: list[tuple[str, contextlib.AbstractContextManager[Hop]]] = [
             (name, prefix_proxy(root + "/v1", source, name)) for name, source in checkouts(args.before)
@@ -463,26 +524,44 @@ async def instant_mode(args: argparse.Namespace) -> str:
         for name, context in contexts:
             print(f"starting {name} ...", file=sys.stderr, flush=True)
             hops.append(stack.enter_context(context))
-        print(f"measuring {', '.join(hop.name for hop in hops)} ...", file=sys.stderr, flush=True)
-        results = await measure(root + "/v1", hops, prompt, requests)
-        for hop, result in zip(hops, results, strict=True):
-            if not hop.name.startswith("prefix-proxy"):
+        for shape in built:
+            print(f"measuring {shape.name}: {', '.join(hop.name for hop in hops)} ...", file=sys.stderr, flush=True)
+            results = await measure(root + "/v1", hops, shape, requests)
+            size = shapes.size(shape)
+            rows.append((shape, size, results))
+            title = (
+                f"{args.tokens}-token chat, instant backend, {requests} requests per measurement"
+                if shape.name == "oneline"
+                else f"{shape.name}: {shape.description}; POST /v1{shape.path}, about {size.prompt_tokens:,} "
+                f"tokens a request, {size.new_tokens:,} of them new; instant backend, {requests} requests "
+                "per measurement"
+            )
+            sections.append("\n".join([title, hop_table(results)]))
+            if py_spy is None:
                 continue
-            if py_spy is not None:
-                out = Path(args.profile) / f"{hop.name.replace(' ', '-')}.txt"
-                print(f"profiling {hop.name} ...", file=sys.stderr, flush=True)
-                await profile(hop, prompt, requests, out, py_spy, args.profile_native)
+            for hop in hops:
+                if not hop.name.startswith("prefix-proxy"):
+                    continue
+                stem = hop.name.replace(" ", "-") + ("" if shape.name == "oneline" else f"-{shape.name}")
+                out = Path(args.profile) / f"{stem}.txt"
+                print(f"profiling {hop.name} on {shape.name} ...", file=sys.stderr, flush=True)
+                await profile(hop, shape, requests, out, py_spy, args.profile_native)
                 profiled_stacks = stacks.read(out)
-                out.with_suffix(".svg").write_text(stacks.svg(profiled_stacks, f"{hop.name}: {out.name}"))
+                out.with_suffix(".svg").write_text(stacks.svg(profiled_stacks, f"{hop.name}, {shape.name}: {out.name}"))
                 top = stacks.markdown(profiled_stacks)
-                notes.append(f"{hop.name}, py-spy over {requests} requests ({out}):\n{top}")
-            if args.sessions:
-                print(f"  {hop.name}: {args.sessions:,} sessions ...", file=sys.stderr, flush=True)
-                after = await rss_after_sessions(hop, args.sessions)
-                result.notes.append(f"RSS after {args.sessions:,} more sessions: {after:.0f} MiB")
-    lines = [f"{args.tokens}-token chat, instant backend, {requests} requests per measurement", hop_table(results)]
+                notes.append(f"{hop.name}, {shape.name}, py-spy over {requests} requests ({out}):\n{top}")
+        if args.sessions:
+            for hop, result in zip(hops, rows[-1][2], strict=True):
+                if hop.name.startswith("prefix-proxy"):
+                    print(f"  {hop.name}: {args.sessions:,} sessions ...", file=sys.stderr, flush=True)
+                    after = await rss_after_sessions(hop, args.sessions)
+                    result.notes.append(f"RSS after {args.sessions:,} more sessions: {after:.0f} MiB")
+    lines = ["\n\n".join(sections)]
+    if len(rows) > 1:
+        title = "Every shape (CPU per request in the proxy process; added = proxied - direct):"
+        lines += ["", title, summary_table(rows)]
     lines.append(cpu_resolution_note(requests))
-    lines += [f"{result.name}: {note}" for result in results for note in result.notes]
+    lines += [f"{result.name}: {note}" for result in rows[-1][2] for note in result.notes]
     return "\n".join([*lines, *notes])
 
 
@@ -506,7 +585,13 @@ def parser() -> argparse.ArgumentParser:
         "--requests", type=int, help="requests per path per measurement (default: 100 --work, 400 --instant)"
     )
     parser.add_argument("--before", help="another checkout of prefix-proxy, measured first (before/after)")
-    parser.add_argument("--tokens", type=int, default=8000, help="--instant: prompt size")
+    parser.add_argument("--tokens", type=int, default=8000, help="--instant: prompt size (oneline, dify, new-system)")
+    parser.add_argument(
+        "--shapes",
+        default="all",
+        help="--instant: request shapes (bench.shapes), comma-separated, or all, or real (all but oneline): "
+        + ", ".join(shapes.SHAPE_NAMES),
+    )
     parser.add_argument("--litellm", help="--instant: the litellm executable (default: found as said above)")
     parser.add_argument("--vllm-router", help="--instant: the vllm-router executable (default: found)")
     parser.add_argument(

@@ -98,6 +98,9 @@ class CanonSettings(Section):
     restore_query_blocks: bool = True
     learned_apps_max: int = 1024
     learned_history: int = 8
+    # Lines of system prompts whose analysis is kept (what a prompt seen before costs: a lookup);
+    # 0: every prompt is read line by line each time. Only saves work; the outcome is the same.
+    text_memory_lines: int = Field(100_000, ge=0)
     rules: list[VolatileRule] = Field(default_factory=list)
     builtin_detectors: list[DetectorName] = Field(default_factory=lambda: list(get_args(DetectorName)))
     # Per-model overrides of the mode, e.g. {"my-model": "safe"}.

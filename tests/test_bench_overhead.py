@@ -19,7 +19,9 @@ main (app.py:1);serve (app.py:5);write (libc.so.6) 2
 
 
 async def test_instant_mode_prints_the_hop_table_for_prefix_proxy() -> None:
-    args = parser().parse_args(["--instant", "--requests", "50", "--tokens", "500", "--no-peers", "--sessions", "20"])
+    args = parser().parse_args(
+        ["--instant", "--requests", "50", "--tokens", "500", "--shapes", "oneline", "--no-peers", "--sessions", "20"]
+    )
     report = await instant_mode(args)
     lines = report.splitlines()
     assert lines[0] == "500-token chat, instant backend, 50 requests per measurement"
@@ -30,7 +32,7 @@ async def test_instant_mode_prints_the_hop_table_for_prefix_proxy() -> None:
 
 
 async def test_instant_mode_runs_the_bare_stack_beside_prefix_proxy() -> None:
-    args = parser().parse_args(["--instant", "--requests", "50", "--tokens", "500"])
+    args = parser().parse_args(["--instant", "--requests", "50", "--tokens", "500", "--shapes", "oneline"])
     report = await instant_mode(args)
     header = report.splitlines()[1]
     assert header.startswith("| added to direct | prefix-proxy | bare stack (no logic) |")
@@ -40,6 +42,17 @@ async def test_instant_mode_runs_the_bare_stack_beside_prefix_proxy() -> None:
     # prefix-proxy's figure is sure to be above zero at this size, and the report says how coarse it is.
     assert cells[0] > 0 and all(cell >= 0 for cell in cells)
     assert "CPU is read from /proc in 1/" in report
+
+
+async def test_instant_mode_measures_real_request_shapes_side_by_side() -> None:
+    args = parser().parse_args(["--instant", "--requests", "20", "--tokens", "1000", "--shapes", "dify,claude-code"])
+    report = await instant_mode(args)
+    assert report.startswith("dify: Dify app: ")
+    assert "\nclaude-code: Claude Code on /v1/messages: " in report
+    summary = report.split("Every shape (CPU per request in the proxy process; added = proxied - direct):\n")[1]
+    rows = [line for line in summary.splitlines() if line.startswith("| dify |") or line.startswith("| claude-code |")]
+    assert len(rows) == 2
+    assert "prompts: " in report  # says which data the prompts came from
 
 
 def test_top_entries_by_own_and_total_samples(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from proxy.canon import (
 )
 from proxy.canon.layout import ForwardedLayouts
 from proxy.canon.normalize import NormalTextMemo
+from proxy.canon.textmemo import TextMemo
 from proxy.canon.tools import ToolOrders
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import BUILTIN_DETECTORS, DetectionCache, Detector, marker_detector, regex_detector
@@ -52,6 +53,7 @@ class Canonicalizer:
         self.layouts = ForwardedLayouts(settings.layout_memory_entries) if settings.remember_layouts else None
         self.detection_cache = DetectionCache()
         self.normal_texts = NormalTextMemo()
+        self.text_memo = TextMemo(settings.text_memory_lines) if settings.text_memory_lines else None
         # Models whose backend refused a request with an inserted system message: relocation
         # appends to the system prompt for them instead.
         self._structure_bound: RecentSet[str] = RecentSet(MAX_STRUCTURE_BOUND_MODELS)
@@ -109,6 +111,7 @@ class Canonicalizer:
             varying=self.varying,
             layouts=self.layouts,
             tool_orders=self.tool_orders,
+            text_memo=self.text_memo,
         )
 
     def record_reply(self, forwarded: dict[str, Any], tenant: str, calls: list[ToolCall]) -> None:

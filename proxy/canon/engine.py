@@ -30,6 +30,7 @@ from proxy.canon.layout import ForwardedLayouts
 from proxy.canon.learned import LearnedVolatility
 from proxy.canon.normalize import NormalTextMemo, normalize_messages
 from proxy.canon.relocation import Memories, Placement, relocate
+from proxy.canon.textmemo import TextMemo
 from proxy.canon.toolcalls import ToolCallMemory, restore_tool_calls
 from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
 from proxy.canon.varying import VaryingPlaces
@@ -80,6 +81,7 @@ def canonicalize(
     varying: VaryingPlaces | None = None,
     layouts: ForwardedLayouts | None = None,
     tool_orders: ToolOrders | None = None,
+    text_memo: TextMemo | None = None,
 ) -> CanonResult:
     """Canonicalize a chat-completions body. ``namespace`` (the tenant) scopes the memories.
 
@@ -87,8 +89,8 @@ def canonicalize(
     ``layouts`` a block always goes to its default place; without ``tool_orders`` tools are always
     put in canonical order (with it, only an app's seen to arrive in another order).
 
-    ``detection_cache`` and ``normal_texts`` only save work (each must belong to these
-    ``options``); the result does not depend on them.
+    ``detection_cache``, ``normal_texts`` and ``text_memo`` only save work (the first two must
+    belong to these ``options``); the result does not depend on them.
     """
     if options.mode == "off" or not isinstance(body.get("messages"), list):
         count = leading_system_count(body.get("messages") or [])
@@ -114,7 +116,8 @@ def canonicalize(
     system_tail = ""
     if options.mode == "relocate":
         placement = Placement(options.relocate_target, options.restore_query_blocks, options.detectors)
-        memories = Memories(learned, varying, layouts, detection_cache)
+        texts = text_memo.scope(namespace, options.detectors) if text_memo is not None else None
+        memories = Memories(learned, varying, layouts, detection_cache, texts)
         relocation = relocate(out, messages, placement, memories, namespace)
         actions.extend(relocation.actions)
         stable_count, system_tail = relocation.stable_count, relocation.system_tail

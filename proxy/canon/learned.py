@@ -15,13 +15,22 @@ Only 64-bit line hashes are kept, never text.
 Memory is bounded (``max_apps`` keys x ``templates_per_app`` templates, each
 remembering ``history`` prompts) and the outcome depends only on the sequence of
 requests seen: deterministic.
+
+A prompt the app sent before costs no work per line: its sequence, digest and line set come
+prepared (:class:`PromptLines`, which the caller can keep with the text), the template it matched
+is remembered until a template of the app changes, and a template's stable core is recomputed
+only when its recent prompts change (not when one of them is sent again).
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
+from itertools import compress
 
 import xxhash
 from cachetools import LRUCache
@@ -39,8 +48,44 @@ def line_hash(line: str) -> int:
     return xxhash.xxh3_64_intdigest(line.encode("utf-8", "surrogatepass"))
 
 
+def _packed(hashes: Sequence[int] | array[int]) -> bytes:
+    """The hashes as 8-byte little-endian words, one after the other."""
+    if sys.byteorder == "little":
+        return (hashes if isinstance(hashes, array) else array("Q", hashes)).tobytes()
+    return b"".join(h.to_bytes(8, "little") for h in hashes)
+
+
 def _digest(sequence: Sequence_) -> int:
-    return xxhash.xxh3_64_intdigest(b"".join(h.to_bytes(8, "little") for h in sequence))
+    return xxhash.xxh3_64_intdigest(_packed(sequence))
+
+
+class PromptLines:
+    """One prompt's line hashes (0 for a blank line), prepared for :meth:`LearnedVolatility.observe_lines`:
+    the non-blank lines' positions, their hashes in order and the digest of those. Pure: a caller
+    that keeps it with the text observes the same prompt again without touching its lines."""
+
+    __slots__ = ("_members", "_packed_digest", "digest", "hashes", "positions", "sequence")
+
+    def __init__(self, hashes: Sequence[int] | array[int]) -> None:
+        self.hashes = hashes
+        self.positions = list(compress(range(len(hashes)), hashes))
+        self.sequence: Sequence_ = tuple(compress(hashes, hashes))
+        self.digest = _digest(self.sequence)
+        self._members: frozenset[int] | None = None
+        self._packed_digest: int | None = None
+
+    @property
+    def members(self) -> frozenset[int]:
+        if self._members is None:
+            self._members = frozenset(self.sequence)
+        return self._members
+
+    @property
+    def hashes_digest(self) -> int:
+        """The digest of all the hashes, blank lines' zeros included (what replicas key on)."""
+        if self._packed_digest is None:
+            self._packed_digest = xxhash.xxh3_64_intdigest(_packed(self.hashes))
+        return self._packed_digest
 
 
 @dataclass
@@ -50,10 +95,24 @@ class _Template:
     core: frozenset[int] = field(default_factory=frozenset)
     # The last answer: (the prompt's digest, the distinct recent digests it was aligned with, result).
     memo: tuple[int, tuple[int, ...], frozenset[int]] | None = None
+    # The line sets of the distinct recent prompts, by digest (the core is their intersection).
+    members: dict[int, frozenset[int]] = field(default_factory=dict)
 
-    def add(self, digest: int, sequence: Sequence_) -> None:
+    def add(self, digest: int, sequence: Sequence_, members: frozenset[int] | None = None) -> bool:
+        """Remember a prompt; True when the core changed. The core is the intersection of the distinct
+        recent prompts' lines, so a prompt sent again (the same distinct prompts) leaves it as it was."""
         self.recent.append((digest, sequence))
-        self.core = frozenset.intersection(*(frozenset(s) for _, s in self.recent))
+        distinct = {d for d, _ in self.recent}
+        if distinct == self.members.keys():
+            return False
+        if digest not in self.members:
+            self.members[digest] = members if members is not None else frozenset(sequence)
+        for gone in self.members.keys() - distinct:
+            del self.members[gone]
+        core = frozenset.intersection(*self.members.values())
+        changed = core != self.core
+        self.core = core
+        return changed
 
     def unaligned(self, digest: int, sequence: Sequence_) -> frozenset[int]:
         """Positions in ``sequence`` not aligned with a line of every recent prompt."""
@@ -92,10 +151,24 @@ def _aligned(current: Sequence_, other: Sequence_) -> set[int]:
     return aligned
 
 
+class _App:
+    """One app key's templates, most recently matched first, and which template each prompt
+    (by digest) matched while none of them changed."""
+
+    __slots__ = ("matched", "templates")
+
+    def __init__(self) -> None:
+        self.templates: list[_Template] = []
+        self.matched: dict[int, _Template] = {}
+
+
+MAX_MATCHES_REMEMBERED = 64
+
+
 class LearnedVolatility:
     # Templates per app key (tenant, model): a tenant's apps on one model share a key.
     def __init__(self, max_apps: int = 1024, history: int = 8, templates_per_app: int = 32) -> None:
-        self._apps: LRUCache[str, list[_Template]] = LRUCache(max_apps)
+        self._apps: LRUCache[str, _App] = LRUCache(max_apps)
         self._history = max(2, history)
         self._templates_per_app = templates_per_app
 
@@ -105,26 +178,44 @@ class LearnedVolatility:
 
     def observe_hashes(self, app_key: str, hashes: list[int]) -> set[int]:
         """:meth:`observe` on the lines' hashes (0 for a blank line): what another replica shares."""
-        positions = [i for i, h in enumerate(hashes) if h]
+        return self.observe_lines(app_key, PromptLines(hashes))
+
+    def observe_lines(self, app_key: str, prompt: PromptLines) -> set[int]:
+        """:meth:`observe_hashes` on a prepared prompt (the same outcome, without work per line for a
+        prompt prepared before)."""
+        positions = prompt.positions
         if not positions:
             return set()
-        sequence = tuple(hashes[i] for i in positions)
-        digest = _digest(sequence)
-        templates = self._apps.get(app_key)  # a use: the app sent a prompt
-        if templates is None:
-            templates = self._apps[app_key] = []
-        template = self._match(templates, frozenset(sequence))
+        sequence, digest = prompt.sequence, prompt.digest
+        app = self._apps.get(app_key)  # a use: the app sent a prompt
+        if app is None:
+            app = self._apps[app_key] = _App()
+        templates = app.templates
+        # What _match would answer: the templates' cores, order and first sightings are as they were
+        # when this prompt matched last (any change to them forgets every remembered match).
+        template = app.matched.get(digest)
+        if template is None:
+            template = self._match(templates, prompt.members)
+        changed = False
         if template is None:
             template = _Template(recent=deque(maxlen=self._history))
             templates.insert(0, template)
             del templates[self._templates_per_app :]
             volatile: set[int] = set()
+            changed = True
         else:
             volatile = {positions[i] for i in template.unaligned(digest, sequence)}
             if templates[0] is not template:  # least recently matched out, not least recently made
                 templates.remove(template)
                 templates.insert(0, template)
-        template.add(digest, sequence)
+                changed = True
+        first_sighting = len(template.recent) <= 1  # a template seen once is matched on its own terms
+        changed |= template.add(digest, sequence, prompt.members) | first_sighting
+        if changed or len(app.matched) >= MAX_MATCHES_REMEMBERED:
+            app.matched.clear()
+        if not changed:
+            # Nothing _match reads changed: the prompt matches this template again, until something does.
+            app.matched[digest] = template
         return volatile
 
     @staticmethod

@@ -24,6 +24,7 @@ from typing import Any
 
 import xxhash
 
+from proxy.canon import textmemo as tm
 from proxy.canon.actions import Action
 from proxy.canon.fingerprint import leading_system_count
 from proxy.canon.layout import (
@@ -48,6 +49,7 @@ from proxy.canon.relocate import (
     weak_lines,
     widen,
 )
+from proxy.canon.textmemo import TextFacts, TextScope
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import FIRST_SIGHT_KINDS, DetectionCache, Detector, Span, detect_spans
 from proxy.openai.messages import is_text_parts
@@ -74,6 +76,8 @@ class Memories:
     varying: VaryingPlaces | None = None
     layouts: ForwardedLayouts | None = None
     detection_cache: DetectionCache | None = None
+    # What is derived from a system text seen before (only saves work: the outcome is the same).
+    texts: TextScope | None = None
 
 
 @dataclass
@@ -197,6 +201,11 @@ def _split_text(
 ) -> _Split:
     if not text:
         return _Split(text)
+    if memories.texts is not None:
+        facts = memories.texts.facts(text, key)
+        if forced is not None:
+            return _split_forced_facts(text, facts, forced)
+        return _split_facts(text, facts, memories, key, where)
     lines = split_lines(text)
     if forced is not None:
         return _split_forced(text, lines, forced)
@@ -235,6 +244,118 @@ def _split_text(
         already_at_end(lines, moving),
         _line_ids(lines, moving, where[1]),
     )
+
+
+def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, where: tuple[int, int]) -> _Split:
+    """:func:`_split_text` on the text's facts (``textmemo``): the same split, without reading the
+    text line by line."""
+    spans = facts.spans
+    detected = facts.detected
+    learned_lines: frozenset[int] = frozenset()
+    if memories.learned is not None:
+        observed = memories.learned.observe_lines(key, facts.learned_input(detected))
+        if observed:
+            unaligned = frozenset(_reindex_around(detected, observed))
+
+            def whole_regions() -> frozenset[int]:
+                widened = tm.widen(facts, set(unaligned), facts.weak(text))
+                return frozenset(tm.close_blocks(facts, widened, facts.blocks(text)))
+
+            learned_lines = facts.cached(("learned lines", unaligned), whole_regions)
+    candidates = detected | learned_lines
+    skeleton = facts.skeleton(text, detected, learned_lines) if memories.varying is not None and candidates else 0
+    place_key = f"{key}\x00{skeleton:x}"
+    varied = _varied_spans(text, spans, memories.varying, place_key, where)
+    moving = set(_varied_learned_facts(text, facts, learned_lines, memories.varying, place_key, where))
+    varied_lines = frozenset(facts.lines_touched(varied))
+    if varied_lines:
+        closed = facts.cached(
+            ("closed", varied_lines), lambda: frozenset(tm.close_blocks(facts, set(varied_lines), facts.blocks(text)))
+        )
+        moving |= closed
+    if not moving:
+        return _Split(text, learned=len(learned_lines), candidates=len(candidates))
+    planned, at_end, ids = _planned(facts, moving)
+    stable, moved = tm.cut(facts, text, planned)
+    return _Split(
+        stable, moved, varied, len(learned_lines), len(candidates), at_end, [(where[1], line) for line in ids]
+    )
+
+
+def _planned(facts: TextFacts, moving: set[int]) -> tuple[tm.Plan, bool, tuple[int, ...]]:
+    """What moves (``moving`` with the blank lines between its lines) as runs, whether it already
+    sits at the end, and the hashes of its lines."""
+
+    def compute() -> tuple[tm.Plan, bool, tuple[int, ...]]:
+        bridged = tm.bridge_blanks(facts, moving)
+        ids = tuple(line for _, line in tm.line_ids(facts, bridged, 0))
+        return tm.plan(facts, bridged), tm.already_at_end(facts, bridged), ids
+
+    return facts.cached(("planned", frozenset(moving)), compute)
+
+
+def _reindex_around(excluded: frozenset[int], learned: set[int]) -> set[int]:
+    """:func:`_reindex` without the lines: the ``i``-th line not excluded, for each ``i``."""
+    if not excluded:
+        return set(learned)
+    skipped = sorted(excluded)
+    out = set()
+    for index in learned:
+        line = index
+        for gap in skipped:
+            if gap <= line:
+                line += 1
+            else:
+                break
+        out.add(line)
+    return out
+
+
+def _varied_learned_facts(
+    text: str,
+    facts: TextFacts,
+    learned: frozenset[int],
+    varying: VaryingPlaces | None,
+    key: str,
+    where: tuple[int, int],
+) -> set[int]:
+    """:func:`_varied_learned` on the text's facts."""
+    if varying is None or not learned:
+        return set(learned)
+    moving: set[int] = set()
+    for ordinal, (first, last) in enumerate(tm.runs(facts, sorted(learned), bridge_blank=True)):
+        run = text[facts.start(first) : facts.start(last + 1) - 1]
+        if varying.observe(key, (*where, "learned", ordinal), run):
+            moving.update(range(first, last + 1))
+    return moving
+
+
+def _split_forced_facts(text: str, facts: TextFacts, forced: Counter[int]) -> _Split:
+    """:func:`_split_forced` on the text's facts."""
+    moving = facts.cached(("forced", frozenset(forced.items())), lambda: _forced_lines(facts, forced))
+    if not moving:
+        return _Split(text)
+    planned, _, ids = _planned(facts, moving)
+    stable, moved = tm.cut(facts, text, planned)
+    return _Split(stable, moved, candidates=len(tm.bridge_blanks(facts, moving)), lines=[(0, line) for line in ids])
+
+
+def _forced_lines(facts: TextFacts, forced: Counter[int]) -> frozenset[int]:
+    moving: set[int] = set()
+    ambiguous: list[tuple[int, list[int]]] = []
+    for hashed, count in forced.items():
+        found = facts.line_positions(hashed)
+        if not found:
+            continue
+        if len(found) <= count:
+            moving.update(found)
+        else:
+            ambiguous.append((count, found))
+    anchors = sorted(moving)
+    for count, found in ambiguous:
+        nearest = sorted(found, key=lambda i: (min((abs(i - a) for a in anchors), default=0), i))
+        moving.update(nearest[:count])
+    return frozenset(moving)
 
 
 def _split_forced(text: str, lines: list[str], forced: Counter[int]) -> _Split:
@@ -459,6 +580,17 @@ def _system_lines(messages: list[dict[str, Any]]) -> set[MovedLine]:
     return lines
 
 
+def _holds_lines(messages: list[dict[str, Any]], block: Block, texts: TextScope) -> bool:
+    """``_system_lines(messages).issuperset(block)``, on the texts' facts."""
+    for index, part, line in block:
+        if index >= len(messages):
+            return False
+        found = _texts(messages[index].get("content"))
+        if part >= len(found) or not texts.facts(found[part], "").holds(line):
+            return False
+    return True
+
+
 def _texts(content: Any) -> list[str]:
     if isinstance(content, str):
         return [content]
@@ -578,9 +710,13 @@ class _Layout:
         present: set[MovedLine] | None = None
         for offset, message in enumerate(history):
             for block in self._layouts.blocks_at(extend(chain[offset], self._digest(message))):
-                if present is None:
-                    present = _system_lines(messages[:system_count])
-                if present.issuperset(block):
+                if memories.texts is not None:
+                    holds = _holds_lines(messages[:system_count], block, memories.texts)
+                else:
+                    if present is None:
+                        present = _system_lines(messages[:system_count])
+                    holds = present.issuperset(block)
+                if holds:
                     yield system_count + offset, self._split_again(messages, system_count, block, placement, memories)
 
     @staticmethod

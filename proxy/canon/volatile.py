@@ -99,7 +99,16 @@ def detect_context_blocks(text: str) -> Iterable[Span]:
         yield Span(match.start(), match.end(), "context_block")
 
 
+# Every date and clock pattern holds a digit, and every id one of 0-9: text without one has none.
+_ASCII_DIGIT = re.compile(r"[0-9]")
+# What every date or clock pattern holds: four digits (a year, an epoch), a month character, or a
+# digit, a colon and a digit (a clock).
+_DATE_MARK = re.compile(r"\d{4}|月|\d[:：]\d")
+
+
 def detect_datetimes(text: str) -> Iterable[Span]:
+    if _DATE_MARK.search(text) is None:
+        return
     for match in _DATETIME.finditer(text):
         value = match.group(0)
         if not value.strip():
@@ -115,11 +124,15 @@ def detect_weekdays(text: str) -> Iterable[Span]:
 
 
 def detect_uuids(text: str) -> Iterable[Span]:
+    if "-" not in text:
+        return
     for match in _UUID.finditer(text):
         yield Span(match.start(), match.end(), "uuid")
 
 
 def detect_request_ids(text: str) -> Iterable[Span]:
+    if _ASCII_DIGIT.search(text) is None:
+        return
     for match in _REQUEST_ID.finditer(text):
         value = match.group(0)
         if any(c.isdigit() for c in value) and any(c.isalpha() for c in value):
@@ -171,9 +184,17 @@ def _line_kind(line: str) -> int:
     stripped = line.strip()
     if not stripped:
         return _BLANK
-    if _ENV_KEY.match(line) or _PATH_VALUE.match(line) or _COMMIT.match(line) or _PORCELAIN.match(line):
+    # Each pattern is tried only where its required character is (a key ends with ':' or '=', a
+    # commit hash holds a digit, a status or file line a '.' or a separator, a note a parenthesis).
+    keyed = ":" in line or "=" in line
+    path_like = "." in line or "/" in line or "\\" in line
+    if (
+        (keyed and (_ENV_KEY.match(line) or _PATH_VALUE.match(line)))
+        or (_ASCII_DIGIT.search(line) and _COMMIT.match(line))
+        or (path_like and _PORCELAIN.match(line))
+    ):
         return _FACT
-    if _FILE_PATH.match(line) or _PARENTHESIZED.match(line):
+    if (path_like and _FILE_PATH.match(line)) or ("(" in line and _PARENTHESIZED.match(line)):
         return _PATH
     if stripped.endswith(":") and len(stripped) <= _HEADER_MAX_CHARS:
         return _HEADER

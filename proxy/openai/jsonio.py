@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from itertools import chain, compress, repeat
+from operator import is_
 from typing import Any
 
 import orjson
@@ -43,11 +45,38 @@ def loads(raw: bytes | str, max_depth: int | None = None) -> Any:
     return value
 
 
+# What parsed JSON holds: a level of only these is walked without a Python step per value.
+_PLAIN = frozenset({dict, list, str, int, float, bool, type(None)})
+
+
 def check_depth(value: Any, max_depth: int = MAX_DEPTH) -> None:
     """Raise :class:`TooDeep` if ``value`` nests arrays or objects more than ``max_depth`` levels.
 
     Level by level (no recursion), so the check itself cannot overflow the interpreter's stack.
     """
+    if type(value) not in (dict, list):
+        if isinstance(value, dict | list):
+            _check_depth(value, max_depth)  # a subclass
+        return
+    dicts: list[Any] = [value] if type(value) is dict else []
+    lists: list[Any] = [value] if type(value) is list else []
+    depth = 0
+    while dicts or lists:
+        depth += 1
+        if depth > max_depth:
+            raise TooDeep(f"JSON nests deeper than {max_depth} levels")
+        children = list(chain(chain.from_iterable(map(dict.values, dicts)), chain.from_iterable(lists)))
+        types = list(map(type, children))
+        if not _PLAIN.issuperset(types):
+            break  # something else than parsed JSON holds: the general walk below
+        dicts = list(compress(children, map(is_, types, repeat(dict))))
+        lists = list(compress(children, map(is_, types, repeat(list))))
+    else:
+        return
+    _check_depth(value, max_depth)
+
+
+def _check_depth(value: Any, max_depth: int) -> None:
     level: list[Any] = [value] if isinstance(value, dict | list) else []
     depth = 0
     while level:

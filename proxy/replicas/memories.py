@@ -26,6 +26,7 @@ import xxhash
 from proxy.canon import LearnedVolatility, ToolCallMemory
 from proxy.canon.canonicalizer import Canonicalizer
 from proxy.canon.layout import Block, ForwardedLayouts
+from proxy.canon.learned import PromptLines
 from proxy.canon.toolcalls import GeneratedCall
 from proxy.canon.tools import ToolOrders
 from proxy.canon.varying import _VARIED, Place, VaryingPlaces
@@ -64,16 +65,16 @@ class SharedLearnedVolatility(LearnedVolatility):
         # (app, prompt) already shared: a prompt the app sends again adds nothing another replica needs.
         self._shared: RecentSet[tuple[str, int]] = RecentSet(16_384)
 
-    def observe_hashes(self, app_key: str, hashes: list[int]) -> set[int]:
-        volatile = super().observe_hashes(app_key, hashes)
-        digest = xxhash.xxh3_64_intdigest(b"".join(h.to_bytes(8, "little") for h in hashes))
-        if not self._shared.add((app_key, digest)):
-            self._journal.add(["L", app_key, hashes])
+    def observe_lines(self, app_key: str, prompt: PromptLines) -> set[int]:
+        volatile = super().observe_lines(app_key, prompt)
+        if not self._shared.add((app_key, prompt.hashes_digest)):
+            self._journal.add(["L", app_key, list(prompt.hashes)])
         return volatile
 
     def apply(self, app_key: str, hashes: list[int]) -> None:
-        self._shared.add((app_key, xxhash.xxh3_64_intdigest(b"".join(h.to_bytes(8, "little") for h in hashes))))
-        super().observe_hashes(app_key, hashes)
+        prompt = PromptLines(hashes)
+        self._shared.add((app_key, prompt.hashes_digest))
+        super().observe_lines(app_key, prompt)
 
 
 class SharedVaryingPlaces(VaryingPlaces):
