@@ -36,6 +36,8 @@ import xxhash
 from cachetools import LRUCache
 
 MIN_MATCH = 0.6
+# Alignments a template remembers (pairs of its recent prompts).
+MAX_PAIRS_REMEMBERED = 16
 # A template seen once: the share of the larger of the two prompts they must have in common.
 FIRST_MATCH = 0.3
 # The share of an incoming prompt's lines a template's core must hold to take it in.
@@ -97,6 +99,9 @@ class _Template:
     memo: tuple[int, tuple[int, ...], frozenset[int]] | None = None
     # The line sets of the distinct recent prompts, by digest (the core is their intersection).
     members: dict[int, frozenset[int]] = field(default_factory=dict)
+    # What was not aligned between two prompts (by digest, that prompt's positions): a prompt sent
+    # again is aligned with the template's others once each.
+    pairs: dict[tuple[int, int], frozenset[int]] = field(default_factory=dict)
 
     def add(self, digest: int, sequence: Sequence_, members: frozenset[int] | None = None) -> bool:
         """Remember a prompt; True when the core changed. The core is the intersection of the distinct
@@ -124,8 +129,15 @@ class _Template:
             return self.memo[2]
         unaligned: set[int] = set()
         for other in others:
-            aligned = _aligned(sequence, distinct[other])
-            unaligned.update(i for i in range(len(sequence)) if i not in aligned)
+            pair = (digest, other)
+            found = self.pairs.get(pair)
+            if found is None:
+                aligned = _aligned(sequence, distinct[other])
+                found = frozenset(i for i in range(len(sequence)) if i not in aligned)
+                if len(self.pairs) >= MAX_PAIRS_REMEMBERED:
+                    self.pairs.clear()
+                self.pairs[pair] = found
+            unaligned.update(found)
             if len(unaligned) == len(sequence):
                 break
         result = frozenset(unaligned)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from types import ModuleType
 from typing import Any
 
-import orjson
+_orjson: ModuleType | None
+try:
+    import orjson as _orjson
+except ImportError:  # the real engine's venv imports this module (testbed's replies) without it
+    _orjson = None
 
 
 def sort_keys_deep(value: Any) -> Any:
@@ -15,10 +20,10 @@ def sort_keys_deep(value: Any) -> Any:
     Through orjson where it round-trips the value exactly (what it cannot serialize, or serializes
     as something else, such as ``NaN`` as ``null``, is sorted in Python): a tool's JSON schema is
     sorted in C, not one call per node."""
-    if isinstance(value, dict | list):
+    if _orjson is not None and isinstance(value, dict | list):
         try:
-            sorted_value = orjson.loads(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
-        except (TypeError, orjson.JSONDecodeError):
+            sorted_value = _orjson.loads(_orjson.dumps(value, option=_orjson.OPT_SORT_KEYS))
+        except (TypeError, _orjson.JSONDecodeError):
             pass
         else:
             if sorted_value == value:
