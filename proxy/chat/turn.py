@@ -53,6 +53,23 @@ class TurnServices:
     token_counter: TokenCounter
 
 
+def routing_key(
+    tenant: str,
+    named_session: str | None,
+    prefix_hash: str | None,
+    messages: list[dict[str, Any]],
+    root: int | None = None,
+) -> str:
+    """Which backend's cache a request belongs in (:attr:`ChatTurn.routing_key`): the session the
+    client names, else the stable prefix and the conversation's first message (``root`` when the
+    session record knows it)."""
+    if named_session:
+        return f"{tenant}\x1fs:{named_session}"
+    if root is None:
+        root = conversation_root(messages)
+    return f"{tenant}\x1fp:{prefix_hash}:{root or 0:x}"
+
+
 def budget_refused(metrics: Metrics, tenant: str, reservation: Reservation) -> BudgetExceeded:
     """The 429 of a reservation the store did not admit, counted."""
     kind = reservation.rejected_kind or "usage"
@@ -105,13 +122,8 @@ class ChatTurn:
         and on every replica), and an inferred session that forks keeps its key (conversations that
         opened alike share a backend, and the prefix cached there).
         """
-        if self.named_session:
-            return f"{self.tenant.name}\x1fs:{self.named_session}"
-        if self.session is not None and self.session.fingerprints:
-            root: int | None = self.session.fingerprints[0]
-        else:
-            root = conversation_root(self.canonical["messages"])
-        return f"{self.tenant.name}\x1fp:{self.prefix_hash}:{root or 0:x}"
+        root = self.session.fingerprints[0] if self.session is not None and self.session.fingerprints else None
+        return routing_key(self.tenant.name, self.named_session, self.prefix_hash, self.canonical["messages"], root)
 
     @property
     def forwarded(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from proxy.app_state import ProxyState
 from proxy.canon import CanonResult
 from proxy.chat import handoff
 from proxy.chat.budget import effective_budget, usage_limits
+from proxy.chat.turn import routing_key
 from proxy.http.body import parse_json_object, read_body
 from proxy.http.context import RequestContext, overhead_header
 from proxy.http.errors import InvalidRequest, ProxyError
@@ -47,8 +48,7 @@ from proxy.protocols.anthropic import MESSAGES
 from proxy.protocols.base import GenerationProtocol
 from proxy.protocols.responses import RESPONSES
 from proxy.routes.forward import after_response, api_endpoint, proxy_headers, upstream_headers
-from proxy.routes.pipeline import count_canonicalization
-from proxy.sessions.identity import conversation_root
+from proxy.routes.pipeline import canonicalize
 from proxy.tenants import Tenant
 from summarizer.prompt import DEFAULT_INSTRUCTION
 
@@ -177,14 +177,11 @@ async def _summarize(
     chat = view.chat
     ctx.model = str(chat["model"])
     ctx.stream = bool(body.get("stream"))
-    canon = state.canonicalizer.apply(chat, tenant.name)
-    ctx.actions.extend(view.actions)
-    ctx.actions.extend(str(action) for action in canon.actions)
-    ctx.prefix_hash = canon.prefix_hash
-    ctx.saved_by_canonicalization = count_canonicalization(state, tenant.name, chat, canon)
+    canon = canonicalize(state, ctx, tenant, view)
     named = state.sessions.explicit_id(request.headers, chat)
     ctx.session_id = named
-    ctx.route_key = routing_key(tenant, named, canon)
+    # Routed as a turn of the conversation (the session record aside): to the backend holding its prefix.
+    ctx.route_key = routing_key(tenant.name, named, canon.prefix_hash, canon.body["messages"])
     metrics = state.metrics
     headers = upstream_headers(state, request, ctx)
     ctx.mark_upstream_sent()
@@ -233,16 +230,6 @@ def tokens_saved(
         turns = [*canon.body["messages"][canon.stable_count :], {"role": "user", "content": prompt}]
         return max(0, state.token_counter.count_messages(turns) - usage.prefill_tokens)
     return usage.cached_tokens if by_canonicalization else 0
-
-
-def routing_key(tenant: Tenant, named: str | None, canon: CanonResult) -> str:
-    """The key a turn of this conversation is routed by (``ChatTurn.routing_key``, without the
-    session record: the session the client names, else the stable prefix and the conversation's
-    first message), so the summary goes to the backend holding its prefix."""
-    if named:
-        return f"{tenant.name}\x1fs:{named}"
-    root = conversation_root(canon.body["messages"])
-    return f"{tenant.name}\x1fp:{canon.prefix_hash}:{root or 0:x}"
 
 
 async def _charge(state: ProxyState, tenant: Tenant, model: str, session: str | None, usage: Usage | None) -> None:

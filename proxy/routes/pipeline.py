@@ -175,11 +175,7 @@ async def forward_turn(
     try:
         ctx.model = chat["model"]
         ctx.stream = bool(chat.get("stream"))
-        canon = state.canonicalizer.apply(chat, tenant.name)
-        ctx.actions.extend(view.actions)
-        ctx.actions.extend(str(action) for action in canon.actions)
-        ctx.prefix_hash = canon.prefix_hash
-        ctx.saved_by_canonicalization = count_canonicalization(state, tenant.name, chat, canon)
+        canon = canonicalize(state, ctx, tenant, view)
         turn = await ChatTurn.begin(
             state.turn_services,
             state.settings,
@@ -233,6 +229,16 @@ async def forward_turn(
             ending.failed(error)
             await ending.before_response()
         return error_response(state, ctx, error, ending)
+
+
+def canonicalize(state: ProxyState, ctx: RequestContext, tenant: Tenant, view: ProtocolView) -> CanonResult:
+    """The view canonicalized, its actions and prefix recorded on ``ctx`` and counted."""
+    canon = state.canonicalizer.apply(view.chat, tenant.name)
+    ctx.actions.extend(view.actions)
+    ctx.actions.extend(str(action) for action in canon.actions)
+    ctx.prefix_hash = canon.prefix_hash
+    ctx.saved_by_canonicalization = count_canonicalization(state, tenant.name, view.chat, canon)
+    return canon
 
 
 def _roles(body: dict[str, Any]) -> list[Any]:
