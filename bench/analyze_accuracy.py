@@ -20,11 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from proxy.analysis.captured import read_capture
-from proxy.analysis.replay import MODES, captured_tally, replay
-from proxy.analysis.report import to_json
+from proxy.analysis import MODES, captured_tally, read_capture, replay, to_json
 from proxy.config import CanonMode, Settings, TenantSettings
-from proxy.enginemodel.tokenizer import load_tokenizer
+from proxy.enginemodel import load_tokenizer
 from testbed.demo import DEMO_MAX_MODEL_LEN
 from testbed.serving import serve_in_thread
 from testbed.workload import ScenarioResult, resolve_scenarios, run_workload_async

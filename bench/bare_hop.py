@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from proxy.backends.upstream import Upstream
+from proxy.backends import Upstream
 from proxy.serve import SERVER_OPTIONS
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from proxy.config import CanonMode, Settings
-from proxy.observability.breaks import CAUSES
+from proxy.observability import CAUSES
 from testbed.demo import DEMO_MAX_MODEL_LEN
 from testbed.serving import serve_in_thread
 from testbed.workload import resolve_scenarios, run_workload

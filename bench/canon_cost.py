@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from proxy.canon.canonicalizer import Canonicalizer
+from proxy.canon import Canonicalizer
 from proxy.config import CanonSettings
 from proxy.tokenization import load_encoding
 from testbed.workload.session import shuffle_keys

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
-from proxy.http.paths import InvalidPath, canonical_path
+from proxy.http import InvalidPath, canonical_path
 
 # Every route the proxy serves, and a few it does not.
 PATHS = [

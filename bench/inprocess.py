@@ -42,7 +42,7 @@ from bench.overhead import prompt_of
 from bench.servers import free_port, spawn
 from proxy.app import create_app
 from proxy.config import Settings
-from proxy.observability.access_log import configure_logging
+from proxy.observability import configure_logging
 from testbed.serving import json_post_scope
 
 Message = dict[str, Any]

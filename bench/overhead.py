@@ -25,7 +25,8 @@ Two backends, both modes by default:
   would disturb): ``DIR/<name>.txt`` (collapsed stacks), ``DIR/<name>.svg`` (flame graph) and the
   top entries (``bench.stacks``).
 
-``--before CHECKOUT`` adds another checkout of prefix-proxy (a before/after comparison). Every
+``--before CHECKOUT`` adds another checkout of prefix-proxy (a before/after comparison), run with
+the checkout's own ``.venv`` where it has one. Every
 proxy of a mode runs at once, and the direct path and the proxies take turns, request by request
 or batch by batch, in an order that rotates: a machine that slows down mid-run weighs on all of
 them alike (measured one after the other, the same build differed by 25% in CPU per request).
@@ -133,7 +134,10 @@ class Hop:
 def prefix_proxy(upstream: str, source: str | None = None, name: str = "prefix-proxy") -> Iterator[Hop]:
     """prefix-proxy on its default settings (access log on, to /dev/null), from this tree or ``source``."""
     port = free_port()
-    args = [sys.executable, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(port)]
+    # A checkout's own virtual environment where it has one: dependencies change between commits.
+    own_python = Path(source, ".venv", "bin", "python") if source else None
+    python = str(own_python) if own_python and own_python.exists() else sys.executable
+    args = [python, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(port)]
     env = {"PYTHONPATH": source} if source else None
     with spawn(args, f"http://127.0.0.1:{port}/healthz", env=env, cwd=source) as proc:
         yield Hop(name, f"http://127.0.0.1:{port}/v1", proc.pid)

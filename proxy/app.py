@@ -18,30 +18,35 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.app_state import ProxyState
-from proxy.backends import Backend, BackendPool, backend_name, make_policy
-from proxy.backends.backend import OutlierDetection
-from proxy.backends.catalog import ModelCatalog
-from proxy.backends.echo import EchoedHeaders
-from proxy.backends.upstream import Upstream
-from proxy.canon.canonicalizer import Canonicalizer, PrefixTracker
-from proxy.capacity.kvcache import resolve_shape
-from proxy.chat.compaction import CompactionService
-from proxy.chat.turn import TurnServices
+from proxy.backends import (
+    Backend,
+    BackendPool,
+    EchoedHeaders,
+    ModelCatalog,
+    OutlierDetection,
+    Upstream,
+    backend_name,
+    make_policy,
+)
+from proxy.canon import Canonicalizer, PrefixTracker
+from proxy.capacity import resolve_shape
+from proxy.chat import CompactionService, TurnServices
 from proxy.config import Settings
-from proxy.http.direct import DirectRoutes, serve_direct
-from proxy.http.errors import ProxyError, error_body, json_response
-from proxy.http.paths import InvalidPath, canonicalize_scope, invalid_path
-from proxy.observability.capture import CaptureWriter
-from proxy.observability.metrics import Metrics
-from proxy.observability.tracing import start_tracing
-from proxy.observability.tracker import CacheBreakTracker
+from proxy.http import (
+    DirectRoutes,
+    InvalidPath,
+    ProxyError,
+    canonicalize_scope,
+    error_body,
+    invalid_path,
+    json_response,
+    serve_direct,
+)
+from proxy.observability import CacheBreakTracker, CaptureWriter, Metrics, start_tracing
 from proxy.reload import on_sighup
-from proxy.replicas.build import build_shared
+from proxy.replicas import build_shared
 from proxy.routes import admin, chat, compaction, health, messages, passthrough, responses, unrewritten
-from proxy.sessions.memory import MemorySessionStore
-from proxy.sessions.redis_store import RedisSessionStore
-from proxy.sessions.service import SessionService, StoreUnavailable
-from proxy.sessions.store import SessionStore
+from proxy.sessions import MemorySessionStore, RedisSessionStore, SessionService, SessionStore, StoreUnavailable
 from proxy.startup import announce
 from proxy.tenants import SALT_SECRET_NAME, SaltKey, TenantDirectory
 from proxy.tokenization import TokenCounter

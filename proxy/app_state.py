@@ -7,21 +7,17 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
-from proxy.backends import BackendPool
-from proxy.backends.catalog import ModelCatalog
-from proxy.canon.canonicalizer import Canonicalizer, PrefixTracker
-from proxy.chat.compaction import CompactionService
-from proxy.chat.turn import TurnServices
+from proxy.backends import BackendPool, ModelCatalog
+from proxy.canon import Canonicalizer, PrefixTracker
+from proxy.chat import CompactionService, TurnServices
 from proxy.config import Settings
-from proxy.observability.metrics import Metrics
-from proxy.sessions.service import SessionService
+from proxy.observability import Metrics
+from proxy.sessions import SessionService
 from proxy.tenants import TenantDirectory
 from proxy.tokenization import TokenCounter
 
 if TYPE_CHECKING:
-    from proxy.observability.capture import CaptureWriter
-    from proxy.observability.tracing import RequestTracer
-    from proxy.observability.tracker import CacheBreakTracker
+    from proxy.observability import CacheBreakTracker, CaptureWriter, RequestTracer
 
 
 @dataclass

@@ -32,7 +32,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
 def _serve(args: argparse.Namespace) -> int:
     from proxy.config import load_settings
-    from proxy.observability.access_log import configure_logging
+    from proxy.observability import configure_logging
     from proxy.serve import serve
 
     settings = load_settings(args.config, **_flags(args))
@@ -122,8 +122,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _kv(args: argparse.Namespace) -> int:
-    from proxy.capacity.command import kv_capacity
-    from proxy.capacity.kvcache import describe, resolve_shape
+    from proxy.capacity import describe, kv_capacity, resolve_shape
 
     if not args.model and not args.config_json:
         print("prefix-proxy kv: give --model (a preset, e.g. llama-3.1-8b) or --config-json FILE", file=sys.stderr)
@@ -141,13 +140,13 @@ def _kv(args: argparse.Namespace) -> int:
 
 
 def _ramp(args: argparse.Namespace) -> int:
-    from proxy.capacity.command import run_ramp_command
+    from proxy.capacity import run_ramp_command
 
     return run_ramp_command(args)
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from proxy.analysis.command import run
+    from proxy.analysis import run
 
     return run(args)
 
@@ -210,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--config-json", help="a Hugging Face config.json instead of a preset")
     kv.add_argument("--context", type=int, default=131072, help="tokens")
     kv.add_argument("--dtype", default="fp16", help="fp16, bf16, fp8, int8, fp32")
-    from proxy.capacity.command import add_kv_capacity_arguments, add_ramp_arguments
+    from proxy.capacity import add_kv_capacity_arguments, add_ramp_arguments
 
     add_kv_capacity_arguments(kv)
     kv.set_defaults(handler=_kv)
@@ -221,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ramp_arguments(ramp)
     ramp.set_defaults(handler=_ramp)
 
-    from proxy.analysis.command import add_arguments as add_analyze_arguments
+    from proxy.analysis import add_arguments as add_analyze_arguments
 
     analyze = commands.add_parser(
         "analyze", help="replay a capture (capture.path) through each canonicalization mode: predicted savings"

@@ -14,7 +14,7 @@ from typing import Any
 
 from proxy.backends import Backend, BackendPool
 from proxy.config_sources import masked_url
-from proxy.sessions.service import SessionService, StoreUnavailable
+from proxy.sessions import SessionService, StoreUnavailable
 
 UP = "up"
 DOWN = "down"

@@ -20,7 +20,7 @@ from uvicorn.config import STARTUP_FAILURE
 
 from proxy.app import create_app, create_metrics_app
 from proxy.config import Settings
-from proxy.http.inbound import InboundLimits, ReadDeadline, deadline_protocol
+from proxy.http import InboundLimits, ReadDeadline, deadline_protocol
 
 SERVER_OPTIONS: dict[str, Any] = {"log_level": "warning", "access_log": False, "timeout_graceful_shutdown": 30}
 

@@ -22,8 +22,7 @@ from cachetools import LRUCache
 from pydantic import ValidationError
 
 from proxy.config import BudgetOverrides, TenantSettings
-from proxy.http.body import is_text
-from proxy.http.errors import ServiceUnavailable, Unauthorized
+from proxy.http import ServiceUnavailable, Unauthorized, is_text
 
 logger = logging.getLogger("prefix_proxy.tenants")
 

@@ -7,12 +7,15 @@
 - :mod:`summarizer.state`: the stored summary state.
 """
 
-from summarizer.anchor import Anchored, anchor, summary_message
+from summarizer.anchor import SUMMARY_HEADER, Anchored, anchor, summary_message
 from summarizer.compactor import Compaction, CompactionFailed, Compactor, CompactorOptions, client_messages
 from summarizer.policy import SummaryPolicy, is_due, plan_chunk
+from summarizer.prompt import DEFAULT_INSTRUCTION, build_request
 from summarizer.state import SummaryState
 
 __all__ = [
+    "DEFAULT_INSTRUCTION",
+    "SUMMARY_HEADER",
     "Anchored",
     "Compaction",
     "CompactionFailed",
@@ -21,6 +24,7 @@ __all__ = [
     "SummaryPolicy",
     "SummaryState",
     "anchor",
+    "build_request",
     "client_messages",
     "is_due",
     "plan_chunk",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.openai.messages import is_text_parts, message_fingerprint, message_text, utf8_size
+from proxy.openai import is_text_parts, message_fingerprint, message_text, utf8_size
 from summarizer.state import SummaryState
 
 SUMMARY_HEADER = "Summary of the earlier part of this conversation:"

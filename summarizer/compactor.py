@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.openai.messages import message_fingerprint
+from proxy.openai import message_fingerprint
 from summarizer.anchor import is_summary_message
 from summarizer.policy import SummaryPolicy, plan_chunk
 from summarizer.prompt import DEFAULT_INSTRUCTION, build_request

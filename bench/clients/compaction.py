@@ -1,9 +1,11 @@
 """Codex compacting mid-session: through the proxy's summarizer against compacting locally.
 
-    python -m bench.clients.compaction [--turns 3] [--compact-limit 1000] [--turn-timeout 240]
+    python -m bench.clients.compaction [--engine fake|real-vllm] [--turns 3] [--compact-limit 1000]
+                                       [--turn-timeout 240]
 
 The real Codex (npm ``@openai/codex``, installed as ``python -m bench.clients`` installs it), with a low
-``model_auto_compact_token_limit`` so that it compacts before its second turn, against the fake vLLM:
+``model_auto_compact_token_limit`` so that it compacts before its second turn, against the fake vLLM or
+the real one (``bench/real_vllm``, 32k context; its prefix cache reset before each run):
 
 - ``remote via proxy``: ``[model_providers.X.capabilities] remote_compaction = "v2"``, through the proxy:
   Codex sends its ``compaction_trigger`` request, the proxy's summarizer answers it with one
@@ -32,7 +34,7 @@ from bench.clients import install
 from bench.clients.clients import Codex, Workspace
 from bench.clients.install import WORK
 from bench.clients.recorder import Exchange
-from bench.clients.run import GENERATION_PATHS, fake_backend, run_client, usage_of
+from bench.clients.run import GENERATION_PATHS, run_client, usage_of
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -140,7 +142,7 @@ def _client_items(client: list[Exchange]) -> dict[str, int]:
 
 def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     lines = [
-        f"`{meta['command']}` (fake backend, codex {meta['version']}, {meta['turns']} turns, "
+        f"`{meta['command']}` ({meta['engine']} backend, codex {meta['version']}, {meta['turns']} turns, "
         f"model_auto_compact_token_limit {meta['limit']}, {meta['date']})",
         "",
         "| run | exits | requests (client / backend) | compactions | compaction request: prompt / cached / prefill "
@@ -168,6 +170,7 @@ def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.clients.compaction", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--engine", choices=("fake", "real-vllm"), default="fake")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--compact-limit", type=int, default=1000, help="model_auto_compact_token_limit")
     parser.add_argument("--turn-timeout", type=float, default=240.0)
@@ -182,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     runs = []
     version = "?"
-    with fake_backend() as backend:
+    from bench.clients.__main__ import backend_for
+
+    with backend_for(args.engine) as backend:
         for label, remote, mode in variants:
             client = CodexCompacting(remote, args.compact_limit)
             binary = client.install()
@@ -200,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "command": "python -m bench.clients.compaction " + " ".join(argv if argv is not None else sys.argv[1:]),
         "version": version,
+        "engine": args.engine,
         "turns": args.turns,
         "limit": args.compact_limit,
         "date": stamp,

@@ -29,7 +29,7 @@ def _import(module_name: str) -> Any:
     except ImportError as exc:
         raise ImportError(
             f"cannot import {module_name} from {REPO_ROOT} ({exc}); the real engine takes its chat "
-            "template and replies from the fake backend, and needs its dependencies (xxhash, tiktoken) "
+            "template and replies from the fake backend, and needs its dependencies (xxhash, tiktoken, orjson) "
             "in the vLLM venv"
         ) from exc
 

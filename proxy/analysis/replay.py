@@ -22,14 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.analysis.captured import Captured
-from proxy.canon.canonicalizer import Canonicalizer
+from proxy.canon import Canonicalizer
 from proxy.config import CanonMode, CanonSettings
-from proxy.enginemodel.chat_template import ChatTemplateError, render_chat
-from proxy.enginemodel.prefix_cache import PrefixCache
-from proxy.enginemodel.tokenizer import ChatTokenizer
-from proxy.observability.breaks import NONE, BreakMemory
-from proxy.observability.digests import digest_prompt, message_hash
-from proxy.openai.assistant import ToolCall
+from proxy.enginemodel import ChatTemplateError, ChatTokenizer, PrefixCache, render_chat
+from proxy.observability import NONE, BreakMemory, digest_prompt, message_hash
+from proxy.openai import ToolCall
 
 MODES: tuple[CanonMode, ...] = ("off", "safe", "relocate")
 IM_END = "<|im_end|>\n"

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from proxy.analysis.replay import ModeResult, Tally
-from proxy.observability.breaks import CAUSES
+from proxy.observability import CAUSES
 
 
 def to_json(results: Sequence[ModeResult], captured: Tally, block_size: int, tokenizer: str) -> dict[str, Any]:

@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
-from proxy.backends import BackendPool
-from proxy.http.errors import ProxyError
+from proxy.backends.pool import BackendPool
+from proxy.http import ProxyError
 
 logger = logging.getLogger("prefix_proxy.models")
 

@@ -35,8 +35,8 @@ from proxy.backends.echo import EchoedHeaders
 from proxy.backends.keyheaders import KeyHeaders
 from proxy.backends.policies import RoutingPolicy
 from proxy.backends.upstream import model_list, read_response
-from proxy.http.errors import ProxyError, UpstreamTimeout, UpstreamUnreachable
-from proxy.observability.metrics import Metrics
+from proxy.http import ProxyError, UpstreamTimeout, UpstreamUnreachable
+from proxy.observability import Metrics
 
 logger = logging.getLogger("prefix_proxy.backends")
 

@@ -23,14 +23,14 @@ from typing import Any
 import httpx
 
 from proxy.backends.transport import UpstreamTransport, read_all
-from proxy.http.errors import (
+from proxy.http import (
     UpstreamConnectionLost,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from proxy.openai.jsonio import loads
+from proxy.openai import loads
 
 MAX_CACHED_URLS = 256
 # What stands in an upstream's answer for a credential the proxy sent it.

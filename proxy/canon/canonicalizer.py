@@ -5,22 +5,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from proxy.canon import (
-    CanonOptions,
-    CanonResult,
-    LearnedVolatility,
-    ToolCallMemory,
-    canonicalize,
-    remember_generated_calls,
-)
+from proxy.canon.engine import CanonOptions, CanonResult, canonicalize
 from proxy.canon.layout import ForwardedLayouts
+from proxy.canon.learned import LearnedVolatility
 from proxy.canon.normalize import NormalTextMemo
 from proxy.canon.textmemo import TextMemo
+from proxy.canon.toolcalls import ToolCallMemory, remember_generated_calls
 from proxy.canon.tools import ToolOrders
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import BUILTIN_DETECTORS, DetectionCache, Detector, marker_detector, regex_detector
 from proxy.config import CanonSettings
-from proxy.openai.assistant import ToolCall
+from proxy.openai import ToolCall
 from proxy.recent import RecentSet
 
 

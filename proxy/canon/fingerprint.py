@@ -6,8 +6,7 @@ from typing import Any
 
 import xxhash
 
-from proxy.openai.jsonio import dumps
-from proxy.openai.messages import STABLE_ROLES
+from proxy.openai import STABLE_ROLES, dumps
 
 
 def leading_system_count(messages: list[dict[str, Any]]) -> int:

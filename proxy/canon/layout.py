@@ -25,7 +25,7 @@ from typing import Any
 import xxhash
 from cachetools import LRUCache
 
-from proxy.openai.jsonio import dumps
+from proxy.openai import dumps
 from proxy.recent import RecentSet, peek
 
 # (system message index, text part, line hash) of one moved line.

@@ -52,7 +52,7 @@ from proxy.canon.relocate import (
 from proxy.canon.textmemo import TextFacts, TextScope
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import FIRST_SIGHT_KINDS, DetectionCache, Detector, Span, detect_spans
-from proxy.openai.messages import is_text_parts
+from proxy.openai import is_text_parts
 
 # A user turn is a template when its first this-many characters, with more after them, are what the
 # app sent in that place before: a human's question rarely opens with 256 characters seen before.

@@ -24,8 +24,7 @@ from cachetools import LRUCache
 
 from proxy.canon.actions import Action
 from proxy.canon.layout import extend, prefix_chain
-from proxy.openai.jsoncanon import canonical_arguments
-from proxy.openai.messages import message_text
+from proxy.openai import canonical_arguments, message_text
 from proxy.recent import peek
 
 

@@ -25,7 +25,7 @@ import xxhash
 from cachetools import LRUCache
 
 from proxy.canon.actions import Action
-from proxy.openai.jsoncanon import canonical_dumps, sort_keys_deep
+from proxy.openai import canonical_dumps, sort_keys_deep
 
 
 def _tool_name(tool: Any) -> str:

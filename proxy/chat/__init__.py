@@ -1,1 +1,17 @@
 """One conversation turn through the proxy: session, budget, summary (compaction), accounting."""
+
+from proxy.chat.budget import completion_allowance, effective_budget, prompt_ceiling, usage_limits
+from proxy.chat.compaction import CompactionService
+from proxy.chat.turn import ChatTurn, TurnServices, budget_refused, routing_key
+
+__all__ = [
+    "ChatTurn",
+    "CompactionService",
+    "TurnServices",
+    "budget_refused",
+    "completion_allowance",
+    "effective_budget",
+    "prompt_ceiling",
+    "routing_key",
+    "usage_limits",
+]

@@ -27,12 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.config import BudgetOverrides, BudgetSettings
-from proxy.openai.jsonio import dumps
-from proxy.openai.messages import message_text, utf8_size
-from proxy.sessions.keys import slot_tag
-from proxy.sessions.model import UsageLimit
-from proxy.tokenization import TokenCounter
-from proxy.tokenization.counter import CAUTIOUS_TOKENS_PER_BYTE
+from proxy.openai import dumps, message_text, utf8_size
+from proxy.sessions import UsageLimit, slot_tag
+from proxy.tokenization import CAUTIOUS_TOKENS_PER_BYTE, TokenCounter
 
 _Layers = tuple[BudgetSettings, BudgetOverrides | None, BudgetOverrides | None]
 # Budgets by the settings objects they come from, which are kept with them (an id is not reused

@@ -23,24 +23,24 @@ from cachetools import TLRUCache
 
 from proxy.backends import BackendPool
 from proxy.config import SummarizerSettings
-from proxy.http.errors import ProxyError, UpstreamProtocolError, UpstreamTimeout
-from proxy.observability.metrics import Metrics
-from proxy.openai.jsonio import dumps
-from proxy.openai.usage import Usage
-from proxy.protocols.channel import SummaryChannel
-from proxy.sessions.service import SessionService, StoreUnavailable
+from proxy.http import ProxyError, UpstreamProtocolError, UpstreamTimeout
+from proxy.observability import Metrics
+from proxy.openai import Usage, dumps
+from proxy.protocols import SummaryChannel
+from proxy.sessions import SessionService, StoreUnavailable
 from proxy.tenants import Tenant, TenantDirectory
-from proxy.tokenization.counter import TYPICAL_TOKENS_PER_BYTE
+from proxy.tokenization import TYPICAL_TOKENS_PER_BYTE
 from summarizer import (
+    DEFAULT_INSTRUCTION,
     Compaction,
     CompactionFailed,
     Compactor,
     CompactorOptions,
     SummaryPolicy,
     SummaryState,
+    build_request,
     client_messages,
 )
-from summarizer.prompt import DEFAULT_INSTRUCTION, build_request
 
 logger = logging.getLogger("prefix_proxy.summarizer")
 WAIT_POLL_S = 0.2

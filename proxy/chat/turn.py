@@ -6,10 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.backends import BackendPool
-from proxy.backends.catalog import ModelCatalog
-from proxy.canon import CanonResult
-from proxy.canon.canonicalizer import Canonicalizer
+from proxy.backends import BackendPool, ModelCatalog
+from proxy.canon import Canonicalizer, CanonResult
 from proxy.chat.budget import (
     EXACT_COUNT_SLACK,
     ContextCheck,
@@ -26,16 +24,13 @@ from proxy.chat.budget import (
 )
 from proxy.chat.compaction import CompactionJob, CompactionService
 from proxy.config import BudgetSettings, Settings
-from proxy.http.errors import BudgetExceeded, ContextLengthExceeded
-from proxy.observability.metrics import Metrics
-from proxy.openai.usage import Usage
-from proxy.protocols.channel import CHAT, SummaryChannel
-from proxy.sessions.identity import conversation_root
-from proxy.sessions.model import Reservation, UsageLimit
-from proxy.sessions.service import SessionService, SessionView, StoreUnavailable
+from proxy.http import BudgetExceeded, ContextLengthExceeded
+from proxy.observability import Metrics
+from proxy.openai import Usage
+from proxy.protocols import CHAT, SummaryChannel
+from proxy.sessions import Reservation, SessionService, SessionView, StoreUnavailable, UsageLimit, conversation_root
 from proxy.tenants import Tenant
-from proxy.tokenization import TokenCounter
-from proxy.tokenization.counter import CAUTIOUS_TOKENS_PER_BYTE, TYPICAL_TOKENS_PER_BYTE
+from proxy.tokenization import CAUTIOUS_TOKENS_PER_BYTE, TYPICAL_TOKENS_PER_BYTE, TokenCounter
 from summarizer import Anchored, SummaryState, anchor, is_due
 
 

@@ -10,3 +10,21 @@
 ``prefix-proxy analyze`` replays captured traffic through it; the fake vLLM of ``testbed.fakevllm``
 is built on it (the dependency goes that way only: nothing here imports ``testbed``).
 """
+
+from proxy.enginemodel.chat_template import QWEN_STYLE_CHAT_TEMPLATE, ChatTemplateError, render_chat
+from proxy.enginemodel.prefix_cache import PrefixCache, PrefixCacheStats, RequestBlocks, block_hashes
+from proxy.enginemodel.tokenizer import ChatTokenizer, HFTokenizer, TiktokenChatTokenizer, load_tokenizer
+
+__all__ = [
+    "QWEN_STYLE_CHAT_TEMPLATE",
+    "ChatTemplateError",
+    "ChatTokenizer",
+    "HFTokenizer",
+    "PrefixCache",
+    "PrefixCacheStats",
+    "RequestBlocks",
+    "TiktokenChatTokenizer",
+    "block_hashes",
+    "load_tokenizer",
+    "render_chat",
+]

@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from proxy.http.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
-from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
+from proxy.openai import MAX_DEPTH, TooDeep, loads
 
 VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # A message's fields checked beyond its role and content.

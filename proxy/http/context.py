@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from proxy.http.dialect import OPENAI, ErrorDialect
 from proxy.ids import unique_id
-from proxy.openai.usage import Usage
+from proxy.openai import Usage
 
 
 class PendingCacheBreak(Protocol):

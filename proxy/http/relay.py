@@ -28,9 +28,7 @@ from typing import Any
 import httpx
 
 from proxy.http.dialect import OPENAI, ErrorDialect
-from proxy.openai.assistant import AssistantRecorder
-from proxy.openai.jsonio import dumps, loads
-from proxy.openai.usage import Usage
+from proxy.openai import AssistantRecorder, Usage, dumps, loads
 
 logger = logging.getLogger("prefix_proxy.relay")
 

@@ -1,0 +1,29 @@
+"""What the proxy tells operators: metrics, the access log, traces, captures and why a request
+missed the prefix cache (the cache-break explanation)."""
+
+from proxy.observability.access_log import configure_logging, log_request
+from proxy.observability.breaks import CAUSES, NONE, BreakMemory
+from proxy.observability.capture import CaptureWriter, arrival, capture_record
+from proxy.observability.digests import digest_prompt, message_hash
+from proxy.observability.metrics import Metrics
+from proxy.observability.tracing import RequestTracer, start_tracing
+from proxy.observability.tracker import CacheBreakTracker, PendingBreak, summary_index
+
+__all__ = [
+    "CAUSES",
+    "NONE",
+    "BreakMemory",
+    "CacheBreakTracker",
+    "CaptureWriter",
+    "Metrics",
+    "PendingBreak",
+    "RequestTracer",
+    "arrival",
+    "capture_record",
+    "configure_logging",
+    "digest_prompt",
+    "log_request",
+    "message_hash",
+    "start_tracing",
+    "summary_index",
+]

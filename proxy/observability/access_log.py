@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Any
 
-from proxy.http.context import RequestContext
-from proxy.openai.jsonio import dumps
+from proxy.http import RequestContext
+from proxy.openai import dumps
 
 ACCESS_LOGGER = "prefix_proxy.access"
 _access = logging.getLogger(ACCESS_LOGGER)

@@ -26,7 +26,7 @@ from cachetools import LRUCache
 
 from proxy.observability.digests import ASSISTANT, SYSTEM, USER, PromptDigest, chain
 from proxy.recent import peek
-from proxy.tokenization.counter import TYPICAL_TOKENS_PER_BYTE
+from proxy.tokenization import TYPICAL_TOKENS_PER_BYTE
 
 CAUSES = (
     "new_conversation",

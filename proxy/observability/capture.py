@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.config import CaptureSettings
-from proxy.openai.jsonio import dumps
-from proxy.openai.usage import Usage
+from proxy.openai import Usage, dumps
 
 FORMAT_VERSION = 1
 FILE_MODE = 0o600

@@ -23,8 +23,8 @@ import orjson
 import xxhash
 from cachetools import FIFOCache
 
-from proxy.canon.fingerprint import leading_system_count
-from proxy.openai.jsonio import dumps
+from proxy.canon import leading_system_count
+from proxy.openai import dumps
 
 ROLE_CODES = {"system": 1, "developer": 1, "user": 2, "assistant": 3, "tool": 4, "function": 4}
 SYSTEM, USER, ASSISTANT = 1, 2, 3

@@ -23,7 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics import MetricWrapperBase
 
 from proxy import __version__
-from proxy.openai.usage import Usage
+from proxy.openai import Usage
 
 
 class WatchedBackend(Protocol):

@@ -21,7 +21,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from proxy.http.context import RequestContext
+from proxy.http import RequestContext
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter

@@ -15,11 +15,11 @@ from typing import Any
 from cachetools import LRUCache
 
 from proxy.config import CacheBreakSettings
-from proxy.http.context import PendingCacheBreak
+from proxy.http import PendingCacheBreak
 from proxy.observability.breaks import CAUSES, NONE, BreakMemory, CacheBreak, Comparison
 from proxy.observability.digests import digest_prompt, message_hash
 from proxy.observability.metrics import Metrics
-from proxy.openai.usage import Usage
+from proxy.openai import Usage
 from proxy.recent import peek
 
 HEADER = "x-prefix-proxy-cache-break"

@@ -2,3 +2,28 @@
 
 A leaf: it imports nothing else from the proxy, so every part (and ``summarizer``) may import it.
 """
+
+from proxy.openai.assistant import AssistantRecorder, ToolCall
+from proxy.openai.jsoncanon import canonical_arguments, canonical_dumps, sort_keys_deep
+from proxy.openai.jsonio import MAX_DEPTH, TooDeep, dumps, loads
+from proxy.openai.messages import STABLE_ROLES, is_text_parts, message_fingerprint, message_text, utf8_size
+from proxy.openai.usage import Usage, token_count
+
+__all__ = [
+    "MAX_DEPTH",
+    "STABLE_ROLES",
+    "AssistantRecorder",
+    "TooDeep",
+    "ToolCall",
+    "Usage",
+    "canonical_arguments",
+    "canonical_dumps",
+    "dumps",
+    "is_text_parts",
+    "loads",
+    "message_fingerprint",
+    "message_text",
+    "sort_keys_deep",
+    "token_count",
+    "utf8_size",
+]

@@ -18,7 +18,7 @@ from typing import Any
 
 import xxhash
 
-from proxy.openai.jsonio import dumps
+from proxy.openai import dumps
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,12 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
-from proxy.canon.tools import ToolOrders
-from proxy.http.dialect import OPENAI, ErrorDialect
-from proxy.http.relay import SSERelay
-from proxy.openai.assistant import AssistantRecorder
-from proxy.openai.jsonio import loads
-from proxy.openai.usage import Usage
+from proxy.canon import ToolOrders
+from proxy.http import OPENAI, ErrorDialect, SSERelay
+from proxy.openai import AssistantRecorder, Usage, loads
 from proxy.protocols.channel import SummaryChannel
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from proxy.openai.usage import Usage
+from proxy.openai import Usage
 
 
 class SummaryChannel(Protocol):

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.canon.tools import ToolOrders
-from proxy.http.body import validate_chat_request
-from proxy.openai.assistant import AssistantRecorder
-from proxy.openai.usage import Usage
+from proxy.canon import ToolOrders
+from proxy.http import validate_chat_request
+from proxy.openai import AssistantRecorder, Usage
 from proxy.protocols.base import GenerationProtocol
 from proxy.protocols.channel import CHAT, ChatChannel
 

@@ -18,9 +18,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from proxy.http.errors import InvalidRequest
-from proxy.openai.usage import Usage
-from summarizer.anchor import SUMMARY_HEADER
+from proxy.http import InvalidRequest
+from proxy.openai import Usage
+from summarizer import SUMMARY_HEADER
 
 COMPACTION = "compaction"
 TRIGGER = "compaction_trigger"

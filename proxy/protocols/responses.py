@@ -22,14 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
-from proxy.http.body import is_text, require_model
-from proxy.http.errors import InvalidRequest
-from proxy.http.relay import SSERelay, with_data_fields
-from proxy.openai.assistant import AssistantRecorder, ToolCall
-from proxy.openai.jsoncanon import sort_keys_deep
-from proxy.openai.messages import STABLE_ROLES
-from proxy.openai.usage import Usage, token_count
+from proxy.canon import ToolOrders, canonicalize_tool_fields
+from proxy.http import InvalidRequest, SSERelay, is_text, require_model, with_data_fields
+from proxy.openai import STABLE_ROLES, AssistantRecorder, ToolCall, Usage, sort_keys_deep, token_count
 from proxy.protocols.align import align
 from proxy.protocols.base import GenerationProtocol, event_payloads, summary_options, texts
 

@@ -8,7 +8,8 @@ learns (``memories``), the journal is written behind to a bounded Redis stream, 
 applies what the others wrote as it arrives (``feed``). The request path never waits for Redis.
 """
 
+from proxy.replicas.build import build_shared
 from proxy.replicas.feed import RedisFeed
 from proxy.replicas.memories import Journal, SharedCanonicalizer
 
-__all__ = ["Journal", "RedisFeed", "SharedCanonicalizer"]
+__all__ = ["Journal", "RedisFeed", "SharedCanonicalizer", "build_shared"]

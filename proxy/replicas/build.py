@@ -7,8 +7,7 @@ from prometheus_client import Counter
 from proxy.config import Settings
 from proxy.replicas.feed import RedisFeed
 from proxy.replicas.memories import Journal, SharedCanonicalizer
-from proxy.sessions.connect import RedisClient, redis_client
-from proxy.sessions.redis_store import RedisSessionStore
+from proxy.sessions import RedisClient, RedisSessionStore, redis_client
 
 BLOCK_MS = 1000
 

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter
 from redis.exceptions import RedisError
 
 from proxy.replicas.memories import Entry, Journal
-from proxy.sessions.connect import RedisClient, drop_connections
+from proxy.sessions import RedisClient, drop_connections
 
 logger = logging.getLogger("prefix_proxy.shared")
 

@@ -23,13 +23,19 @@ from typing import Any
 
 import xxhash
 
-from proxy.canon import LearnedVolatility, ToolCallMemory
-from proxy.canon.canonicalizer import Canonicalizer
-from proxy.canon.layout import Block, ForwardedLayouts
-from proxy.canon.learned import PromptLines
-from proxy.canon.toolcalls import GeneratedCall
-from proxy.canon.tools import ToolOrders
-from proxy.canon.varying import _VARIED, Place, VaryingPlaces
+from proxy.canon import (
+    _VARIED,
+    Block,
+    Canonicalizer,
+    ForwardedLayouts,
+    GeneratedCall,
+    LearnedVolatility,
+    Place,
+    PromptLines,
+    ToolCallMemory,
+    ToolOrders,
+    VaryingPlaces,
+)
 from proxy.config import CanonSettings
 from proxy.recent import RecentSet
 

@@ -16,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.app_state import ProxyState, get_state
-from proxy.chat.budget import effective_budget, usage_limits
-from proxy.http.errors import (
+from proxy.chat import effective_budget, usage_limits
+from proxy.http import (
     Forbidden,
     InvalidLimit,
     ProxyError,
@@ -26,8 +26,7 @@ from proxy.http.errors import (
     Unauthorized,
     json_response,
 )
-from proxy.sessions.model import SessionRecord
-from proxy.sessions.service import StoreUnavailable
+from proxy.sessions import SessionRecord, StoreUnavailable
 from proxy.tenants import Tenant, bearer_token
 
 router = APIRouter()

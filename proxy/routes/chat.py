@@ -7,8 +7,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
-from proxy.http.context import RequestContext
-from proxy.protocols.chat import CHAT_COMPLETIONS
+from proxy.http import RequestContext
+from proxy.protocols import CHAT_COMPLETIONS
 from proxy.routes.forward import api_endpoint, new_context
 from proxy.routes.pipeline import TurnOptions, forward_turn, read_request
 from proxy.tenants import Tenant

@@ -35,22 +35,15 @@ from starlette.routing import Route
 
 from proxy.app_state import ProxyState
 from proxy.canon import CanonResult
-from proxy.chat import handoff
-from proxy.chat.budget import effective_budget, usage_limits
-from proxy.chat.turn import routing_key
-from proxy.http.body import parse_json_object, read_body
-from proxy.http.context import RequestContext, overhead_header
-from proxy.http.errors import InvalidRequest, ProxyError
-from proxy.openai.jsonio import dumps
-from proxy.openai.usage import Usage
+from proxy.chat import effective_budget, handoff, routing_key, usage_limits
+from proxy.http import InvalidRequest, ProxyError, RequestContext, overhead_header, parse_json_object, read_body
+from proxy.openai import Usage, dumps
+from proxy.protocols import MESSAGES, RESPONSES, GenerationProtocol
 from proxy.protocols import compaction as wire
-from proxy.protocols.anthropic import MESSAGES
-from proxy.protocols.base import GenerationProtocol
-from proxy.protocols.responses import RESPONSES
 from proxy.routes.forward import after_response, api_endpoint, proxy_headers, upstream_headers
 from proxy.routes.pipeline import canonicalize
 from proxy.tenants import Tenant
-from summarizer.prompt import DEFAULT_INSTRUCTION
+from summarizer import DEFAULT_INSTRUCTION
 
 Expand = Callable[[dict[str, Any], wire.Unseal], tuple[dict[str, Any], int]]
 

@@ -26,13 +26,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.app_state import ProxyState
-from proxy.backends.pool import BACKEND_EXTENSION
-from proxy.http.context import RequestContext, overhead_header
-from proxy.http.errors import DeadlineExceeded, UpstreamProtocolError
-from proxy.http.relay import PROTOCOL_FAILURES, SSERelay
-from proxy.http.streaming import RelayResponse, StreamEnd
-from proxy.openai.jsonio import dumps, loads
-from proxy.openai.usage import Usage
+from proxy.backends import BACKEND_EXTENSION
+from proxy.http import (
+    PROTOCOL_FAILURES,
+    DeadlineExceeded,
+    RelayResponse,
+    RequestContext,
+    SSERelay,
+    StreamEnd,
+    UpstreamProtocolError,
+    overhead_header,
+)
+from proxy.openai import Usage, dumps, loads
 from proxy.routes.forward import (
     AnswerEnding,
     after_response,

@@ -13,12 +13,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.app_state import ProxyState, get_state
-from proxy.backends.upstream import Redactor, key_forms, upstream_error_kind
-from proxy.http.context import RequestContext, overhead_header
-from proxy.http.dialect import OPENAI, ErrorDialect
-from proxy.http.errors import ProxyError, UpstreamError, json_bytes
-from proxy.observability.access_log import log_request
-from proxy.openai.usage import Usage
+from proxy.backends import Redactor, key_forms, upstream_error_kind
+from proxy.http import OPENAI, ErrorDialect, ProxyError, RequestContext, UpstreamError, json_bytes, overhead_header
+from proxy.observability import log_request
+from proxy.openai import Usage
 from proxy.tenants import Tenant
 
 REQUEST_ID_HEADER = "x-request-id"

@@ -12,7 +12,7 @@ from starlette.routing import Route
 
 from proxy import readiness
 from proxy.app_state import ProxyState, get_state
-from proxy.http.errors import ProxyError, Unauthorized, json_response
+from proxy.http import ProxyError, Unauthorized, json_response
 from proxy.tenants import bearer_token
 
 router = APIRouter()

@@ -11,11 +11,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
-from proxy.http.body import parse_json_object, read_body
-from proxy.http.context import RequestContext
-from proxy.http.dialect import ANTHROPIC
-from proxy.protocols import anthropic
-from proxy.protocols.anthropic import MESSAGES
+from proxy.http import ANTHROPIC, RequestContext, parse_json_object, read_body
+from proxy.protocols import MESSAGES, anthropic
 from proxy.routes import compaction
 from proxy.routes.exchange import Wire, send_json
 from proxy.routes.forward import api_endpoint

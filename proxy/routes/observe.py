@@ -9,15 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from proxy.http.context import RequestContext
-from proxy.observability.capture import arrival, capture_record
-from proxy.observability.tracker import PendingBreak, summary_index
-from proxy.openai.usage import Usage
-from proxy.protocols.base import Diagnosis, DiagnosticsAsk, ProtocolView
+from proxy.http import RequestContext
+from proxy.observability import PendingBreak, arrival, capture_record, summary_index
+from proxy.openai import Usage
+from proxy.protocols import Diagnosis, DiagnosticsAsk, ProtocolView
 
 if TYPE_CHECKING:
     from proxy.app_state import ProxyState
-    from proxy.chat.turn import ChatTurn
+    from proxy.chat import ChatTurn
 
 
 @dataclass(frozen=True)

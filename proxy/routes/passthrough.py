@@ -24,20 +24,26 @@ from starlette.routing import BaseRoute, Match, Route
 from starlette.types import Scope
 
 from proxy.app_state import ProxyState, get_state
-from proxy.http.body import MAX_MODEL_CHARS, is_text
-from proxy.http.context import RequestContext, overhead_header
-from proxy.http.errors import (
+from proxy.http import (
+    MAX_MODEL_CHARS,
+    PATH_SAFE,
     BodyTooDeep,
     ClientDisconnected,
     ClientError,
+    InvalidPath,
     NotFound,
     PayloadTooLarge,
     ProxyError,
+    RelayResponse,
+    RequestContext,
     RequestTimeout,
+    StreamEnd,
+    canonical_path,
+    invalid_path,
+    is_text,
+    overhead_header,
 )
-from proxy.http.paths import PATH_SAFE, InvalidPath, canonical_path, invalid_path
-from proxy.http.streaming import RelayResponse, StreamEnd
-from proxy.openai.jsonio import MAX_DEPTH, TooDeep, loads
+from proxy.openai import MAX_DEPTH, TooDeep, loads
 from proxy.routes.admin import require_admin
 from proxy.routes.exchange import upstream_error, within_deadline
 from proxy.routes.forward import (

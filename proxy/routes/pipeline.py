@@ -19,16 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.app_state import ProxyState
-from proxy.canon import CanonResult
-from proxy.canon.fingerprint import stable_prefix_hash
-from proxy.chat.turn import ChatTurn
-from proxy.http.body import parse_json_object, read_body
-from proxy.http.context import RequestContext
-from proxy.http.errors import ProxyError, ServerError
-from proxy.openai.assistant import AssistantRecorder
-from proxy.openai.jsonio import dumps
-from proxy.openai.usage import Usage
-from proxy.protocols.base import DiagnosticsAsk, GenerationProtocol, ProtocolView
+from proxy.canon import CanonResult, stable_prefix_hash
+from proxy.chat import ChatTurn
+from proxy.http import ProxyError, RequestContext, ServerError, parse_json_object, read_body
+from proxy.openai import AssistantRecorder, Usage, dumps
+from proxy.protocols import DiagnosticsAsk, GenerationProtocol, ProtocolView
 from proxy.routes.exchange import StreamingAnswer, UpstreamAnswer, Wire, respond, send
 from proxy.routes.forward import error_response
 from proxy.routes.observe import (

@@ -26,15 +26,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
-from proxy.http.context import RequestContext
-from proxy.http.errors import ProxyError, ResponseNotFound
-from proxy.protocols import responses
-from proxy.protocols.responses import RESPONSES
+from proxy.http import ProxyError, RequestContext, ResponseNotFound
+from proxy.protocols import RESPONSES, responses
 from proxy.routes import compaction
 from proxy.routes.forward import api_endpoint, upstream_headers
 from proxy.routes.passthrough import forward_raw
 from proxy.routes.pipeline import TurnOptions, forward_turn
-from proxy.sessions.service import StoreUnavailable
+from proxy.sessions import StoreUnavailable
 from proxy.tenants import Tenant
 
 # vLLM's ids are resp_<hex>; anything else is not one (and must not reach a URL unescaped).

@@ -11,19 +11,22 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
-from proxy.chat.budget import completion_allowance, effective_budget, prompt_ceiling, usage_limits
-from proxy.chat.turn import budget_refused
+from proxy.chat import budget_refused, completion_allowance, effective_budget, prompt_ceiling, usage_limits
 from proxy.config import BudgetSettings
-from proxy.http.body import parse_json_object, read_body, require_model, validate_completion_request
-from proxy.http.context import RequestContext
-from proxy.http.errors import ProxyError, UpstreamUnreachable
-from proxy.openai.jsonio import dumps
-from proxy.openai.usage import Usage
-from proxy.protocols.chat import with_upstream_usage
+from proxy.http import (
+    ProxyError,
+    RequestContext,
+    UpstreamUnreachable,
+    parse_json_object,
+    read_body,
+    require_model,
+    validate_completion_request,
+)
+from proxy.openai import Usage, dumps
+from proxy.protocols import with_upstream_usage
 from proxy.routes.exchange import StreamingAnswer, UpstreamAnswer, Wire, respond, send, send_json, upstream_error
 from proxy.routes.forward import api_endpoint, upstream_headers, whole_answer
-from proxy.sessions.model import Reservation, UsageLimit
-from proxy.sessions.service import StoreUnavailable
+from proxy.sessions import Reservation, StoreUnavailable, UsageLimit
 from proxy.tenants import Tenant
 
 

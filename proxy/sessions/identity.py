@@ -31,7 +31,7 @@ from typing import Any
 
 import xxhash
 
-from proxy.openai.messages import STABLE_ROLES, message_fingerprint
+from proxy.openai import STABLE_ROLES, message_fingerprint
 
 _START = 0x5EED
 

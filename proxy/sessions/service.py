@@ -25,8 +25,8 @@ from cachetools import LRUCache
 
 from proxy.config import SessionSettings
 from proxy.ids import unique_id
-from proxy.observability.metrics import Metrics
-from proxy.openai.usage import Usage
+from proxy.observability import Metrics
+from proxy.openai import Usage
 from proxy.sessions.identity import (
     MessageFingerprint,
     conversation_fingerprints,

@@ -13,7 +13,7 @@ from typing import Any
 import xxhash
 from cachetools import LRUCache
 
-from proxy.openai.messages import message_text
+from proxy.openai import message_text
 from proxy.tokenization.encoding import load_encoding
 
 # Tokens per byte of a request before the backend has reported on its conversation: typical for

@@ -4,9 +4,18 @@ Used by the proxy's tests, the benchmarks and ``prefix-proxy demo``: cache-hit n
 measured against it predict what a real vLLM serving a Qwen2.5-style model reports.
 """
 
-from proxy.enginemodel.chat_template import QWEN_STYLE_CHAT_TEMPLATE, render_chat
-from proxy.enginemodel.prefix_cache import PrefixCache, PrefixCacheStats, RequestBlocks, block_hashes
-from proxy.enginemodel.tokenizer import ChatTokenizer, HFTokenizer, TiktokenChatTokenizer, load_tokenizer
+from proxy.enginemodel import (
+    QWEN_STYLE_CHAT_TEMPLATE,
+    ChatTokenizer,
+    HFTokenizer,
+    PrefixCache,
+    PrefixCacheStats,
+    RequestBlocks,
+    TiktokenChatTokenizer,
+    block_hashes,
+    load_tokenizer,
+    render_chat,
+)
 from testbed.fakevllm.app import create_app
 from testbed.fakevllm.config import FakeBackendConfig
 from testbed.fakevllm.replies import plan_reply, reply_for_prompt

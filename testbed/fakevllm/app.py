@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from proxy.enginemodel.tokenizer import ChatTokenizer
+from proxy.enginemodel import ChatTokenizer
 from testbed.fakevllm.config import FakeBackendConfig
 from testbed.fakevllm.engine import FakeEngine
 from testbed.fakevllm.routes.anthropic import AnthropicRoutes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from proxy.enginemodel.tokenizer import ChatTokenizer
+from proxy.enginemodel import ChatTokenizer
 
 
 def token_text_deltas(tokenizer: ChatTokenizer, ids: Sequence[int]) -> list[str]:

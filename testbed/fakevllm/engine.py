@@ -13,8 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from proxy.enginemodel.prefix_cache import PrefixCache, RequestBlocks
-from proxy.enginemodel.tokenizer import ChatTokenizer, load_tokenizer
+from proxy.enginemodel import ChatTokenizer, PrefixCache, RequestBlocks, load_tokenizer
 from testbed.fakevllm.config import FakeBackendConfig
 from testbed.fakevllm.detokenizer import token_text_deltas
 from testbed.fakevllm.metrics import BackendMetrics

@@ -8,8 +8,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from proxy.enginemodel.chat_template import ChatTemplateError, render_chat
-from proxy.enginemodel.tokenizer import ChatTokenizer
+from proxy.enginemodel import ChatTemplateError, ChatTokenizer, render_chat
 from testbed.fakevllm.protocol import CompletionRequest, Rejected, TokenizeRequest, validation_message
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

@@ -36,7 +36,7 @@ from typing import Any
 
 import xxhash
 
-from proxy.enginemodel.tokenizer import ChatTokenizer, TiktokenChatTokenizer
+from proxy.enginemodel import ChatTokenizer, TiktokenChatTokenizer
 from testbed.fakevllm.chatml import PromptView, Turn, parse_prompt
 
 SUMMARY_MARKERS = ("summar", "摘要", "总结")
