@@ -149,6 +149,17 @@ async def achat_ok(client: httpx.AsyncClient, messages: Messages, *, model: str 
     return result
 
 
+def steady_window_s(at_least_s: int = 600, lasting_s: float = 300.0) -> int:
+    """A budget window (``budget.window_s``, at least ``at_least_s``) whose current window lasts
+    ``lasting_s`` more. Windows are aligned to the epoch (proxy.sessions.store.window_of): a test
+    that crosses a boundary sees its usage start over, and a limit it means to reach is never reached."""
+    now = time.time()
+    window = at_least_s
+    while window - now % window < lasting_s:
+        window += 1
+    return window
+
+
 def wait_healthy(url: str, timeout_s: float = 30.0) -> bool:
     """Whether ``url``/healthz answered 200 within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

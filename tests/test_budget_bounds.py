@@ -16,7 +16,7 @@ import pytest
 
 from proxy.chat.budget import completion_allowance, completions_requested, prompt_ceiling
 from proxy.config import BudgetSettings
-from tests.helpers import LiveServer, ProxyProcess
+from tests.helpers import LiveServer, ProxyProcess, steady_window_s
 from tests.test_redis_e2e import redis_env
 
 MODEL = "fake-model"
@@ -42,7 +42,7 @@ def test_a_reservation_counts_every_completion() -> None:
 
 
 def test_n_completions_are_charged_n_times(make_proxy: Callable[..., LiveServer]) -> None:
-    server = make_proxy(budget={"session_tokens_per_window": 4_000, "window_s": 600})
+    server = make_proxy(budget={"session_tokens_per_window": 4_000, "window_s": steady_window_s()})
     session = f"n-{uuid.uuid4()}"
     body = {"model": MODEL, "max_tokens": 600, "messages": [SYSTEM, {"role": "user", "content": "hi"}]}
     # 8 completions of up to 600 tokens: more than 4,000, refused before any is made.
@@ -64,7 +64,11 @@ def test_two_replicas_200_concurrent_requests_never_overshoot(
     start_proxies: Callable[..., list[ProxyProcess]], redis_prefix: str, stream: bool
 ) -> None:
     limit = 30_000
-    env = redis_env(redis_prefix, PREFIX_PROXY_BUDGET__SESSION_TOKENS_PER_WINDOW=str(limit))
+    env = redis_env(
+        redis_prefix,
+        PREFIX_PROXY_BUDGET__SESSION_TOKENS_PER_WINDOW=str(limit),
+        PREFIX_PROXY_BUDGET__WINDOW_S=str(steady_window_s()),
+    )
     replicas = start_proxies(2, env)
     session = f"concurrent-{uuid.uuid4()}"
     # The session's first turn is plain English (about 4 bytes a token): what the proxy learns of the
@@ -128,7 +132,13 @@ def test_two_replicas_200_concurrent_requests_never_overshoot(
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_spend_the_tenants_budget_too(make_proxy: Callable[..., LiveServer], stream: bool) -> None:
     """No route generates past the tenant's budget: /v1/completions reserves and settles like chat."""
-    tenants = [{"name": "acme", "api_key": "sk-acme", "budget": {"tenant_tokens_per_window": 3_000}}]
+    tenants = [
+        {
+            "name": "acme",
+            "api_key": "sk-acme",
+            "budget": {"tenant_tokens_per_window": 3_000, "window_s": steady_window_s()},
+        }
+    ]
     server = make_proxy(tenants=tenants)
     headers = {"authorization": "Bearer sk-acme"}
     body: dict[str, Any] = {"model": MODEL, "prompt": "Name three hand tools.", "max_tokens": 100, "stream": stream}

@@ -29,7 +29,15 @@ from proxy.app import create_app
 from proxy.config import Settings
 from testbed.fakevllm import FakeBackendConfig
 from testbed.fakevllm import create_app as create_fake_app
-from tests.helpers import PROMETHEUS_HINT, LiveServer, chat, free_port, require_executable, stream_chat
+from tests.helpers import (
+    PROMETHEUS_HINT,
+    LiveServer,
+    chat,
+    free_port,
+    require_executable,
+    steady_window_s,
+    stream_chat,
+)
 
 pytestmark = pytest.mark.prometheus
 
@@ -224,7 +232,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         tenants=[
             {"name": "acme", "api_key": KEYS["acme"]},
             {"name": "globex", "api_key": KEYS["globex"], "budget": {"context_limit_tokens": 700}},
-            {"name": "initech", "api_key": KEYS["initech"], "budget": {"session_tokens_per_window": 500}},
+            {
+                "name": "initech",
+                "api_key": KEYS["initech"],
+                "budget": {"session_tokens_per_window": 500, "window_s": steady_window_s()},
+            },
         ],
         summarizer={"max_summary_tokens": 80},
     )

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import redis
 
-from tests.helpers import ProxyProcess, chat, free_port
+from tests.helpers import ProxyProcess, chat, free_port, steady_window_s
 from tests.redis_server import SHARED_URL, PrivateRedis
 
 MODEL = "fake-model"
@@ -154,7 +154,8 @@ def test_tenants_provisioned_in_redis(start_proxies: Callable[..., list[ProxyPro
     client = redis.Redis.from_url(SHARED_URL)
     digest = hashlib.sha256(b"sk-from-redis-42").hexdigest()
     client.set(
-        f"{redis_prefix}tenant:{digest}", json.dumps({"name": "initech", "budget": {"session_tokens_per_window": 150}})
+        f"{redis_prefix}tenant:{digest}",
+        json.dumps({"name": "initech", "budget": {"session_tokens_per_window": 150, "window_s": steady_window_s()}}),
     )
     (server,) = start_proxies(1, redis_env(redis_prefix, PREFIX_PROXY_SESSIONS__TENANTS_IN_REDIS="true"))
     messages = [SYSTEM, {"role": "user", "content": "hello"}]
