@@ -87,7 +87,7 @@ def test_token_opens_for_its_tenant_only() -> None:
     token = handoff.seal(secret, "acme", "The user wants Postgres 17; é ✓", 12)
     assert handoff.seal(secret, "acme", "The user wants Postgres 17; é ✓", 12) == token  # deterministic
     assert token.isascii() and token.startswith("pp1.")
-    assert handoff.unseal(secret, "acme", token) == ("The user wants Postgres 17; é ✓", 12)
+    assert handoff.unseal(secret, "acme", token) == handoff.Handoff("The user wants Postgres 17; é ✓", 12)
     assert handoff.unseal(secret, "globex", token) is None
     assert handoff.unseal(b"t" * 32, "acme", token) is None
     version, body, mac = token.split(".")
@@ -368,7 +368,7 @@ def test_expansion_is_pure_and_keeps_what_is_not_a_compaction() -> None:
     secret = b"k" * 32
     token = handoff.seal(secret, "t", "the summary", 3)
 
-    def unseal(value: object) -> tuple[str, int] | None:
+    def unseal(value: object) -> handoff.Handoff | None:
         return handoff.unseal(secret, "t", value)
 
     body = {

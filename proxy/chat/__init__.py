@@ -1,6 +1,6 @@
 """One conversation turn through the proxy: session, budget, summary (compaction), accounting."""
 
-from proxy.chat.budget import completion_allowance, effective_budget, prompt_ceiling, usage_limits
+from proxy.chat.budget import completion_allowance, context_limit, effective_budget, prompt_ceiling, usage_limits
 from proxy.chat.compaction import CompactionService
 from proxy.chat.turn import ChatTurn, TurnServices, budget_refused, routing_key
 
@@ -10,6 +10,7 @@ __all__ = [
     "TurnServices",
     "budget_refused",
     "completion_allowance",
+    "context_limit",
     "effective_budget",
     "prompt_ceiling",
     "routing_key",

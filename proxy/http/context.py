@@ -47,6 +47,9 @@ class RequestContext:
     upstream_headers_at: float | None = None
     upstream_done_at: float | None = None
     first_chunk_at: float | None = None
+    # Seconds an earlier upstream request made for this one took (a compaction's summary before
+    # the turn): upstream time, not the proxy's, though it comes before the turn is sent.
+    upstream_before_s: float = 0.0
     error_code: str | None = None
     upstream_api_key: str | None = None
     saved_by_canonicalization: bool = False
@@ -71,15 +74,15 @@ class RequestContext:
 
     def pre_upstream_seconds(self) -> float:
         end = self.upstream_sent_at if self.upstream_sent_at is not None else time.perf_counter()
-        return end - self.started
+        return end - self.started - self.upstream_before_s
 
     def overhead_seconds(self, now: float | None = None) -> float:
         """Proxy time so far: everything except the upstream's own time."""
         now = time.perf_counter() if now is None else now
         if self.upstream_sent_at is None:
-            return now - self.started
+            return now - self.started - self.upstream_before_s
         upstream_end = self.upstream_done_at or self.upstream_headers_at or self.upstream_sent_at
-        return (self.upstream_sent_at - self.started) + max(0.0, now - upstream_end)
+        return (self.upstream_sent_at - self.started - self.upstream_before_s) + max(0.0, now - upstream_end)
 
     def relay_start_overhead(self, headers_ready: float) -> float:
         """Proxy time of a relayed stream: until it started (the relay runs at the upstream's pace)."""
@@ -90,6 +93,13 @@ class RequestContext:
         if self.upstream_sent_at is None or self.upstream_done_at is None:
             return None
         return self.upstream_done_at - self.upstream_sent_at
+
+    def upstream_over(self) -> None:
+        """An upstream request made on the way to the one the client asked for is done: its time
+        counts as upstream time, and the next request's times start afresh."""
+        if self.upstream_sent_at is not None:
+            self.upstream_before_s += (self.upstream_done_at or time.perf_counter()) - self.upstream_sent_at
+        self.upstream_sent_at = self.upstream_headers_at = self.upstream_done_at = None
 
 
 def overhead_header(seconds: float) -> dict[str, str]:

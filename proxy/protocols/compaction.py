@@ -8,6 +8,12 @@ refuses both), so the proxy *expands* it before anything else reads the request:
 carrying the summary, with the same bytes on every turn (:func:`summary_text`), so the prefix it
 starts stays cached. The rest of the pipeline sees ordinary messages.
 
+A compaction made past the client's threshold (``context_management``: Responses' ``compaction``
+entry, Anthropic's ``compact_20260112`` edit) is the hosted APIs' kind: what comes before its item
+is history it replaced, dropped when the item comes back (instructions aside), and the item holds
+the turn it kept whole (``kept``), which it expands to after the summary. The answer that carries
+it has it first (:class:`ResponsesItemFirst`, :class:`MessagesBlockFirst` for streams).
+
 Pure: the token is opened by the ``unseal`` function the caller passes (bound to the tenant).
 """
 
@@ -16,7 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeGuard
 
 from proxy.http import InvalidRequest
 from proxy.openai import Usage
@@ -25,14 +33,27 @@ from summarizer import SUMMARY_HEADER
 COMPACTION = "compaction"
 TRIGGER = "compaction_trigger"
 
-# Opens a token for the request's tenant: (summary, tokens), or None when it is not one.
-Unseal = Callable[[object], tuple[str, int] | None]
+# Opens a token for the request's tenant: (summary, tokens, kept items or None), or None when it
+# is not one (proxy.chat.handoff.Handoff).
+Unseal = Callable[[object], tuple[str, int, list[Any] | None] | None]
+# Anthropic's automatic compaction edit, and its trigger's default and least value (input tokens).
+COMPACT_EDIT = "compact_20260112"
+ANTHROPIC_DEFAULT_TRIGGER = 150_000
+ANTHROPIC_MIN_TRIGGER = 50_000
+# OpenAI's least compact_threshold.
+RESPONSES_MIN_THRESHOLD = 1_000
 
 
 class InvalidCompactionItem(InvalidRequest):
     """400: a compaction item whose token the proxy cannot open for this tenant."""
 
     code = "invalid_compaction_item"
+
+
+class BelowMinimum(InvalidRequest):
+    """400: a threshold under the least the hosted API takes (OpenAI's code for it)."""
+
+    code = "integer_below_min_value"
 
 
 def summary_text(summary: str) -> str:
@@ -59,20 +80,51 @@ def compaction_id(token: str) -> str:
 
 def expand_responses(body: dict[str, Any], unseal: Unseal) -> tuple[dict[str, Any], int]:
     """``body`` with every ``compaction`` input item replaced by the user message of its summary,
-    and how many were; the body itself when it has none. Raises :class:`InvalidCompactionItem`."""
+    and how many were; the body itself when it has none. Before the latest item made past a
+    threshold only instructions (system, developer messages) are kept, and that item is followed
+    by the turn it kept. Raises :class:`InvalidCompactionItem`."""
     items = body.get("input")
     if not isinstance(items, list) or not any(_is(item, COMPACTION) for item in items):
         return body, 0
-    out: list[Any] = []
-    for index, item in enumerate(items):
-        if not _is(item, COMPACTION):
-            out.append(item)
+    opened = _opened(items, unseal, lambda index: f"input[{index}]")
+    start = _latest_kept(opened)
+    out: list[Any] = [] if start is None else [item for item in items[:start] if _is_instruction(item)]
+    for index in range(start or 0, len(items)):
+        handoff = opened.get(index)
+        if handoff is None:
+            out.append(items[index])
             continue
-        opened = unseal(item.get("encrypted_content"))
-        if opened is None:
-            raise _refused(f"input[{index}]")
-        out.append({"type": "message", "role": "user", "content": summary_text(opened[0])})
-    return {**body, "input": out}, sum(1 for item in items if _is(item, COMPACTION))
+        out.append(summary_item(handoff[0]))
+        if index == start and handoff[2] is not None:
+            out.extend(handoff[2])
+    return {**body, "input": out}, len(opened)
+
+
+def summary_item(summary: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": summary_text(summary)}
+
+
+def _opened(items: list[Any], unseal: Unseal, where: Callable[[int], str]) -> dict[int, Any]:
+    """The compaction items of ``items`` by index, opened; 400 for one that does not open."""
+    opened: dict[int, Any] = {}
+    for index, item in enumerate(items):
+        if _is(item, COMPACTION):
+            handoff = unseal(item.get("encrypted_content"))
+            if handoff is None:
+                raise _refused(where(index))
+            opened[index] = handoff
+    return opened
+
+
+def _latest_kept(opened: dict[int, Any]) -> int | None:
+    """Where the latest compaction made past a threshold is (what precedes it is replaced)."""
+    return max((index for index, handoff in opened.items() if handoff[2] is not None), default=None)
+
+
+def _is_instruction(item: Any) -> bool:
+    return (
+        isinstance(item, dict) and item.get("type") in (None, "message") and item.get("role") in ("system", "developer")
+    )
 
 
 def is_trigger_request(body: dict[str, Any]) -> bool:
@@ -188,33 +240,52 @@ def compacted_response(response_id: str, created_at: int, output: list[Any], usa
 def expand_messages(body: dict[str, Any], unseal: Unseal) -> tuple[dict[str, Any], int]:
     """``body`` with every ``compaction`` content block replaced by the text of its summary (an
     assistant message holding nothing else becomes the user message of that text), and how many
-    were; the body itself when it has none. Raises :class:`InvalidCompactionItem`."""
+    were; the body itself when it has none. Before the latest block made past a threshold nothing
+    is kept (the system prompt is not a message), and that block becomes the user message of its
+    summary, then the messages it kept. Raises :class:`InvalidCompactionItem`."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not any(_holds_compaction(m) for m in messages):
         return body, 0
-    out: list[Any] = []
-    expanded = 0
+    opened: dict[int, dict[int, Any]] = {}
     for index, message in enumerate(messages):
-        if not _holds_compaction(message):
+        if _holds_compaction(message):
+            opened[index] = _opened(message["content"], unseal, partial(_block_place, index))
+    kept_at = [(index, number) for index, blocks in opened.items() for number, h in blocks.items() if h[2] is not None]
+    start = max(kept_at, default=None)
+    out: list[Any] = []
+    for index in range(start[0] if start else 0, len(messages)):
+        message = messages[index]
+        handoffs = opened.get(index)
+        if handoffs is None:
             out.append(message)
             continue
-        blocks: list[Any] = []
-        only = True
-        for number, block in enumerate(message["content"]):
-            if not _is(block, COMPACTION):
-                blocks.append(block)
-                only = False
-                continue
-            opened = unseal(block.get("encrypted_content"))
-            if opened is None:
-                raise _refused(f"messages[{index}].content[{number}]")
-            blocks.append({"type": "text", "text": summary_text(opened[0])})
-            expanded += 1
-        if only and len(blocks) == 1 and message.get("role") == "assistant":
-            out.append({"role": "user", "content": blocks[0]["text"]})
-        else:
-            out.append({**message, "content": blocks})
-    return {**body, "messages": out}, expanded
+        if start is not None and index == start[0]:
+            handoff = handoffs[start[1]]
+            out.append({"role": "user", "content": summary_text(handoff[0])})
+            out.extend(handoff[2])
+            rest = message["content"][start[1] + 1 :]
+            after = {number - start[1] - 1: h for number, h in handoffs.items() if number > start[1]}
+            if rest:
+                out.append(_blocks_expanded({**message, "content": rest}, after))
+            continue
+        out.append(_blocks_expanded(message, handoffs))
+    return {**body, "messages": out}, sum(len(blocks) for blocks in opened.values())
+
+
+def _block_place(index: int, number: int) -> str:
+    return f"messages[{index}].content[{number}]"
+
+
+def _blocks_expanded(message: dict[str, Any], handoffs: dict[int, Any]) -> dict[str, Any]:
+    """``message`` with its compaction blocks as the text of their summaries; an assistant message
+    holding nothing but one becomes the user message of that text."""
+    content = message["content"]
+    blocks = [
+        {"type": "text", "text": summary_text(handoffs[n][0])} if n in handoffs else b for n, b in enumerate(content)
+    ]
+    if len(blocks) == 1 and handoffs and message.get("role") == "assistant":
+        return {"role": "user", "content": blocks[0]["text"]}
+    return {**message, "content": blocks}
 
 
 def _holds_compaction(message: Any) -> bool:
@@ -302,6 +373,271 @@ def anthropic_events(answer: dict[str, Any]) -> bytes:
     )
     events.append({"type": "message_stop"})
     return b"".join(_sse(event["type"], event) for event in events)
+
+
+# -- compaction past a threshold (context_management) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class AutoCompaction:
+    """A request's ask to be compacted once its input reaches ``threshold`` tokens (None: once it
+    would not fit the model's context), with its own summarization prompt, and on Anthropic whether
+    to answer with the compaction alone (``pause_after_compaction``)."""
+
+    threshold: int | None
+    instruction: str | None = None
+    pause: bool = False
+
+
+def responses_auto_compaction(body: dict[str, Any]) -> tuple[dict[str, Any], AutoCompaction | None]:
+    """The request's ``context_management`` ``compaction`` entry, checked as OpenAI checks it, and
+    the body without it (entries of other types stay, as sent)."""
+    entries = body.get("context_management")
+    if entries is None:
+        return body, None
+    if not isinstance(entries, list):
+        raise InvalidRequest("'context_management' must be an array of entries", param="context_management")
+    found: AutoCompaction | None = None
+    rest: list[Any] = []
+    for index, entry in enumerate(entries):
+        if not _is(entry, COMPACTION):
+            rest.append(entry)
+            continue
+        where = f"context_management[{index}]"
+        if found is not None:
+            raise InvalidRequest("'context_management' may hold one compaction entry", param=where)
+        threshold = entry.get("compact_threshold")
+        if threshold is not None:
+            if not _is_int(threshold):
+                raise InvalidRequest(
+                    f"'{where}.compact_threshold' must be an integer", param=f"{where}.compact_threshold"
+                )
+            if threshold < RESPONSES_MIN_THRESHOLD:
+                raise BelowMinimum(
+                    f"Invalid '{where}.compact_threshold': integer below minimum value. Expected a value >= "
+                    f"{RESPONSES_MIN_THRESHOLD}, but got {threshold} instead.",
+                    param=f"{where}.compact_threshold",
+                )
+        found = AutoCompaction(threshold)
+    if found is None:
+        return body, None
+    without = {key: value for key, value in body.items() if key != "context_management"}
+    return ({**without, "context_management": rest} if rest else without), found
+
+
+def messages_auto_compaction(body: dict[str, Any]) -> tuple[dict[str, Any], AutoCompaction | None]:
+    """The request's ``context_management`` ``compact_20260112`` edit, checked as Anthropic checks
+    it, and the body without it (other edits stay, as sent)."""
+    config = body.get("context_management")
+    edits = config.get("edits") if isinstance(config, dict) else None
+    if not isinstance(edits, list) or not any(_is(edit, COMPACT_EDIT) for edit in edits):
+        return body, None
+    found: AutoCompaction | None = None
+    rest: list[Any] = []
+    for index, edit in enumerate(edits):
+        if not _is(edit, COMPACT_EDIT):
+            rest.append(edit)
+            continue
+        where = f"context_management.edits.{index}"
+        if found is not None:
+            raise InvalidRequest(f"{where}: only one {COMPACT_EDIT} edit is allowed", param=where)
+        trigger, threshold = edit.get("trigger"), ANTHROPIC_DEFAULT_TRIGGER
+        if trigger is not None:
+            value = (
+                trigger.get("value") if isinstance(trigger, dict) and trigger.get("type") == "input_tokens" else None
+            )
+            if not _is_int(value):
+                raise InvalidRequest(
+                    f'{where}.trigger: must be {{"type": "input_tokens", "value": <integer>}}', param=f"{where}.trigger"
+                )
+            if value < ANTHROPIC_MIN_TRIGGER:
+                raise InvalidRequest(
+                    f"{where}.trigger.value: must be at least {ANTHROPIC_MIN_TRIGGER}", param=f"{where}.trigger.value"
+                )
+            threshold = value
+        instructions = edit.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise InvalidRequest(f"{where}.instructions: must be a string", param=f"{where}.instructions")
+        pause = edit.get("pause_after_compaction", False)
+        if not isinstance(pause, bool):
+            raise InvalidRequest(
+                f"{where}.pause_after_compaction: must be a boolean", param=f"{where}.pause_after_compaction"
+            )
+        found = AutoCompaction(threshold, compaction_instruction(edit), pause)
+    assert isinstance(config, dict)
+    rest_config = {key: value for key, value in config.items() if key != "edits"}
+    if rest:
+        rest_config["edits"] = rest
+    without = {key: value for key, value in body.items() if key != "context_management"}
+    return ({**without, "context_management": rest_config} if rest_config else without), found
+
+
+def responses_turn_start(items: list[Any]) -> int:
+    """Where the client's last turn starts (its last user message): what comes before it is the
+    history a compaction replaces; 0 when there is none to replace."""
+    for index in range(len(items) - 1, -1, -1):
+        item = items[index]
+        if isinstance(item, dict) and item.get("type") in (None, "message") and item.get("role") == "user":
+            return index if any(not _is_instruction(earlier) for earlier in items[:index]) else 0
+    return 0
+
+
+def messages_turn_start(messages: list[Any]) -> int:
+    """Where the client's last turn starts: its last user message that is not only tool results
+    (those answer the assistant's calls before them, which stay with them)."""
+    for index in range(len(messages) - 1, 0, -1):
+        message = messages[index]
+        if not isinstance(message, dict) or message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if not isinstance(content, list) or any(not _is(block, "tool_result") for block in content):
+            return index
+    return 0
+
+
+def compaction_block(summary: str, token: str) -> dict[str, Any]:
+    return {"type": COMPACTION, "content": summary, "encrypted_content": token}
+
+
+def responses_with_item(answer: dict[str, Any], item: dict[str, Any]) -> dict[str, Any]:
+    """The backend's Response with the compaction item first in its output, as OpenAI places it."""
+    output = answer.get("output")
+    return {**answer, "output": [item, *(output if isinstance(output, list) else [])]}
+
+
+def messages_with_block(answer: dict[str, Any], block: dict[str, Any], usage: Usage | None) -> dict[str, Any]:
+    """The backend's Message with the compaction block first in its content, and its usage split in
+    ``iterations`` (the compaction's, then the message's), as Anthropic reports it."""
+    content = answer.get("content")
+    patched = {**answer, "content": [block, *(content if isinstance(content, list) else [])]}
+    answered = answer.get("usage")
+    if isinstance(answered, dict):
+        message = {key: answered[key] for key in _ANTHROPIC_COUNTS if key in answered}
+        patched["usage"] = {
+            **answered,
+            "iterations": [{"type": COMPACTION, **anthropic_usage(usage)}, {"type": "message", **message}],
+        }
+    return patched
+
+
+_ANTHROPIC_COUNTS = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "output_tokens")
+_RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
+
+
+class ResponsesItemFirst:
+    """A Responses event stream with the compaction item as its first output item: its
+    ``output_item.added`` and ``done`` once the response is created, every later event's
+    ``output_index`` and ``sequence_number`` moved past them, and the item first in the final
+    response's output. Fed the relay's blocks of whole events, in order."""
+
+    def __init__(self, item: dict[str, Any]) -> None:
+        self._item = item
+        self._sequence_shift: int | None = None
+
+    def __call__(self, block: bytes) -> bytes:
+        return _each_event(block, self._event)
+
+    def _event(self, event: bytes, payload: dict[str, Any]) -> bytes | None:
+        kind = payload.get("type")
+        if self._sequence_shift is None:
+            if kind in ("response.created", "response.in_progress"):
+                return None
+            number = payload.get("sequence_number")
+            first = number if _is_int(number) else None
+            self._sequence_shift = 2 if first is not None else 0
+            injected = b"".join(
+                _sse(
+                    name,
+                    {
+                        "type": name,
+                        **({"sequence_number": first + n} if first is not None else {}),
+                        "output_index": 0,
+                        "item": self._item,
+                    },
+                )
+                for n, name in enumerate(("response.output_item.added", "response.output_item.done"))
+            )
+            return injected + self._shifted(event, payload)
+        return self._shifted(event, payload)
+
+    def _shifted(self, event: bytes, payload: dict[str, Any]) -> bytes:
+        patched = dict(payload)
+        if _is_int(patched.get("output_index")):
+            patched["output_index"] += 1
+        if self._sequence_shift and _is_int(patched.get("sequence_number")):
+            patched["sequence_number"] += self._sequence_shift
+        response = patched.get("response")
+        if patched.get("type") in _RESPONSE_ENDS and isinstance(response, dict):
+            patched["response"] = responses_with_item(response, self._item)
+        return _replace_data(event, patched)
+
+
+class MessagesBlockFirst:
+    """An Anthropic event stream with the compaction block as its first content block: its start,
+    one ``compaction_delta`` and its stop right after ``message_start``, every later block's
+    ``index`` moved past it. Fed the relay's blocks of whole events, in order."""
+
+    def __init__(self, block: dict[str, Any]) -> None:
+        self._block = block
+        self._injected = False
+
+    def __call__(self, block: bytes) -> bytes:
+        return _each_event(block, self._event)
+
+    def _event(self, event: bytes, payload: dict[str, Any]) -> bytes | None:
+        if not self._injected:
+            if payload.get("type") != "message_start":
+                return None
+            self._injected = True
+            return event + b"\n\n" + _block_events(0, self._block)
+        if str(payload.get("type", "")).startswith("content_block_") and _is_int(payload.get("index")):
+            return _replace_data(event, {**payload, "index": payload["index"] + 1})
+        return None
+
+
+def _block_events(index: int, block: dict[str, Any]) -> bytes:
+    start = {"type": COMPACTION, "content": None, "encrypted_content": None}
+    delta = {"type": "compaction_delta", "content": block["content"], "encrypted_content": block["encrypted_content"]}
+    events: list[tuple[str, dict[str, Any]]] = [
+        ("content_block_start", {"index": index, "content_block": start}),
+        ("content_block_delta", {"index": index, "delta": delta}),
+        ("content_block_stop", {"index": index}),
+    ]
+    return b"".join(_sse(name, {"type": name, **fields}) for name, fields in events)
+
+
+def _each_event(block: bytes, rewrite: Callable[[bytes, dict[str, Any]], bytes | None]) -> bytes:
+    """``block`` (whole SSE events) with each event whose data is a JSON object passed to
+    ``rewrite``, which answers its replacement (the event's end included), or None to keep it."""
+    out: list[bytes] = []
+    for event in block.split(b"\n\n"):
+        if not event:
+            continue
+        payload = _data_of(event)
+        replaced = rewrite(event, payload) if payload is not None else None
+        out.append(replaced if replaced is not None else event + b"\n\n")
+    return b"".join(out)
+
+
+def _data_of(event: bytes) -> dict[str, Any] | None:
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            try:
+                payload = json.loads(line[5:])
+            except ValueError:
+                return None
+            return payload if isinstance(payload, dict) else None
+    return None
+
+
+def _replace_data(event: bytes, payload: dict[str, Any]) -> bytes:
+    data = b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    lines = [data if line.startswith(b"data:") else line for line in event.split(b"\n")]
+    return b"\n".join(lines) + b"\n\n"
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # -- helpers -----------------------------------------------------------------------------------

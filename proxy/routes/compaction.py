@@ -10,7 +10,11 @@ Anthropic's ``compaction`` blocks, has no ``/v1/responses/compact`` and drops An
 - ``POST /v1/responses/compact``: a ``response.compaction`` with the request's user messages and
   one ``compaction`` item;
 - ``POST /v1/messages`` with ``compaction: {"type": "summarize"}``: a Message holding one
-  ``compaction`` block, ``stop_reason`` ``compaction``.
+  ``compaction`` block, ``stop_reason`` ``compaction``;
+- a turn whose ``context_management`` asks for compaction past a threshold (Responses'
+  ``compaction`` entry, Anthropic's ``compact_20260112`` edit) and reaches it: the history before
+  its last turn summarized, the turn answered on the summary and that turn, the compaction item
+  first in the answer (:func:`past_threshold`).
 
 The summary is one request to the conversation's backend: the request's conversation, converted
 and canonicalized as a turn of it is, plus the instruction (``CompactionService.
@@ -25,19 +29,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
 from proxy.canon import CanonResult
-from proxy.chat import effective_budget, handoff, routing_key, usage_limits
+from proxy.chat import context_limit, effective_budget, handoff, routing_key, usage_limits
 from proxy.http import InvalidRequest, ProxyError, RequestContext, overhead_header, parse_json_object, read_body
-from proxy.openai import Usage, dumps
+from proxy.openai import Usage, dumps, loads
 from proxy.protocols import MESSAGES, RESPONSES, GenerationProtocol
 from proxy.protocols import compaction as wire
 from proxy.routes.forward import after_response, api_endpoint, proxy_headers, upstream_headers
@@ -111,6 +116,113 @@ async def compact(state: ProxyState, request: Request, ctx: RequestContext, tena
     return _answer(state, ctx, dumps(answer), "application/json")
 
 
+@dataclass
+class Compacted:
+    """A turn's body, compacted where its ``context_management`` asked and its threshold was
+    reached; :meth:`deliver` puts the compaction item first in the turn's answer."""
+
+    body: dict[str, Any]
+    _patch: Callable[[Response], Response] | None = None
+
+    def deliver(self, response: Response) -> Response:
+        return self._patch(response) if self._patch is not None else response
+
+
+async def past_threshold(
+    state: ProxyState,
+    request: Request,
+    ctx: RequestContext,
+    tenant: Tenant,
+    protocol: GenerationProtocol,
+    body: dict[str, Any],
+) -> Compacted | Response:
+    """A turn asking to be compacted past a threshold (``context_management``), as the hosted APIs
+    do it: at or past it, the history before the client's last turn is summarized (the request
+    the conversation's prefix hits, as on demand) and the turn answered on the summary and that
+    turn, which is what the compaction item expands to on the next request (then everything
+    before it is dropped). Below it, or with nothing before the last turn, the turn goes as sent.
+
+    The input is counted by the proxy's tokenizer (tiktoken, not the model's: an estimate). A
+    threshold left unset (OpenAI's ``compact_threshold``) is the model's context budget. Anthropic's
+    ``pause_after_compaction`` answers the compaction alone (``stop_reason`` ``compaction``)."""
+    responses = protocol is RESPONSES
+    body, ask = wire.responses_auto_compaction(body) if responses else wire.messages_auto_compaction(body)
+    key = "input" if responses else "messages"
+    items = body.get(key)
+    # A previous_response_id chain's history is the backend's: nothing here to compact.
+    if ask is None or not isinstance(items, list) or body.get("previous_response_id") is not None:
+        return Compacted(body)
+    start = wire.responses_turn_start(items) if responses else wire.messages_turn_start(items)
+    if start == 0:
+        return Compacted(body)
+    chat = protocol.view(body, state.canonicalizer.tool_orders, tenant.name).chat
+    threshold = ask.threshold if ask.threshold is not None else await _context_budget(state, tenant, chat)
+    counter = state.token_counter
+    if (
+        threshold is None
+        or counter.count_messages(chat["messages"]) + counter.count_tools(chat.get("tools")) < threshold
+    ):
+        return Compacted(body)
+    history = {key: value for key, value in body.items() if key != "stream"}
+    history[key] = items[:start]
+    text, usage = await _summarize(state, request, ctx, tenant, protocol, history, ask.instruction, before_turn=True)
+    token = handoff.seal(
+        state.tenants.salt_key.secret, tenant.name, text, usage.completion_tokens if usage else 0, items[start:]
+    )
+    unseal = unsealer(state, tenant)
+    if responses:
+        item = wire.compaction_item(token)
+        # Exactly what the item expands to when it comes back after this turn's input.
+        compacted, _ = wire.expand_responses({**body, "input": [*items, item]}, unseal)
+        whole = partial(wire.responses_with_item, item=item)
+        return Compacted(compacted, partial(_patched, whole=whole, stream=wire.ResponsesItemFirst(item)))
+    block = wire.compaction_block(text, token)
+    if ask.pause:
+        answer = wire.anthropic_answer(_id("msg_"), str(body["model"]), text, token, usage)
+        if body.get("stream"):
+            return _answer(state, ctx, wire.anthropic_events(answer), "text/event-stream")
+        return _answer(state, ctx, dumps(answer), "application/json")
+    compacted, _ = wire.expand_messages(
+        {**body, "messages": [*items, {"role": "assistant", "content": [block]}]}, unseal
+    )
+    whole = partial(wire.messages_with_block, block=block, usage=usage)
+    return Compacted(compacted, partial(_patched, whole=whole, stream=wire.MessagesBlockFirst(block)))
+
+
+async def _context_budget(state: ProxyState, tenant: Tenant, chat: dict[str, Any]) -> int | None:
+    model = str(chat.get("model"))
+    settings = state.settings
+    budget = effective_budget(settings.budget, settings.model_budgets.get(model), tenant.budget)
+    return context_limit(budget, await state.models.max_model_len(model), chat)
+
+
+def _patched(
+    response: Response, *, whole: Callable[[dict[str, Any]], dict[str, Any]], stream: Callable[[bytes], bytes]
+) -> Response:
+    """The turn's answer with the compaction first: a whole one rewritten, a stream's events as
+    they pass. An error answer goes as it came (the compaction it followed is not lost to the
+    client: it sends the same turn again, and it is compacted again)."""
+    if response.status_code != 200:
+        return response
+    if isinstance(response, StreamingResponse):
+        inner = response.body_iterator
+
+        async def shifted() -> AsyncIterator[bytes]:
+            async for chunk in inner:
+                yield stream(chunk.encode() if isinstance(chunk, str) else bytes(chunk))
+
+        response.body_iterator = shifted()
+        return response
+    try:
+        answer = loads(bytes(response.body))
+    except ValueError:
+        return response
+    if isinstance(answer, dict):
+        response.body = dumps(whole(answer))
+        response.headers["content-length"] = str(len(response.body))
+    return response
+
+
 # -- the work ----------------------------------------------------------------------------------
 
 
@@ -162,10 +274,15 @@ async def _summarize(
     protocol: GenerationProtocol,
     body: dict[str, Any],
     instruction: str | None,
+    *,
+    before_turn: bool = False,
 ) -> tuple[str, Usage | None]:
     """The summary of the request's conversation, asked of its backend as a turn of it is sent
     (the protocol's view, canonicalized, the tenant's cache salt, the conversation's routing key),
-    accounted on ``ctx`` (usage, actions, metrics) and charged to the tenant's usage budget."""
+    accounted on ``ctx`` (usage, actions, metrics) and charged to the tenant's usage budget.
+
+    ``before_turn``: the request goes on to a turn, whose usage is the answer's; the summary's is
+    counted here, and its upstream time kept apart."""
     view = protocol.view(body, state.canonicalizer.tool_orders, tenant.name)
     chat = view.chat
     ctx.model = str(chat["model"])
@@ -187,12 +304,18 @@ async def _summarize(
         raise
     finally:
         ctx.upstream_done_at = time.perf_counter()
-    ctx.usage = usage
+        if before_turn:
+            ctx.upstream_over()
     ctx.actions.append("compaction_served")
     metrics.client_compactions.labels(protocol.route, "served").inc()
-    saved = tokens_saved(state, protocol, canon, usage, ctx.saved_by_canonicalization, instruction)
-    if saved:
-        metrics.client_compaction_tokens_saved.labels(protocol.route).inc(saved)
+    if before_turn:
+        if usage is not None:
+            metrics.record_usage(ctx.model or "", ctx.tenant, usage)
+    else:
+        ctx.usage = usage
+        saved = tokens_saved(state, protocol, canon, usage, ctx.saved_by_canonicalization, instruction)
+        if saved:
+            metrics.client_compaction_tokens_saved.labels(protocol.route).inc(saved)
     await _charge(state, tenant, ctx.model, named, usage)
     return text, usage
 

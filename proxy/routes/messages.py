@@ -26,9 +26,13 @@ async def messages(state: ProxyState, request: Request, ctx: RequestContext, ten
     body = await compaction.read_messages(state, request, ctx, tenant)  # compaction items expanded
     if isinstance(body, Response):
         return body  # a compaction, answered by the proxy's summarizer (docs/compaction.md)
-    body, diagnostics = MESSAGES.diagnostics_asked(body)
+    compacted = await compaction.past_threshold(state, request, ctx, tenant, MESSAGES, body)
+    if isinstance(compacted, Response):
+        return compacted  # paused after compacting: the compaction is the answer
+    body, diagnostics = MESSAGES.diagnostics_asked(compacted.body)
     view = MESSAGES.view(body, state.canonicalizer.tool_orders, tenant.name)
-    return await forward_turn(state, request, ctx, tenant, MESSAGES, view, TurnOptions(diagnostics=diagnostics))
+    options = TurnOptions(diagnostics=diagnostics)
+    return compacted.deliver(await forward_turn(state, request, ctx, tenant, MESSAGES, view, options))
 
 
 async def count_tokens(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:

@@ -43,7 +43,10 @@ async def create(state: ProxyState, request: Request, ctx: RequestContext, tenan
     body = await compaction.read_responses(state, request, ctx, tenant)  # compaction items expanded
     if isinstance(body, Response):
         return body  # a compaction, answered by the proxy's summarizer (docs/compaction.md)
-    body, diagnostics = RESPONSES.diagnostics_asked(body)
+    compacted = await compaction.past_threshold(state, request, ctx, tenant, RESPONSES, body)
+    if isinstance(compacted, Response):
+        return compacted
+    body, diagnostics = RESPONSES.diagnostics_asked(compacted.body)
     view = RESPONSES.view(body, state.canonicalizer.tool_orders, tenant.name)
     options = TurnOptions(diagnostics=diagnostics)
     chain: str | None = None
@@ -69,7 +72,7 @@ async def create(state: ProxyState, request: Request, ctx: RequestContext, tenan
             await _remember(state, tenant, answer, backend, chain, ctx.session_id)
 
         options.on_answer = remember
-    return await forward_turn(state, request, ctx, tenant, RESPONSES, view, options)
+    return compacted.deliver(await forward_turn(state, request, ctx, tenant, RESPONSES, view, options))
 
 
 async def retrieve(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
