@@ -78,6 +78,8 @@ class SaltKey:
     def __init__(self, configured: str | None) -> None:
         self.source = "configured" if configured else "process"
         self.secret = salt_key_of(configured.encode()) if configured else secrets.token_bytes(32)
+        # Whether what depends on a key of this process's own was told (compaction tokens, once).
+        self.told_unshared = False
 
     @property
     def settled(self) -> bool:

@@ -400,3 +400,19 @@ def test_expansion_is_pure_and_keeps_what_is_not_a_compaction() -> None:
     out, count = wire.expand_responses(responses_body, unseal)
     assert count == 1 and out["input"] == [{"type": "message", "role": "user", "content": text}, "odd"]
     assert wire.expand_responses(out, unseal)[0] is out  # idempotent: nothing left to expand
+
+
+def test_a_key_of_the_process_own_is_told_once(
+    make_proxy: Callable[..., LiveServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the in-memory store and no cache_salt_secret, tokens die with the process: the operator
+    is told at the first compaction, once; a configured secret says nothing."""
+    told = "they stop opening after a restart"
+    for secret, expected in ((None, 1), ("a-secret-of-32-characters-at-least!", 0)):
+        proxy = make_proxy(**({"cache_salt_secret": secret} if secret else {}))
+        client = openai_client(proxy)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="prefix_proxy.compaction"):
+            for topic in ("billing", "search"):
+                trigger(client, first_turn(client, topic), stream=False)
+        assert sum(told in record.getMessage() for record in caplog.records) == expected

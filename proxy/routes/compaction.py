@@ -27,6 +27,7 @@ validated, and the pipeline sees ordinary messages. A summary that fails is the 
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -50,6 +51,8 @@ from proxy.routes.pipeline import canonicalize
 from proxy.tenants import Tenant
 from summarizer import DEFAULT_INSTRUCTION
 
+logger = logging.getLogger("prefix_proxy.compaction")
+
 Expand = Callable[[dict[str, Any], wire.Unseal], tuple[dict[str, Any], int]]
 
 
@@ -70,7 +73,7 @@ async def read_responses(
     _no_chain(body)
     RESPONSES.validate(body)
     text, usage = await _summarize(state, request, ctx, tenant, RESPONSES, body, None)
-    token = handoff.seal(state.tenants.salt_key.secret, tenant.name, text, usage.completion_tokens if usage else 0)
+    token = _seal(state, tenant, text, usage)
     answer = wire.responses_answer(body, _id("resp_"), int(time.time()), [wire.compaction_item(token)], usage)
     if body.get("stream"):
         return _answer(state, ctx, wire.responses_events(answer), "text/event-stream")
@@ -91,7 +94,7 @@ async def read_messages(
     body = {key: value for key, value in body.items() if key != "compaction"}
     MESSAGES.validate(body)
     text, usage = await _summarize(state, request, ctx, tenant, MESSAGES, body, wire.compaction_instruction(param))
-    token = handoff.seal(state.tenants.salt_key.secret, tenant.name, text, usage.completion_tokens if usage else 0)
+    token = _seal(state, tenant, text, usage)
     answer = wire.anthropic_answer(_id("msg_"), str(body["model"]), text, token, usage)
     if body.get("stream"):
         return _answer(state, ctx, wire.anthropic_events(answer), "text/event-stream")
@@ -110,7 +113,7 @@ async def compact(state: ProxyState, request: Request, ctx: RequestContext, tena
     # A compaction is never streamed, whatever the body says.
     body = {key: value for key, value in body.items() if key != "stream"}
     text, usage = await _summarize(state, request, ctx, tenant, RESPONSES, body, None)
-    token = handoff.seal(state.tenants.salt_key.secret, tenant.name, text, usage.completion_tokens if usage else 0)
+    token = _seal(state, tenant, text, usage)
     output = [*wire.retained_user_items(original), wire.compaction_item(token)]
     answer = wire.compacted_response(_id("resp_"), int(time.time()), output, usage)
     return _answer(state, ctx, dumps(answer), "application/json")
@@ -166,9 +169,7 @@ async def past_threshold(
     history = {key: value for key, value in body.items() if key != "stream"}
     history[key] = items[:start]
     text, usage = await _summarize(state, request, ctx, tenant, protocol, history, ask.instruction, before_turn=True)
-    token = handoff.seal(
-        state.tenants.salt_key.secret, tenant.name, text, usage.completion_tokens if usage else 0, items[start:]
-    )
+    token = _seal(state, tenant, text, usage, kept=items[start:])
     unseal = unsealer(state, tenant)
     if responses:
         item = wire.compaction_item(token)
@@ -228,6 +229,20 @@ def _patched(
 
 async def _read(state: ProxyState, request: Request) -> dict[str, Any]:
     return parse_json_object(await read_body(request, state.settings.max_body_bytes))
+
+
+def _seal(state: ProxyState, tenant: Tenant, summary: str, usage: Usage | None, kept: list[Any] | None = None) -> str:
+    """The compaction token of ``summary`` for ``tenant``. The first one sealed with a key of this
+    process's own (no ``cache_salt_secret``, no shared store) says, once, that it will not open
+    after a restart or on another replica."""
+    salt_key = state.tenants.salt_key
+    if salt_key.source == "process" and not salt_key.told_unshared:
+        salt_key.told_unshared = True
+        logger.warning(
+            "compaction items are sealed with this process's own key: they stop opening after a restart "
+            "and on other replicas (set cache_salt_secret, or use the Redis store)"
+        )
+    return handoff.seal(salt_key.secret, tenant.name, summary, usage.completion_tokens if usage else 0, kept)
 
 
 def unsealer(state: ProxyState, tenant: Tenant) -> wire.Unseal:
