@@ -10,11 +10,12 @@
 from summarizer.anchor import SUMMARY_HEADER, Anchored, anchor, summary_message
 from summarizer.compactor import Compaction, CompactionFailed, Compactor, CompactorOptions, client_messages
 from summarizer.policy import SummaryPolicy, is_due, plan_chunk
-from summarizer.prompt import DEFAULT_INSTRUCTION, build_request
+from summarizer.prompt import DEFAULT_INSTRUCTION, RENDERING_FIELDS, build_request
 from summarizer.state import SummaryState
 
 __all__ = [
     "DEFAULT_INSTRUCTION",
+    "RENDERING_FIELDS",
     "SUMMARY_HEADER",
     "Anchored",
     "Compaction",

@@ -16,6 +16,11 @@ DEFAULT_INSTRUCTION = (
     "Write in the language the user writes in. Output only the summary."
 )
 
+# What changes how the backend renders a prompt (the template itself, its switches, the reasoning
+# effort some templates write into the system block): a summary request without them would not
+# render the conversation's prefix alike, and would miss the cache from the first token.
+RENDERING_FIELDS = ("chat_template", "chat_template_kwargs", "reasoning_effort", "reasoning")
+
 
 def build_request(
     forwarded: dict[str, Any],
@@ -38,6 +43,9 @@ def build_request(
             body[key] = forwarded[key]
     if forwarded.get("tools"):
         body["tool_choice"] = "none"
+    for key in RENDERING_FIELDS:
+        if forwarded.get(key) is not None:
+            body[key] = forwarded[key]
     if forwarded.get("cache_salt"):
         # The conversation's cache namespace: without it the summary could not reuse its prefix.
         body["cache_salt"] = forwarded["cache_salt"]

@@ -149,6 +149,21 @@ def test_summary_request_stays_in_the_conversations_cache_namespace() -> None:
     assert "cache_salt" not in build_request({**forwarded, "cache_salt": None}, [], instruction="", max_tokens=1)
 
 
+def test_summary_request_renders_as_the_conversation_did() -> None:
+    """What the template reads (a reasoning effort some write into the system block, the template's
+    switches) goes with the summary request: without it the prefix renders differently."""
+    from proxy.protocols import RESPONSES
+
+    switches = {"chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "low"}
+    forwarded = {"model": "m", "messages": conversation(2), **switches}
+    request = build_request(forwarded, conversation(2), instruction="Summarize.", max_tokens=100)
+    assert {key: request[key] for key in switches} == switches
+    body = {"model": "m", "input": "Plan the migration.", "reasoning": {"effort": "high"}}
+    view = RESPONSES.view(body, None, "t")
+    summary = RESPONSES.channel(view).request({**view.chat, "messages": [*view.chat["messages"]]})
+    assert summary["reasoning"] == {"effort": "high"}
+
+
 BLOCK = {"role": "system", "content": "Current time: 17:44:59"}  # a block relocation inserted
 
 

@@ -18,6 +18,7 @@ from proxy.canon import ToolOrders
 from proxy.http import OPENAI, ErrorDialect, SSERelay
 from proxy.openai import AssistantRecorder, Usage, loads
 from proxy.protocols.channel import SummaryChannel
+from summarizer import RENDERING_FIELDS
 
 
 class ProtocolView(Protocol):
@@ -138,11 +139,14 @@ def event_payloads(block: bytes) -> Iterator[Any]:
 
 def summary_options(body: dict[str, Any], original: dict[str, Any], tool_choice_none: Any) -> None:
     """What a summary request keeps of the conversation's body so that it renders alike: its tools
-    (with no tool to be called) and its cache salt."""
+    (with no tool to be called), what the template reads (``RENDERING_FIELDS``) and its cache salt."""
     tools = original.get("tools")
     if tools:
         body["tools"] = tools
         body["tool_choice"] = tool_choice_none
+    for key in RENDERING_FIELDS:
+        if original.get(key) is not None:
+            body[key] = original[key]
     if original.get("cache_salt"):
         body["cache_salt"] = original["cache_salt"]
 
