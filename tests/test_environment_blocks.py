@@ -133,6 +133,25 @@ def test_moved_at_the_first_request_and_kept_in_place_while_unchanged() -> None:
     assert texts(second.body)[: len(first.body["messages"])] == texts(first.body)
 
 
+def test_a_new_history_begins_with_the_block_its_app_began_with() -> None:
+    """After a compaction (the client's own: its history replaced by a summary) the unchanged
+    block goes at the conversation's start again, where it is cached, not before the last turn."""
+    canonicalizer = Canonicalizer(CanonSettings())
+    system = CLAUDE_CODE.format(commits="\n".join(COMMITS))
+    first = canonicalizer.apply(chat(system, ["Fix the retry logic."], []), "t")
+    canonicalizer.apply(chat(system, ["Fix the retry logic.", "Now run the tests."], ["Done."]), "t")
+    block = first.body["messages"][1]
+    assert block["role"] == "system" and "<env>" in block["content"]
+    summary = "This session is being continued from a previous conversation. Summary: retries fixed."
+    compacted = canonicalizer.apply(chat(system, [summary, "Anything else?"], ["Nothing more."]), "t")
+    assert compacted.body["messages"][:2] == first.body["messages"][:2]
+    assert any(a.kind == "volatile_moved" and a.detail == "conversation_start" for a in compacted.actions)
+    # The block changed (a commit): nothing to keep cached, it goes to the default place.
+    changed = CLAUDE_CODE.format(commits="\n".join(["0a0b0c0 Bump", *COMMITS]))
+    moved = canonicalizer.apply(chat(changed, ["Another summary.", "And now?"], ["Yes."]), "t")
+    assert moved.body["messages"][1]["role"] == "user"
+
+
 def test_a_commit_between_turns_costs_only_the_block(fake_backend: LiveServer) -> None:
     result = run_demo(sessions=3, scenarios="coding_agent,coding_agent_commits", progress=False)
     assert result.errors == 0

@@ -1,7 +1,8 @@
-"""Codex compacting mid-session: through the proxy's summarizer against compacting locally.
+"""Coding agents compacting mid-session: Codex through the proxy's summarizer against compacting
+locally, and Claude Code's own compaction (``/compact``), directly and through the proxy.
 
-    python -m bench.clients.compaction [--engine fake|real-vllm] [--turns 3] [--compact-limit 1000]
-                                       [--turn-timeout 240]
+    python -m bench.clients.compaction [--client codex|claude-code] [--engine fake|real-vllm] [--turns 3]
+                                       [--compact-limit 1000] [--turn-timeout 240]
 
 The real Codex (npm ``@openai/codex``, installed as ``python -m bench.clients`` installs it), with a low
 ``model_auto_compact_token_limit`` so that it compacts before its second turn, against the fake vLLM or
@@ -18,7 +19,15 @@ the real one (``bench/real_vllm``, 32k context; its prefix cache reset before ea
 For each: the requests (client / backend), the prefill (prompt - cached, as the backend counted it) of the
 compaction request and of the turn after it, and of the whole run. Codex marks its compaction requests
 (``x-codex-turn-metadata``: ``"request_kind": "compaction"``); through the proxy each backend request is
-matched to the client's by ``x-request-id``. Writes ``bench/results/codex-compaction-<date>.md|json``.
+matched to the client's by ``x-request-id``. Writes ``bench/results/<client>-compaction-<date>.md|json``.
+
+``--client claude-code``: Claude Code 2.1.197 runs ``/compact`` as its next-to-last turn (``claude -p
+/compact --resume``), directly and through the proxy. It compacts locally, always: its summarization
+request is the conversation with the same system prompt and tools, its instruction appended to the last
+user message (the request whose last user message asks for ``<summary>``, counted as the compaction),
+then the next turn starts from the summary. It never sends Anthropic's ``compaction`` parameter or a
+``compact_20260112`` edit, so the proxy has nothing of its own to serve: the run shows what its
+compaction costs, and that the proxy does not make it cost more.
 """
 
 from __future__ import annotations
@@ -31,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.clients import install
-from bench.clients.clients import Codex, Workspace
+from bench.clients.clients import ClaudeCode, Client, Codex, Workspace
 from bench.clients.install import WORK
 from bench.clients.recorder import Exchange
-from bench.clients.run import GENERATION_PATHS, run_client, usage_of
+from bench.clients.run import GENERATION_PATHS, TURN_MARK, run_client, usage_of
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -64,6 +73,16 @@ class CodexCompacting(Codex):
         return env
 
 
+class ClaudeCodeCompacting(ClaudeCode):
+    """Claude Code, running ``/compact`` as its turn ``compact_at`` (0-based)."""
+
+    def __init__(self, compact_at: int) -> None:
+        self.compact_at = compact_at
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        return super().turn(binary, ws, index, "/compact" if index == self.compact_at else prompt)
+
+
 def _exchange(data: dict[str, Any]) -> Exchange:
     body = data.get("body")
     raw = json.dumps(body).encode() if isinstance(body, dict | list) else str(body or "").encode()
@@ -75,8 +94,11 @@ def _exchange(data: dict[str, Any]) -> Exchange:
 
 
 def request_kind(exchange: Exchange) -> str:
-    """``compaction`` or ``turn`` (Codex's own mark), ``trigger`` for a remote compaction request."""
+    """``compaction`` or ``turn`` (Codex's own mark; Claude Code's: below), ``trigger`` for a remote
+    compaction request."""
     body = exchange.json_body()
+    if isinstance(body, dict) and isinstance(body.get("messages"), list):
+        return _claude_code_kind(body["messages"])
     items = body.get("input") if isinstance(body, dict) else None
     if (
         isinstance(items, list)
@@ -90,6 +112,20 @@ def request_kind(exchange: Exchange) -> str:
     except ValueError:
         metadata = {}
     return str(metadata.get("request_kind") or "other")
+
+
+def _claude_code_kind(messages: list[Any]) -> str:
+    """Claude Code's: ``compaction`` for its summarization request (its instruction, which asks for a
+    ``<summary>`` block, appended to the last user message), ``turn`` for a request whose last user
+    message is one of the bench's prompts, ``other`` for anything else."""
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    content = users[-1].get("content") if users else None
+    texts = [content] if isinstance(content, str) else [
+        b.get("text", "") for b in content or [] if isinstance(b, dict) and isinstance(b.get("text"), str)
+    ]  # fmt: skip
+    if any("<summary>" in text for text in texts):
+        return "compaction"
+    return "turn" if any(TURN_MARK.search(text) for text in texts) else "other"
 
 
 def analyse(dump: Path) -> dict[str, Any]:
@@ -141,9 +177,10 @@ def _client_items(client: list[Exchange]) -> dict[str, int]:
 
 
 def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    setting = f"model_auto_compact_token_limit {meta['limit']}" if meta["client"] == "codex" else "/compact"
     lines = [
-        f"`{meta['command']}` ({meta['engine']} backend, codex {meta['version']}, {meta['turns']} turns, "
-        f"model_auto_compact_token_limit {meta['limit']}, {meta['date']})",
+        f"`{meta['command']}` ({meta['engine']} backend, {meta['client']} {meta['version']}, {meta['turns']} turns, "
+        f"{setting}, {meta['date']})",
         "",
         "| run | exits | requests (client / backend) | compactions | compaction request: prompt / cached / prefill "
         "| turn after it: prompt / cached / prefill | every compaction request's prefill | run prefill | hit rate |",
@@ -170,6 +207,7 @@ def markdown(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.clients.compaction", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--client", choices=("codex", "claude-code"), default="codex")
     parser.add_argument("--engine", choices=("fake", "real-vllm"), default="fake")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--compact-limit", type=int, default=1000, help="model_auto_compact_token_limit")
@@ -178,18 +216,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     log_dir = WORK / "logs" / f"compaction-{stamp}"
-    variants = [
-        ("remote via proxy", True, "proxy"),
-        ("local direct", False, "direct"),
-        ("local via proxy", False, "proxy"),
-    ]
+    variants: list[tuple[str, Client, str]]
+    if args.client == "codex":
+        variants = [
+            ("remote via proxy", CodexCompacting(True, args.compact_limit), "proxy"),
+            ("local direct", CodexCompacting(False, args.compact_limit), "direct"),
+            ("local via proxy", CodexCompacting(False, args.compact_limit), "proxy"),
+        ]
+    else:
+        at = max(1, args.turns - 2)  # one turn after it, at least one before
+        variants = [
+            ("local direct", ClaudeCodeCompacting(at), "direct"),
+            ("local via proxy", ClaudeCodeCompacting(at), "proxy"),
+        ]
     runs = []
     version = "?"
     from bench.clients.__main__ import backend_for
 
     with backend_for(args.engine) as backend:
-        for label, remote, mode in variants:
-            client = CodexCompacting(remote, args.compact_limit)
+        for label, client, mode in variants:
             binary = client.install()
             if version == "?":
                 from bench.clients.__main__ import version_of
@@ -205,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "command": "python -m bench.clients.compaction " + " ".join(argv if argv is not None else sys.argv[1:]),
         "version": version,
+        "client": args.client,
         "engine": args.engine,
         "turns": args.turns,
         "limit": args.compact_limit,
@@ -213,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     table = markdown(meta, runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    base = args.out / f"codex-compaction-{stamp}"
+    base = args.out / f"{args.client}-compaction-{stamp}"
     base.with_suffix(".md").write_text(table)
     base.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     print(table)

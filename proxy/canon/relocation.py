@@ -127,6 +127,22 @@ def relocate(
                 layout.record_forwarded(trial)
                 messages[:] = trial
                 return Relocation(actions + outcome.actions, outcome.stable_count)
+        if (
+            inserting
+            and proposed
+            and _has_user_after(messages, system_count)
+            and not layout.had_blocks(messages, system_count)
+        ):
+            # A conversation whose history is new here (compacted, a window that slid, a chat seen
+            # first mid-way) whose moved lines the app's conversations began with, byte for byte:
+            # at its start they are cached; before its last user turn they would be computed again.
+            trial = list(messages)
+            outcome = _insert(trial, splits, system_count, placement, None, fresh=True, target="conversation_start")
+            if layout.continues(trial, outcome.stable_count + 1):
+                layout.record_block(messages, system_count, system_count, _moved_lines(splits))
+                layout.record_forwarded(trial)
+                messages[:] = trial
+                return Relocation(actions + outcome.actions, outcome.stable_count)
     if not proposed:
         # Recorded with or without candidates: lines learned later (another prompt of the app seen
         # since) must not move in a conversation that was forwarded with them in place.
@@ -718,6 +734,16 @@ class _Layout:
                     holds = present.issuperset(block)
                 if holds:
                     yield system_count + offset, self._split_again(messages, system_count, block, placement, memories)
+
+    def had_blocks(self, messages: list[dict[str, Any]], system_count: int) -> bool:
+        """Whether a block was inserted anywhere in this conversation's history before (its lines
+        since changed, or :meth:`restorations` would have put them back): it is not new here."""
+        history = messages[system_count:]
+        chain = self._prefix_chain(history)
+        return any(
+            self._layouts.blocks_at(extend(chain[offset], self._digest(message)))
+            for offset, message in enumerate(history)
+        )
 
     @staticmethod
     def _split_again(
