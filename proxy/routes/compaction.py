@@ -95,10 +95,7 @@ async def read_messages(
     MESSAGES.validate(body)
     text, usage = await _summarize(state, request, ctx, tenant, MESSAGES, body, wire.compaction_instruction(param))
     token = _seal(state, tenant, text, usage)
-    answer = wire.anthropic_answer(_id("msg_"), str(body["model"]), text, token, usage)
-    if body.get("stream"):
-        return _answer(state, ctx, wire.anthropic_events(answer), "text/event-stream")
-    return _answer(state, ctx, dumps(answer), "application/json")
+    return _compaction_message(state, ctx, body, text, token, usage)
 
 
 async def compact(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
@@ -179,10 +176,7 @@ async def past_threshold(
         return Compacted(compacted, partial(_patched, whole=whole, stream=wire.ResponsesItemFirst(item)))
     block = wire.compaction_block(text, token)
     if ask.pause:
-        answer = wire.anthropic_answer(_id("msg_"), str(body["model"]), text, token, usage)
-        if body.get("stream"):
-            return _answer(state, ctx, wire.anthropic_events(answer), "text/event-stream")
-        return _answer(state, ctx, dumps(answer), "application/json")
+        return _compaction_message(state, ctx, body, text, token, usage)
     compacted, _ = wire.expand_messages(
         {**body, "messages": [*items, {"role": "assistant", "content": [block]}]}, unseal
     )
@@ -372,6 +366,16 @@ async def _charge(state: ProxyState, tenant: Tenant, model: str, session: str | 
     limits = usage_limits(budget, tenant.name, session)
     if limits:
         await state.sessions.charge_unreserved(limits, usage.prompt_tokens + usage.completion_tokens, budget.window_s)
+
+
+def _compaction_message(
+    state: ProxyState, ctx: RequestContext, body: dict[str, Any], summary: str, token: str, usage: Usage | None
+) -> Response:
+    """The Message holding the compaction block alone (``stop_reason`` ``compaction``), streamed or not."""
+    answer = wire.anthropic_answer(_id("msg_"), str(body["model"]), summary, token, usage)
+    if body.get("stream"):
+        return _answer(state, ctx, wire.anthropic_events(answer), "text/event-stream")
+    return _answer(state, ctx, dumps(answer), "application/json")
 
 
 def _answer(state: ProxyState, ctx: RequestContext, content: bytes, media_type: str) -> Response:
