@@ -7,7 +7,7 @@ request everything before the item dropped, its prefix cached."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anthropic
@@ -60,7 +60,7 @@ def respond(client: openai.OpenAI, items: list[Any], *, stream: bool) -> Respons
     added = [event for event in events if event.type == "response.output_item.added"]
     assert [event.output_index for event in added] == list(range(len(final.output)))
     deltas = {event.output_index for event in events if event.type == "response.output_text.delta"}
-    assert deltas <= set(range(len(final.output)))
+    assert deltas == {index for index, item in enumerate(final.output) if item.type == "message"}
     return final
 
 
@@ -105,6 +105,46 @@ def test_responses_compact_past_the_threshold(proxy: LiveServer, fake_backend: L
     assert forwarded["body"]["input"][-1]["content"] == "Thanks. Why?"
     assert forwarded["cached_tokens"] >= turn["prompt_tokens"] - 16
     assert metric(proxy, "prefix_proxy_client_compactions_total", protocol="responses", outcome="served") >= 1
+
+
+def test_no_second_summary_within_the_turn_it_kept(proxy: LiveServer, fake_backend: LiveServer) -> None:
+    """An agent's loop of calls in the turn a compaction kept, past the threshold again: nothing
+    before that turn but the summary, so it is not summarized again (that would only recompute it)."""
+    client = openai_client(proxy)
+    first = {"type": "message", "role": "user", "content": f"Read the notes ({uuid.uuid4().hex[:8]}):\n{NOTES}"}
+    reply = respond(client, [first], stream=False)
+    asked = {"type": "message", "role": "user", "content": "Check the ledger hosts' log."}
+    items = [first, *output_items(reply), asked]
+    compacted = respond(client, items, stream=False)
+    assert isinstance(compacted.output[0], ResponseCompactionItem)
+    call = {"type": "function_call", "call_id": "call_1", "name": "read_log", "arguments": "{}"}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": NOTES}
+    loop = [*items, compacted.output[0].model_dump(exclude_none=True), call, result]
+    before = len(backend_requests(fake_backend, "/v1/responses"))
+    again = respond(client, loop, stream=False)
+    assert not any(isinstance(item, ResponseCompactionItem) for item in again.output)
+    (forwarded,) = backend_requests(fake_backend, "/v1/responses")[before:]
+    assert forwarded["body"]["input"][1:] == [asked, call, result]
+
+
+def test_a_failed_summary_leaves_the_turn_as_sent(
+    make_proxy: Callable[..., LiveServer], fake_backend: LiveServer
+) -> None:
+    """The summary cannot be made (its model is not served): the turn is answered uncompacted."""
+    proxy = make_proxy(summarizer={"model": "no-such-model"})
+    client = openai_client(proxy)
+    first = {"type": "message", "role": "user", "content": f"Read the notes ({uuid.uuid4().hex[:8]}):\n{NOTES}"}
+    items = [first, *output_items(respond(client, [first], stream=False))]
+    items.append({"type": "message", "role": "user", "content": "Which host lags most?"})
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, instructions=INSTRUCTIONS, input=items, max_output_tokens=40, store=False,
+        context_management=managed(),  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert "compaction_failed" in raw.headers["x-prefix-proxy-actions"]
+    answer = raw.parse()
+    assert not any(isinstance(item, ResponseCompactionItem) for item in answer.output)
+    assert backend_requests(fake_backend, "/v1/responses")[-1]["body"]["input"] == items
+    assert metric(proxy, "prefix_proxy_client_compactions_total", protocol="responses", outcome="failed") == 1
 
 
 def test_responses_threshold_is_checked_as_openai_checks_it(proxy: LiveServer) -> None:
@@ -176,7 +216,8 @@ def test_anthropic_compact_edit_past_its_trigger(long_context: tuple[LiveServer,
     BetaMessage.model_validate(compacted.model_dump())
     block = compacted.content[0]
     assert isinstance(block, BetaCompactionBlock) and block.content and block.encrypted_content
-    assert isinstance(compacted.content[1], BetaTextBlock)
+    answer = compacted.content[1]
+    assert isinstance(answer, BetaTextBlock) and answer.text  # its deltas reached the block they belong to
     if not stream:
         assert compacted.usage.iterations is not None
         assert [iteration.type for iteration in compacted.usage.iterations] == ["compaction", "message"]
@@ -258,8 +299,11 @@ def test_expansion_drops_what_the_latest_threshold_item_replaced() -> None:
         {"type": "message", "role": "user", "content": "third question"},
     ]
     expanded, count = wire.expand_responses({"input": items}, unseal)
-    assert count == 2
+    assert count == 1  # the on-demand item before it is dropped unopened
     assert expanded["input"] == [developer, wire.summary_item("what came first"), kept, *items[-2:]]
+    # What is dropped is never opened: an item there that would not open does not matter.
+    stale = [{"type": "compaction", "encrypted_content": "pp1.stale.key"}, *items[2:]]
+    assert wire.expand_responses({"input": stale}, unseal)[0]["input"][0] == wire.summary_item("what came first")
     in_place, _ = wire.expand_responses({"input": items[:5]}, unseal)
     assert in_place["input"][1] == wire.summary_item("an older summary")
 

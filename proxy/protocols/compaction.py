@@ -27,7 +27,7 @@ from functools import partial
 from typing import Any, TypeGuard
 
 from proxy.http import InvalidRequest
-from proxy.openai import Usage
+from proxy.openai import Usage, dumps
 from summarizer import SUMMARY_HEADER
 
 COMPACTION = "compaction"
@@ -88,7 +88,14 @@ def expand_responses(body: dict[str, Any], unseal: Unseal) -> tuple[dict[str, An
         return body, 0
     opened = _opened(items, unseal, lambda index: f"input[{index}]")
     start = _latest_kept(opened)
-    out: list[Any] = [] if start is None else [item for item in items[:start] if _is_instruction(item)]
+    out: list[Any] = []
+    if start is not None:
+        kept = opened[start][2]
+        before = items[:start]
+        # The client re-sends the turn the item kept right before it: its instructions are the kept ones.
+        if kept and before[len(before) - len(kept) :] == kept:
+            before = before[: len(before) - len(kept)]
+        out = [item for item in before if is_instruction(item)]
     for index in range(start or 0, len(items)):
         handoff = opened.get(index)
         if handoff is None:
@@ -105,15 +112,26 @@ def summary_item(summary: str) -> dict[str, Any]:
 
 
 def _opened(items: list[Any], unseal: Unseal, where: Callable[[int], str]) -> dict[int, Any]:
-    """The compaction items of ``items`` by index, opened; 400 for one that does not open."""
+    """The compaction items of ``items`` by index, opened from the last back to the latest made
+    past a threshold (the ones before it are dropped, and never opened); 400 for one that does
+    not open."""
     opened: dict[int, Any] = {}
-    for index, item in enumerate(items):
+    for index in range(len(items) - 1, -1, -1):
+        item = items[index]
         if _is(item, COMPACTION):
             handoff = unseal(item.get("encrypted_content"))
             if handoff is None:
                 raise _refused(where(index))
             opened[index] = handoff
+            if handoff[2] is not None:
+                break
     return opened
+
+
+def is_summary_message(item: Any) -> bool:
+    """A user message holding nothing but a summary a compaction item expanded to."""
+    content = item.get("content") if isinstance(item, dict) else None
+    return item.get("role") == "user" and isinstance(content, str) and content.startswith(SUMMARY_HEADER + "\n")
 
 
 def _latest_kept(opened: dict[int, Any]) -> int | None:
@@ -121,7 +139,7 @@ def _latest_kept(opened: dict[int, Any]) -> int | None:
     return max((index for index, handoff in opened.items() if handoff[2] is not None), default=None)
 
 
-def _is_instruction(item: Any) -> bool:
+def is_instruction(item: Any) -> bool:
     return (
         isinstance(item, dict) and item.get("type") in (None, "message") and item.get("role") in ("system", "developer")
     )
@@ -247,9 +265,12 @@ def expand_messages(body: dict[str, Any], unseal: Unseal) -> tuple[dict[str, Any
     if not isinstance(messages, list) or not any(_holds_compaction(m) for m in messages):
         return body, 0
     opened: dict[int, dict[int, Any]] = {}
-    for index, message in enumerate(messages):
-        if _holds_compaction(message):
-            opened[index] = _opened(message["content"], unseal, partial(_block_place, index))
+    # From the last back to the latest block made past a threshold: what precedes it is dropped unopened.
+    for index in range(len(messages) - 1, -1, -1):
+        if _holds_compaction(messages[index]):
+            opened[index] = _opened(messages[index]["content"], unseal, partial(_block_place, index))
+            if any(handoff[2] is not None for handoff in opened[index].values()):
+                break
     kept_at = [(index, number) for index, blocks in opened.items() for number, h in blocks.items() if h[2] is not None]
     start = max(kept_at, default=None)
     out: list[Any] = []
@@ -478,7 +499,7 @@ def responses_turn_start(items: list[Any]) -> int:
     for index in range(len(items) - 1, -1, -1):
         item = items[index]
         if isinstance(item, dict) and item.get("type") in (None, "message") and item.get("role") == "user":
-            return index if any(not _is_instruction(earlier) for earlier in items[:index]) else 0
+            return index if any(not is_instruction(earlier) for earlier in items[:index]) else 0
     return 0
 
 
@@ -532,6 +553,7 @@ class ResponsesItemFirst:
 
     def __init__(self, item: dict[str, Any]) -> None:
         self._item = item
+        self._created = False
         self._sequence_shift: int | None = None
 
     def __call__(self, block: bytes) -> bytes:
@@ -540,7 +562,10 @@ class ResponsesItemFirst:
     def _event(self, event: bytes, payload: dict[str, Any]) -> bytes | None:
         kind = payload.get("type")
         if self._sequence_shift is None:
-            if kind in ("response.created", "response.in_progress"):
+            if kind == "response.created":
+                self._created = True
+            # First after the response is created, as OpenAI sends it; never before an error.
+            if not self._created or kind in ("response.created", "response.in_progress", "error", "response.failed"):
                 return None
             number = payload.get("sequence_number")
             first = number if _is_int(number) else None
@@ -631,7 +656,7 @@ def _data_of(event: bytes) -> dict[str, Any] | None:
 
 
 def _replace_data(event: bytes, payload: dict[str, Any]) -> bytes:
-    data = b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    data = b"data: " + dumps(payload)
     lines = [data if line.startswith(b"data:") else line for line in event.split(b"\n")]
     return b"\n".join(lines) + b"\n\n"
 
@@ -648,5 +673,4 @@ def _is(item: Any, kind: str) -> bool:
 
 
 def _sse(name: str, payload: dict[str, Any]) -> bytes:
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {name}\ndata: {data}\n\n".encode()
+    return b"event: " + name.encode() + b"\ndata: " + dumps(payload) + b"\n\n"

@@ -153,10 +153,13 @@ async def past_threshold(
     if ask is None or not isinstance(items, list) or body.get("previous_response_id") is not None:
         return Compacted(body)
     start = wire.responses_turn_start(items) if responses else wire.messages_turn_start(items)
-    if start == 0:
+    earlier = [item for item in items[:start] if not wire.is_instruction(item)]
+    # Nothing before the last turn, or only the summary it already has (an agent's loop of calls in
+    # one turn past the threshold): another summary would only recompute the turn.
+    if all(wire.is_summary_message(item) for item in earlier):
         return Compacted(body)
     chat = protocol.view(body, state.canonicalizer.tool_orders, tenant.name).chat
-    threshold = ask.threshold if ask.threshold is not None else await _context_budget(state, tenant, chat)
+    threshold = ask.threshold if ask.threshold is not None else await _default_threshold(state, tenant, chat)
     counter = state.token_counter
     if (
         threshold is None
@@ -165,7 +168,15 @@ async def past_threshold(
         return Compacted(body)
     history = {key: value for key, value in body.items() if key != "stream"}
     history[key] = items[:start]
-    text, usage = await _summarize(state, request, ctx, tenant, protocol, history, ask.instruction, before_turn=True)
+    try:
+        text, usage = await _summarize(
+            state, request, ctx, tenant, protocol, history, ask.instruction, before_turn=True
+        )
+    except ProxyError as error:
+        # The turn can still be answered as sent: a failed summary costs the client its compaction, not the turn.
+        logger.warning("compaction past the threshold failed (%s): the turn goes as sent", error.code or error.status)
+        ctx.actions.append("compaction_failed")
+        return Compacted(body)
     token = _seal(state, tenant, text, usage, kept=items[start:])
     unseal = unsealer(state, tenant)
     if responses:
@@ -184,11 +195,18 @@ async def past_threshold(
     return Compacted(compacted, partial(_patched, whole=whole, stream=wire.MessagesBlockFirst(block)))
 
 
-async def _context_budget(state: ProxyState, tenant: Tenant, chat: dict[str, Any]) -> int | None:
+async def _default_threshold(state: ProxyState, tenant: Tenant, chat: dict[str, Any]) -> int | None:
+    """The model's context budget, less room for the summary: the summary request is the history
+    and the instruction, and must fit with its answer."""
     model = str(chat.get("model"))
     settings = state.settings
     budget = effective_budget(settings.budget, settings.model_budgets.get(model), tenant.budget)
-    return context_limit(budget, await state.models.max_model_len(model), chat)
+    limit = context_limit(budget, await state.models.max_model_len(model), chat)
+    return None if limit is None else max(1, limit - settings.summarizer.max_summary_tokens - SUMMARY_INSTRUCTION_ROOM)
+
+
+# Tokens the summary instruction takes, at most (the default is about 70).
+SUMMARY_INSTRUCTION_ROOM = 256
 
 
 def _patched(
