@@ -6,6 +6,7 @@ request everything before the item dropped, its prefix cached."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -324,3 +325,31 @@ def test_expansion_drops_what_the_latest_threshold_item_replaced() -> None:
         {"role": "assistant", "content": [{"type": "text", "text": "second answer"}]},
         messages[-1],
     ]
+
+
+def test_no_summary_for_a_turn_whose_budget_is_spent(fake_backend: LiveServer) -> None:
+    """The tenant's budget is spent: the turn is refused (429) and no summary is made and charged first."""
+    import asyncio
+
+    from proxy.chat import usage_limits
+    from tests.helpers import steady_window_s
+
+    window = steady_window_s()
+    tenant = {"name": "acme", "api_key": "sk-acme", "budget": {"tenant_tokens_per_window": 50_000, "window_s": window}}
+    app = create_app(Settings(upstream=fake_backend.url + "/v1", tenants=[tenant]))
+    proxy = LiveServer(app).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-acme", max_retries=0)
+        first = {"type": "message", "role": "user", "content": f"Read the notes ({uuid.uuid4().hex[:8]}):\n{NOTES}"}
+        items = [first, *output_items(respond(client, [first], stream=False))]
+        items.append({"type": "message", "role": "user", "content": "Which host lags most?"})
+        state = app.state.proxy
+        budget = state.settings.tenants[0].budget
+        limits = usage_limits(budget, "acme", None)
+        asyncio.run(state.sessions.store.charge(limits, 50_000, window, time.time()))  # spent elsewhere
+        before = len(backend_requests(fake_backend, "/v1/responses"))
+        with pytest.raises(openai.RateLimitError):
+            respond(client, items, stream=False)
+        assert backend_requests(fake_backend, "/v1/responses")[before:] == []
+    finally:
+        proxy.stop()

@@ -48,6 +48,7 @@ from proxy.protocols import MESSAGES, RESPONSES, GenerationProtocol
 from proxy.protocols import compaction as wire
 from proxy.routes.forward import after_response, api_endpoint, proxy_headers, upstream_headers
 from proxy.routes.pipeline import canonicalize
+from proxy.sessions import StoreUnavailable
 from proxy.tenants import Tenant
 from summarizer import DEFAULT_INSTRUCTION
 
@@ -166,6 +167,8 @@ async def past_threshold(
         or counter.count_messages(chat["messages"]) + counter.count_tools(chat.get("tools")) < threshold
     ):
         return Compacted(body)
+    if await _budget_spent(state, tenant, str(chat["model"]), state.sessions.explicit_id(request.headers, chat)):
+        return Compacted(body)  # the turn is refused (429): a summary now would be charged for nothing
     history = {key: value for key, value in body.items() if key != "stream"}
     history[key] = items[:start]
     try:
@@ -193,6 +196,21 @@ async def past_threshold(
     )
     whole = partial(wire.messages_with_block, block=block, usage=usage)
     return Compacted(compacted, partial(_patched, whole=whole, stream=wire.MessagesBlockFirst(block)))
+
+
+async def _budget_spent(state: ProxyState, tenant: Tenant, model: str, session: str | None) -> bool:
+    """Whether a usage budget of the request (the tenant's, the session's) is spent already."""
+    settings = state.settings
+    budget = effective_budget(settings.budget, settings.model_budgets.get(model), tenant.budget)
+    sessions = state.sessions
+    for limit in usage_limits(budget, tenant.name, session):
+        try:
+            used = await sessions.call(sessions.store.usage(limit.key, budget.window_s, time.time()))
+        except StoreUnavailable:
+            return False  # admitted as the turn is: the store's outage is never the client's
+        if used >= limit.limit:
+            return True
+    return False
 
 
 async def _default_threshold(state: ProxyState, tenant: Tenant, chat: dict[str, Any]) -> int | None:
