@@ -219,9 +219,10 @@ def test_anthropic_compact_edit_past_its_trigger(long_context: tuple[LiveServer,
     assert isinstance(block, BetaCompactionBlock) and block.content and block.encrypted_content
     answer = compacted.content[1]
     assert isinstance(answer, BetaTextBlock) and answer.text  # its deltas reached the block they belong to
-    if not stream:
-        assert compacted.usage.iterations is not None
-        assert [iteration.type for iteration in compacted.usage.iterations] == ["compaction", "message"]
+    assert compacted.usage.iterations is not None
+    compaction, message = compacted.usage.iterations
+    assert (compaction.type, message.type) == ("compaction", "message")
+    assert message.output_tokens == compacted.usage.output_tokens > 0
     summary_request, turn = backend_requests(fake_backend, "/v1/messages")[before:]
     assert summary_request["body"]["messages"][:2] == messages[:2]
     assert summary_request["cached_tokens"] > 0

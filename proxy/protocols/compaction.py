@@ -533,12 +533,14 @@ def messages_with_block(answer: dict[str, Any], block: dict[str, Any], usage: Us
     patched = {**answer, "content": [block, *(content if isinstance(content, list) else [])]}
     answered = answer.get("usage")
     if isinstance(answered, dict):
-        message = {key: answered[key] for key in _ANTHROPIC_COUNTS if key in answered}
-        patched["usage"] = {
-            **answered,
-            "iterations": [{"type": COMPACTION, **anthropic_usage(usage)}, {"type": "message", **message}],
-        }
+        patched["usage"] = {**answered, "iterations": _iterations(usage, answered)}
     return patched
+
+
+def _iterations(compaction: Usage | None, message: dict[str, Any]) -> list[dict[str, Any]]:
+    """Anthropic's ``usage.iterations``: the compaction's usage, then the message's."""
+    counts = {key: message[key] for key in _ANTHROPIC_COUNTS if key in message}
+    return [{"type": COMPACTION, **anthropic_usage(compaction)}, {"type": "message", **counts}]
 
 
 _ANTHROPIC_COUNTS = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "output_tokens")
@@ -600,11 +602,15 @@ class ResponsesItemFirst:
 class MessagesBlockFirst:
     """An Anthropic event stream with the compaction block as its first content block: its start,
     one ``compaction_delta`` and its stop right after ``message_start``, every later block's
-    ``index`` moved past it. Fed the relay's blocks of whole events, in order."""
+    ``index`` moved past it, and ``usage.iterations`` in ``message_delta`` (the compaction's, then
+    the message's: its counts from ``message_start``, updated by the delta's). Fed the relay's
+    blocks of whole events, in order."""
 
-    def __init__(self, block: dict[str, Any]) -> None:
+    def __init__(self, block: dict[str, Any], usage: Usage | None = None) -> None:
         self._block = block
+        self._usage = usage
         self._injected = False
+        self._started: dict[str, Any] = {}
 
     def __call__(self, block: bytes) -> bytes:
         return _each_event(block, self._event)
@@ -614,9 +620,17 @@ class MessagesBlockFirst:
             if payload.get("type") != "message_start":
                 return None
             self._injected = True
+            message = payload.get("message")
+            usage = message.get("usage") if isinstance(message, dict) else None
+            self._started = usage if isinstance(usage, dict) else {}
             return event + b"\n\n" + _block_events(0, self._block)
-        if str(payload.get("type", "")).startswith("content_block_") and _is_int(payload.get("index")):
+        kind = str(payload.get("type", ""))
+        if kind.startswith("content_block_") and _is_int(payload.get("index")):
             return _replace_data(event, {**payload, "index": payload["index"] + 1})
+        usage = payload.get("usage")
+        if kind == "message_delta" and isinstance(usage, dict):
+            counts = {**self._started, **{key: value for key, value in usage.items() if value is not None}}
+            return _replace_data(event, {**payload, "usage": {**usage, "iterations": _iterations(self._usage, counts)}})
         return None
 
 

@@ -195,7 +195,7 @@ async def past_threshold(
         {**body, "messages": [*items, {"role": "assistant", "content": [block]}]}, unseal
     )
     whole = partial(wire.messages_with_block, block=block, usage=usage)
-    return Compacted(compacted, partial(_patched, whole=whole, stream=wire.MessagesBlockFirst(block)))
+    return Compacted(compacted, partial(_patched, whole=whole, stream=wire.MessagesBlockFirst(block, usage)))
 
 
 async def _budget_spent(state: ProxyState, tenant: Tenant, model: str, session: str | None) -> bool:
