@@ -248,6 +248,7 @@ def test_anthropic_pause_after_compaction(long_context: tuple[LiveServer, LiveSe
     paused = anthropic_turn(client, messages, stream=stream, pause=True)
     assert paused.stop_reason == "compaction"
     assert [block.type for block in paused.content] == ["compaction"]
+    assert paused.usage.cache_read_input_tokens > 0  # the summary request's usage, its prefix cached
     # The client sends the compaction back and the conversation goes on from the summary.
     resumed = [*messages, {"role": "assistant", "content": blocks(paused)}]
     client.beta.messages.create(model=MODEL, system=SYSTEM, messages=resumed, max_tokens=20)

@@ -171,14 +171,18 @@ async def past_threshold(
         return Compacted(body)  # the turn is refused (429): a summary now would be charged for nothing
     history = {key: value for key, value in body.items() if key != "stream"}
     history[key] = items[:start]
+    # Paused, the compaction is the answer: its usage is the request's, as on demand.
+    before_turn = not ask.pause
     try:
         text, usage = await _summarize(
-            state, request, ctx, tenant, protocol, history, ask.instruction, before_turn=True
+            state, request, ctx, tenant, protocol, history, ask.instruction, before_turn=before_turn
         )
     except ProxyError as error:
         # The turn can still be answered as sent: a failed summary costs the client its compaction, not the turn.
         logger.warning("compaction past the threshold failed (%s): the turn goes as sent", error.code or error.status)
         ctx.actions.append("compaction_failed")
+        if not before_turn:
+            ctx.upstream_over()
         return Compacted(body)
     token = _seal(state, tenant, text, usage, kept=items[start:])
     unseal = unsealer(state, tenant)
