@@ -130,6 +130,8 @@ def relocate(
         if (
             inserting
             and proposed
+            # Where its last user turn is its start, the default place is the start already.
+            and _last_user_index(messages) > system_count
             and _has_user_after(messages, system_count)
             and not layout.had_blocks(messages, system_count)
         ):
