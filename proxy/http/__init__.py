@@ -43,7 +43,7 @@ from proxy.http.errors import (
 )
 from proxy.http.inbound import InboundLimits, ReadDeadline, deadline_protocol
 from proxy.http.paths import PATH_SAFE, InvalidPath, canonical_path, canonicalize_scope, invalid_path
-from proxy.http.relay import PROTOCOL_FAILURES, SSERelay, with_data_fields
+from proxy.http.relay import PROTOCOL_FAILURES, EventData, SSERelay, event_data, with_data_fields
 from proxy.http.streaming import RelayResponse, StreamEnd
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "DeadlineExceeded",
     "DirectRoutes",
     "ErrorDialect",
+    "EventData",
     "Forbidden",
     "InboundLimits",
     "InvalidLimit",
@@ -89,6 +90,7 @@ __all__ = [
     "canonicalize_scope",
     "deadline_protocol",
     "error_body",
+    "event_data",
     "invalid_path",
     "is_text",
     "json_bytes",

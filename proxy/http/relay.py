@@ -23,7 +23,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -87,9 +87,20 @@ def is_error_event(event: bytes) -> bool:
     return isinstance(payload.get("error"), dict) or payload.get("type") == "error" or payload.get("object") == "error"
 
 
-def with_data_fields(event: bytes, target: Callable[[dict[str, Any]], Any], fields: dict[str, Any]) -> bytes | None:
-    """The event with ``fields`` added to the object ``target`` picks out of its JSON data (the
-    other lines, and the rest of the data, as they were re-serialized); None when it has none."""
+class EventData(NamedTuple):
+    """An SSE event's JSON object data, and where its ``data: `` line is in the event."""
+
+    payload: dict[str, Any]
+    start: int
+    end: int
+
+    def replaced(self, event: bytes, payload: dict[str, Any]) -> bytes:
+        """``event`` with ``payload`` as its data (its other lines as they were)."""
+        return event[: self.start] + b"data: " + dumps(payload) + event[self.end :]
+
+
+def event_data(event: bytes) -> EventData | None:
+    """The JSON object an event's ``data: `` line holds; None when it holds none."""
     start = event.find(b"data: {")
     if start < 0:
         return None
@@ -99,11 +110,18 @@ def with_data_fields(event: bytes, target: Callable[[dict[str, Any]], Any], fiel
         payload: Any = loads(event[start + 6 : end])
     except ValueError:
         return None
-    found = target(payload) if isinstance(payload, dict) else None
-    if not isinstance(found, dict):
+    return EventData(payload, start, end) if isinstance(payload, dict) else None
+
+
+def with_data_fields(event: bytes, target: Callable[[dict[str, Any]], Any], fields: dict[str, Any]) -> bytes | None:
+    """The event with ``fields`` added to the object ``target`` picks out of its JSON data (the
+    other lines, and the rest of the data, as they were re-serialized); None when it has none."""
+    data = event_data(event)
+    found = target(data.payload) if data is not None else None
+    if data is None or not isinstance(found, dict):
         return None
     found.update(fields)
-    return event[:start] + b"data: " + dumps(payload) + event[end:]
+    return data.replaced(event, data.payload)
 
 
 def _until_foreign(complete: bytes) -> bytes:

@@ -20,13 +20,12 @@ Pure: the token is opened by the ``unseal`` function the caller passes (bound to
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeGuard
 
-from proxy.http import InvalidRequest
+from proxy.http import EventData, InvalidRequest, event_data
 from proxy.openai import Usage, dumps
 from summarizer import SUMMARY_HEADER
 
@@ -418,32 +417,27 @@ def responses_auto_compaction(body: dict[str, Any]) -> tuple[dict[str, Any], Aut
         return body, None
     if not isinstance(entries, list):
         raise InvalidRequest("'context_management' must be an array of entries", param="context_management")
-    found: AutoCompaction | None = None
-    rest: list[Any] = []
-    for index, entry in enumerate(entries):
-        if not _is(entry, COMPACTION):
-            rest.append(entry)
-            continue
-        where = f"context_management[{index}]"
-        if found is not None:
-            raise InvalidRequest("'context_management' may hold one compaction entry", param=where)
-        threshold = entry.get("compact_threshold")
-        if threshold is not None:
-            if not _is_int(threshold):
-                raise InvalidRequest(
-                    f"'{where}.compact_threshold' must be an integer", param=f"{where}.compact_threshold"
-                )
-            if threshold < RESPONSES_MIN_THRESHOLD:
-                raise BelowMinimum(
-                    f"Invalid '{where}.compact_threshold': integer below minimum value. Expected a value >= "
-                    f"{RESPONSES_MIN_THRESHOLD}, but got {threshold} instead.",
-                    param=f"{where}.compact_threshold",
-                )
-        found = AutoCompaction(threshold)
+    found, rest = _one_of(
+        entries,
+        COMPACTION,
+        lambda index: f"context_management[{index}]",
+        "'context_management' may hold one compaction entry",
+    )
     if found is None:
         return body, None
+    where, entry = found
+    threshold = entry.get("compact_threshold")
+    if threshold is not None:
+        if not _is_int(threshold):
+            raise InvalidRequest(f"'{where}.compact_threshold' must be an integer", param=f"{where}.compact_threshold")
+        if threshold < RESPONSES_MIN_THRESHOLD:
+            raise BelowMinimum(
+                f"Invalid '{where}.compact_threshold': integer below minimum value. Expected a value >= "
+                f"{RESPONSES_MIN_THRESHOLD}, but got {threshold} instead.",
+                param=f"{where}.compact_threshold",
+            )
     without = {key: value for key, value in body.items() if key != "context_management"}
-    return ({**without, "context_management": rest} if rest else without), found
+    return ({**without, "context_management": rest} if rest else without), AutoCompaction(threshold)
 
 
 def messages_auto_compaction(body: dict[str, Any]) -> tuple[dict[str, Any], AutoCompaction | None]:
@@ -451,46 +445,60 @@ def messages_auto_compaction(body: dict[str, Any]) -> tuple[dict[str, Any], Auto
     it, and the body without it (other edits stay, as sent)."""
     config = body.get("context_management")
     edits = config.get("edits") if isinstance(config, dict) else None
-    if not isinstance(edits, list) or not any(_is(edit, COMPACT_EDIT) for edit in edits):
+    if not isinstance(config, dict) or not isinstance(edits, list):
         return body, None
-    found: AutoCompaction | None = None
-    rest: list[Any] = []
-    for index, edit in enumerate(edits):
-        if not _is(edit, COMPACT_EDIT):
-            rest.append(edit)
-            continue
-        where = f"context_management.edits.{index}"
-        if found is not None:
-            raise InvalidRequest(f"{where}: only one {COMPACT_EDIT} edit is allowed", param=where)
-        trigger, threshold = edit.get("trigger"), ANTHROPIC_DEFAULT_TRIGGER
-        if trigger is not None:
-            value = (
-                trigger.get("value") if isinstance(trigger, dict) and trigger.get("type") == "input_tokens" else None
-            )
-            if not _is_int(value):
-                raise InvalidRequest(
-                    f'{where}.trigger: must be {{"type": "input_tokens", "value": <integer>}}', param=f"{where}.trigger"
-                )
-            if value < ANTHROPIC_MIN_TRIGGER:
-                raise InvalidRequest(
-                    f"{where}.trigger.value: must be at least {ANTHROPIC_MIN_TRIGGER}", param=f"{where}.trigger.value"
-                )
-            threshold = value
-        instructions = edit.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise InvalidRequest(f"{where}.instructions: must be a string", param=f"{where}.instructions")
-        pause = edit.get("pause_after_compaction", False)
-        if not isinstance(pause, bool):
+    found, rest = _one_of(
+        edits,
+        COMPACT_EDIT,
+        lambda index: f"context_management.edits.{index}",
+        f"only one {COMPACT_EDIT} edit is allowed",
+    )
+    if found is None:
+        return body, None
+    where, edit = found
+    trigger, threshold = edit.get("trigger"), ANTHROPIC_DEFAULT_TRIGGER
+    if trigger is not None:
+        value = trigger.get("value") if isinstance(trigger, dict) and trigger.get("type") == "input_tokens" else None
+        if not _is_int(value):
             raise InvalidRequest(
-                f"{where}.pause_after_compaction: must be a boolean", param=f"{where}.pause_after_compaction"
+                f'{where}.trigger: must be {{"type": "input_tokens", "value": <integer>}}', param=f"{where}.trigger"
             )
-        found = AutoCompaction(threshold, compaction_instruction(edit), pause)
-    assert isinstance(config, dict)
+        if value < ANTHROPIC_MIN_TRIGGER:
+            raise InvalidRequest(
+                f"{where}.trigger.value: must be at least {ANTHROPIC_MIN_TRIGGER}", param=f"{where}.trigger.value"
+            )
+        threshold = value
+    instructions = edit.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidRequest(f"{where}.instructions: must be a string", param=f"{where}.instructions")
+    pause = edit.get("pause_after_compaction", False)
+    if not isinstance(pause, bool):
+        raise InvalidRequest(
+            f"{where}.pause_after_compaction: must be a boolean", param=f"{where}.pause_after_compaction"
+        )
     rest_config = {key: value for key, value in config.items() if key != "edits"}
     if rest:
         rest_config["edits"] = rest
     without = {key: value for key, value in body.items() if key != "context_management"}
-    return ({**without, "context_management": rest_config} if rest_config else without), found
+    compaction = AutoCompaction(threshold, compaction_instruction(edit), pause)
+    return ({**without, "context_management": rest_config} if rest_config else without), compaction
+
+
+def _one_of(
+    entries: list[Any], kind: str, where: Callable[[int], str], only_one: str
+) -> tuple[tuple[str, dict[str, Any]] | None, list[Any]]:
+    """The one entry of ``kind`` among ``entries`` (with the name of its place), and the others as
+    sent; 400 for a second one."""
+    found: tuple[str, dict[str, Any]] | None = None
+    rest: list[Any] = []
+    for index, entry in enumerate(entries):
+        if not _is(entry, kind):
+            rest.append(entry)
+        elif found is not None:
+            raise InvalidRequest(f"{where(index)}: {only_one}", param=where(index))
+        else:
+            found = (where(index), entry)
+    return found, rest
 
 
 def responses_turn_start(items: list[Any]) -> int:
@@ -561,7 +569,8 @@ class ResponsesItemFirst:
     def __call__(self, block: bytes) -> bytes:
         return _each_event(block, self._event)
 
-    def _event(self, event: bytes, payload: dict[str, Any]) -> bytes | None:
+    def _event(self, event: bytes, data: EventData) -> bytes | None:
+        payload = data.payload
         kind = payload.get("type")
         if self._sequence_shift is None:
             if kind == "response.created":
@@ -584,11 +593,11 @@ class ResponsesItemFirst:
                 )
                 for n, name in enumerate(("response.output_item.added", "response.output_item.done"))
             )
-            return injected + self._shifted(event, payload)
-        return self._shifted(event, payload)
+            return injected + self._shifted(event, data)
+        return self._shifted(event, data)
 
-    def _shifted(self, event: bytes, payload: dict[str, Any]) -> bytes:
-        patched = dict(payload)
+    def _shifted(self, event: bytes, data: EventData) -> bytes:
+        patched = dict(data.payload)
         if _is_int(patched.get("output_index")):
             patched["output_index"] += 1
         if self._sequence_shift and _is_int(patched.get("sequence_number")):
@@ -596,7 +605,7 @@ class ResponsesItemFirst:
         response = patched.get("response")
         if patched.get("type") in _RESPONSE_ENDS and isinstance(response, dict):
             patched["response"] = responses_with_item(response, self._item)
-        return _replace_data(event, patched)
+        return data.replaced(event, patched) + b"\n\n"
 
 
 class MessagesBlockFirst:
@@ -615,7 +624,8 @@ class MessagesBlockFirst:
     def __call__(self, block: bytes) -> bytes:
         return _each_event(block, self._event)
 
-    def _event(self, event: bytes, payload: dict[str, Any]) -> bytes | None:
+    def _event(self, event: bytes, data: EventData) -> bytes | None:
+        payload = data.payload
         if not self._injected:
             if payload.get("type") != "message_start":
                 return None
@@ -626,11 +636,12 @@ class MessagesBlockFirst:
             return event + b"\n\n" + _block_events(0, self._block)
         kind = str(payload.get("type", ""))
         if kind.startswith("content_block_") and _is_int(payload.get("index")):
-            return _replace_data(event, {**payload, "index": payload["index"] + 1})
+            return data.replaced(event, {**payload, "index": payload["index"] + 1}) + b"\n\n"
         usage = payload.get("usage")
         if kind == "message_delta" and isinstance(usage, dict):
             counts = {**self._started, **{key: value for key, value in usage.items() if value is not None}}
-            return _replace_data(event, {**payload, "usage": {**usage, "iterations": _iterations(self._usage, counts)}})
+            iterations = _iterations(self._usage, counts)
+            return data.replaced(event, {**payload, "usage": {**usage, "iterations": iterations}}) + b"\n\n"
         return None
 
 
@@ -645,34 +656,17 @@ def _block_events(index: int, block: dict[str, Any]) -> bytes:
     return b"".join(_sse(name, {"type": name, **fields}) for name, fields in events)
 
 
-def _each_event(block: bytes, rewrite: Callable[[bytes, dict[str, Any]], bytes | None]) -> bytes:
+def _each_event(block: bytes, rewrite: Callable[[bytes, EventData], bytes | None]) -> bytes:
     """``block`` (whole SSE events) with each event whose data is a JSON object passed to
     ``rewrite``, which answers its replacement (the event's end included), or None to keep it."""
     out: list[bytes] = []
     for event in block.split(b"\n\n"):
         if not event:
             continue
-        payload = _data_of(event)
-        replaced = rewrite(event, payload) if payload is not None else None
+        data = event_data(event)
+        replaced = rewrite(event, data) if data is not None else None
         out.append(replaced if replaced is not None else event + b"\n\n")
     return b"".join(out)
-
-
-def _data_of(event: bytes) -> dict[str, Any] | None:
-    for line in event.split(b"\n"):
-        if line.startswith(b"data:"):
-            try:
-                payload = json.loads(line[5:])
-            except ValueError:
-                return None
-            return payload if isinstance(payload, dict) else None
-    return None
-
-
-def _replace_data(event: bytes, payload: dict[str, Any]) -> bytes:
-    data = b"data: " + dumps(payload)
-    lines = [data if line.startswith(b"data:") else line for line in event.split(b"\n")]
-    return b"\n".join(lines) + b"\n\n"
 
 
 def _is_int(value: object) -> TypeGuard[int]:
