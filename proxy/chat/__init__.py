@@ -1,6 +1,13 @@
 """One conversation turn through the proxy: session, budget, summary (compaction), accounting."""
 
-from proxy.chat.budget import completion_allowance, context_limit, effective_budget, prompt_ceiling, usage_limits
+from proxy.chat.budget import (
+    budget_for,
+    completion_allowance,
+    context_limit,
+    effective_budget,
+    prompt_ceiling,
+    usage_limits,
+)
 from proxy.chat.compaction import CompactionService
 from proxy.chat.turn import ChatTurn, TurnServices, budget_refused, routing_key
 
@@ -8,6 +15,7 @@ __all__ = [
     "ChatTurn",
     "CompactionService",
     "TurnServices",
+    "budget_for",
     "budget_refused",
     "completion_allowance",
     "context_limit",

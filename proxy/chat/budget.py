@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.config import BudgetOverrides, BudgetSettings
+from proxy.config import BudgetOverrides, BudgetSettings, Settings
 from proxy.openai import dumps, message_text, utf8_size
 from proxy.sessions import UsageLimit, slot_tag
 from proxy.tokenization import CAUTIOUS_TOKENS_PER_BYTE, TokenCounter
@@ -37,6 +37,11 @@ _Layers = tuple[BudgetSettings, BudgetOverrides | None, BudgetOverrides | None]
 # request cost more than the rest of the budget decision. A handful of entries: models x tenants.
 _effective: dict[tuple[int, int, int], tuple[_Layers, BudgetSettings]] = {}
 MAX_CACHED_BUDGETS = 1024
+
+
+def budget_for(settings: Settings, model: str, tenant_overrides: BudgetOverrides | None) -> BudgetSettings:
+    """The budget a request for ``model`` runs under: the settings', the model's, the tenant's."""
+    return effective_budget(settings.budget, settings.model_budgets.get(model), tenant_overrides)
 
 
 def effective_budget(

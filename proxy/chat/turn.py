@@ -11,9 +11,9 @@ from proxy.canon import Canonicalizer, CanonResult
 from proxy.chat.budget import (
     EXACT_COUNT_SLACK,
     ContextCheck,
+    budget_for,
     check_context,
     context_limit,
-    effective_budget,
     estimate_prompt_tokens,
     fast_estimate,
     near_limit,
@@ -177,7 +177,7 @@ class ChatTurn:
     ) -> ChatTurn:
         canonical = canon.body
         model = str(canonical.get("model"))
-        budget = effective_budget(settings.budget, settings.model_budgets.get(model), tenant.budget)
+        budget = budget_for(settings, model, tenant.budget)
         named = session_id or services.sessions.explicit_id(headers, body)
         try:
             # Lanes only in a session the client names: one the proxy knows (a Responses chain) is

@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from proxy.app_state import ProxyState
 from proxy.canon import CanonResult
-from proxy.chat import context_limit, effective_budget, handoff, routing_key, usage_limits
+from proxy.chat import budget_for, context_limit, handoff, routing_key, usage_limits
 from proxy.http import InvalidRequest, ProxyError, RequestContext, overhead_header, parse_json_object, read_body
 from proxy.openai import Usage, dumps, loads
 from proxy.protocols import MESSAGES, RESPONSES, GenerationProtocol
@@ -205,7 +205,7 @@ async def past_threshold(
 async def _budget_spent(state: ProxyState, tenant: Tenant, model: str, session: str | None) -> bool:
     """Whether a usage budget of the request (the tenant's, the session's) is spent already."""
     settings = state.settings
-    budget = effective_budget(settings.budget, settings.model_budgets.get(model), tenant.budget)
+    budget = budget_for(settings, model, tenant.budget)
     sessions = state.sessions
     for limit in usage_limits(budget, tenant.name, session):
         try:
@@ -222,7 +222,7 @@ async def _default_threshold(state: ProxyState, tenant: Tenant, chat: dict[str, 
     and the instruction, and must fit with its answer."""
     model = str(chat.get("model"))
     settings = state.settings
-    budget = effective_budget(settings.budget, settings.model_budgets.get(model), tenant.budget)
+    budget = budget_for(settings, model, tenant.budget)
     limit = context_limit(budget, await state.models.max_model_len(model), chat)
     return None if limit is None else max(1, limit - settings.summarizer.max_summary_tokens - SUMMARY_INSTRUCTION_ROOM)
 
@@ -402,7 +402,7 @@ async def _charge(state: ProxyState, tenant: Tenant, model: str, session: str | 
     if usage is None:
         return
     settings = state.settings
-    budget = effective_budget(settings.budget, settings.model_budgets.get(model), tenant.budget)
+    budget = budget_for(settings, model, tenant.budget)
     limits = usage_limits(budget, tenant.name, session)
     if limits:
         await state.sessions.charge_unreserved(limits, usage.prompt_tokens + usage.completion_tokens, budget.window_s)

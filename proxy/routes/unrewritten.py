@@ -11,7 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
-from proxy.chat import budget_refused, completion_allowance, effective_budget, prompt_ceiling, usage_limits
+from proxy.chat import budget_for, budget_refused, completion_allowance, prompt_ceiling, usage_limits
 from proxy.config import BudgetSettings
 from proxy.http import (
     ProxyError,
@@ -76,7 +76,7 @@ class CompletionBudget:
     @classmethod
     def admit(cls, state: ProxyState, tenant: Tenant, body: dict[str, Any]) -> CompletionBudget:
         model = str(body.get("model"))
-        budget = effective_budget(state.settings.budget, state.settings.model_budgets.get(model), tenant.budget)
+        budget = budget_for(state.settings, model, tenant.budget)
         limits = usage_limits(budget, tenant.name, None)
         if not limits:
             return cls(state, tenant.name, budget, limits, 0, 0)  # no budget: nothing to size
