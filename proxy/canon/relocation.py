@@ -130,9 +130,9 @@ def relocate(
         if (
             inserting
             and proposed
-            # Where its last user turn is its start, the default place is the start already.
-            and _last_user_index(messages) > system_count
-            and _has_user_after(messages, system_count)
+            # A user turn after the first (where the last one is the first, the default place is the
+            # conversation's start already).
+            and system_count < _last_user_index(messages) < len(messages)
             and not layout.had_blocks(messages, system_count)
         ):
             # A conversation whose history is new here (compacted, a window that slid, a chat seen
