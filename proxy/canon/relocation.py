@@ -18,7 +18,7 @@ Whole lines move, byte for byte (``relocate.partition_lines``). Which lines, and
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +145,10 @@ def relocate(
                 layout.record_forwarded(trial)
                 messages[:] = trial
                 return Relocation(actions + outcome.actions, outcome.stable_count)
+        if inserting and any(s is not None and s.held for s in splits):
+            kept = _moved_mid_conversation(messages, splits, system_count, placement, memories, layout)
+            if kept is not None:
+                return Relocation(actions + kept.actions, kept.stable_count)
     if not proposed:
         # Recorded with or without candidates: lines learned later (another prompt of the app seen
         # since) must not move in a conversation that was forwarded with them in place.
@@ -159,6 +163,49 @@ def relocate(
     position, target = _fresh_position(messages, system_count, placement, layout)
     outcome = _insert(messages, splits, position, placement, layout, fresh=True, target=target)
     return Relocation(actions + outcome.actions, outcome.stable_count)
+
+
+def _moved_mid_conversation(
+    messages: list[dict[str, Any]],
+    splits: list[_Split | None],
+    system_count: int,
+    placement: Placement,
+    memories: Memories,
+    layout: _Layout,
+) -> _Inserted | None:
+    """Every candidate line moved, varied or not, when that makes a conversation in flight extend
+    what it was forwarded as; None (nothing changed) otherwise.
+
+    A system prompt that gains or changes lines mid-conversation (an app's memory block added, a
+    document swapped) costs the turn everything after the change as sent: the tools and the whole
+    history. Before the last user turn the lines cost only themselves, and the next turn finds them
+    there again (``restorations``). A place first seen here has not varied for the app, but it has
+    for this conversation, whose earlier turns went out without these lines. Taken only where the
+    system messages left behind were forwarded before, as they are (so the backend holds them, and
+    the tools after them), while the system prompt as sent was not (or the request would have
+    continued a forwarded prompt): the change is exactly the lines moved."""
+    last_user = _last_user_index(messages)
+    first_reply = next((i for i in range(system_count, last_user) if messages[i].get("role") == "assistant"), None)
+    if first_reply is None:
+        return None  # a conversation's first turn: nothing was forwarded that moving could keep
+    block = tuple(
+        (index, part, line)
+        for index, split in enumerate(splits)
+        if split is not None
+        for part, line in split.candidate_lines()
+    )
+    if not block:
+        return None
+    forced = layout.split_again(messages, system_count, block, placement, memories)
+    position = last_user + 1 if placement.target == "after_last_user" else last_user
+    trial = list(messages)
+    outcome = _insert(trial, forced, position, placement, None, fresh=True, target="mid_conversation")
+    if not layout.forwarded_system(trial, outcome.stable_count):
+        return None
+    layout.record_block(messages, system_count, position, _moved_lines(forced))
+    layout.record_forwarded(trial)
+    messages[:] = trial
+    return outcome
 
 
 def _app_key(namespace: str, body: dict[str, Any]) -> str:
@@ -186,6 +233,14 @@ class _Split:
     at_end: bool = False
     # (text part, line hash) of each moving line: what a later turn of the conversation moves again.
     lines: list[tuple[int, int]] = field(default_factory=list)
+    # Some candidate lines stay (their place has not varied yet).
+    held: bool = False
+    # What finds (text part, line hash) of every candidate line, whole blocks, moved or not: asked
+    # for only when a conversation's system prompt changed mid-way, so found then.
+    candidate_finders: list[Callable[[], list[tuple[int, int]]]] = field(default_factory=list)
+
+    def candidate_lines(self) -> list[tuple[int, int]]:
+        return [line for find in self.candidate_finders for line in find()]
 
 
 # The line hashes to move in one text (each as often as it moved), or None: decide from detectors and memories.
@@ -250,8 +305,12 @@ def _split_text(
         # A detected span moves the block holding it too (a date inside <env>...</env>).
         moving |= close_blocks(lines, varied_lines, blocks)
     moving = bridge_blanks(lines, moving)
+    held = not candidates <= moving
+    finders = [lambda: _all_candidates(lines, detected, learned_lines, blocks, where[1])] if held else []
     if not moving:
-        return _Split(text, learned=len(learned_lines), candidates=len(candidates))
+        return _Split(
+            text, learned=len(learned_lines), candidates=len(candidates), held=held, candidate_finders=finders
+        )
     stable, moved = partition_lines(lines, moving)
     return _Split(
         stable,
@@ -261,7 +320,18 @@ def _split_text(
         len(candidates),
         already_at_end(lines, moving),
         _line_ids(lines, moving, where[1]),
+        held,
+        finders,
     )
+
+
+def _all_candidates(
+    lines: list[str], detected: set[int], learned: set[int], blocks: list[tuple[int, int]] | None, part: int
+) -> list[tuple[int, int]]:
+    """(part, line hash) of every candidate line: the learned regions and the blocks holding the
+    detected spans, as they would move once varied."""
+    closed = set(learned) | (close_blocks(lines, detected, blocks) if detected else set())
+    return _line_ids(lines, bridge_blanks(lines, closed), part)
 
 
 def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, where: tuple[int, int]) -> _Split:
@@ -291,13 +361,35 @@ def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, wher
             ("closed", varied_lines), lambda: frozenset(tm.close_blocks(facts, set(varied_lines), facts.blocks(text)))
         )
         moving |= closed
+    held = not candidates <= moving
+    finders = [lambda: _all_candidates_facts(text, facts, detected, learned_lines, where[1])] if held else []
     if not moving:
-        return _Split(text, learned=len(learned_lines), candidates=len(candidates))
+        return _Split(
+            text, learned=len(learned_lines), candidates=len(candidates), held=held, candidate_finders=finders
+        )
     planned, at_end, ids = _planned(facts, moving)
     stable, moved = tm.cut(facts, text, planned)
     return _Split(
-        stable, moved, varied, len(learned_lines), len(candidates), at_end, [(where[1], line) for line in ids]
+        stable,
+        moved,
+        varied,
+        len(learned_lines),
+        len(candidates),
+        at_end,
+        [(where[1], line) for line in ids],
+        held,
+        finders,
     )
+
+
+def _all_candidates_facts(
+    text: str, facts: TextFacts, detected: frozenset[int], learned: frozenset[int], part: int
+) -> list[tuple[int, int]]:
+    """:func:`_all_candidates` on the text's facts."""
+    closed = set(learned)
+    if detected:
+        closed |= tm.close_blocks(facts, set(detected), facts.blocks(text))
+    return tm.line_ids(facts, tm.bridge_blanks(facts, closed), part)
 
 
 def _planned(facts: TextFacts, moving: set[int]) -> tuple[tm.Plan, bool, tuple[int, ...]]:
@@ -423,6 +515,8 @@ def _split_parts(
         split = _split_text(part["text"], placement, memories, f"{key}\x00{number}", where, _forced(forced, number))
         out.learned += split.learned
         out.candidates += split.candidates
+        out.held = out.held or split.held
+        out.candidate_finders.extend(split.candidate_finders)  # tagged with their part already
         if not split.moved:
             kept.append(part)
             continue
@@ -735,7 +829,12 @@ class _Layout:
                         present = _system_lines(messages[:system_count])
                     holds = present.issuperset(block)
                 if holds:
-                    yield system_count + offset, self._split_again(messages, system_count, block, placement, memories)
+                    yield system_count + offset, self.split_again(messages, system_count, block, placement, memories)
+
+    def forwarded_system(self, messages: list[dict[str, Any]], system_count: int) -> bool:
+        """Whether these leading system messages were forwarded before, on their own or ahead of a
+        conversation (the same app, model and tools)."""
+        return self._layouts.knows_prompt(self._prefix_chain(messages[:system_count])[-1])
 
     def had_blocks(self, messages: list[dict[str, Any]], system_count: int) -> bool:
         """Whether a block was inserted anywhere in this conversation's history before (its lines
@@ -748,7 +847,7 @@ class _Layout:
         )
 
     @staticmethod
-    def _split_again(
+    def split_again(
         messages: list[dict[str, Any]], system_count: int, block: Block, placement: Placement, memories: Memories
     ) -> list[_Split | None]:
         forced: dict[int, dict[int, Counter[int]]] = {}
