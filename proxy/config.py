@@ -239,6 +239,11 @@ class SummarizerSettings(Section):
     # one recompute of the turns after it, which a direct connection never pays. Lower applies it
     # sooner (fewer tokens per request and less KV memory per session, for that recompute).
     apply_ratio: float = Field(1.0, ge=0, le=1)
+    # Past the soft threshold, a summary is computed ahead only if the conversation, growing as its
+    # latest request did, would reach the point where it is used (apply_ratio) within this many
+    # requests: a summary that is never used is a request a direct connection never makes. 0: at
+    # the soft threshold whatever the growth.
+    lookahead_requests: int = Field(4, ge=0)
     # Restore messages a client's sliding window dropped, until they are folded into the summary:
     # "named": in sessions the client names (a session header, prompt_cache_key), whose identity is
     # certain; "inferred": in inferred sessions too, where the window re-sends replies the backend

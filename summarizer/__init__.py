@@ -9,7 +9,7 @@
 
 from summarizer.anchor import SUMMARY_HEADER, Anchored, anchor, summary_message
 from summarizer.compactor import Compaction, CompactionFailed, Compactor, CompactorOptions, client_messages
-from summarizer.policy import SummaryPolicy, is_due, plan_chunk
+from summarizer.policy import SummaryPolicy, is_due, needed_soon, plan_chunk
 from summarizer.prompt import DEFAULT_INSTRUCTION, RENDERING_FIELDS, build_request
 from summarizer.state import SummaryState
 
@@ -28,6 +28,7 @@ __all__ = [
     "build_request",
     "client_messages",
     "is_due",
+    "needed_soon",
     "plan_chunk",
     "summary_message",
 ]

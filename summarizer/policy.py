@@ -1,8 +1,9 @@
 """When to compact and what to fold. Pure functions, no I/O.
 
 When: a session's context (as the upstream last counted it) passes the soft
-threshold of its context budget (``soft_ratio``), or, with sliding-window
-repair, the restored history passes ``repair_max_tokens``.
+threshold of its context budget (``soft_ratio``) and, growing as its latest
+request did, would need the summary within a few requests (``needed_soon``);
+or, with sliding-window repair, the restored history passes ``repair_max_tokens``.
 
 What: the oldest uncovered turns, cut at a user-turn boundary so that the last
 ``keep_last_turns`` turns stay verbatim. A turn runs from a user message to the
@@ -33,6 +34,22 @@ class Chunk:
 
 def is_due(context_tokens: int, limit: int | None, soft_ratio: float) -> bool:
     return limit is not None and context_tokens > limit * soft_ratio
+
+
+def needed_soon(prompt_tokens: int, previous_prompt_tokens: int, used_at: float, requests: int) -> bool:
+    """Whether a conversation that keeps growing as its latest request did (``prompt_tokens`` after
+    ``previous_prompt_tokens``) reaches ``used_at``, where a summary replaces its history, within
+    ``requests`` more requests.
+
+    A summary computed ahead costs a request (its prefill and up to ``max_summary_tokens`` of
+    decoding) that a direct connection never pays, and it is used only once the conversation would
+    not fit without it: an agent whose 20k-token prompt is mostly system prompt and tools, growing by
+    a few hundred tokens a turn, may never get there. Without a previous request to compare with
+    (the first of the session) or with ``requests`` 0, the soft threshold alone decides."""
+    if requests <= 0 or previous_prompt_tokens <= 0 or prompt_tokens >= used_at:
+        return True
+    step = prompt_tokens - previous_prompt_tokens
+    return step > 0 and prompt_tokens + requests * step >= used_at
 
 
 def plan_chunk(messages: list[dict[str, Any]], first: int, policy: SummaryPolicy) -> Chunk | None:

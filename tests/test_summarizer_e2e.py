@@ -139,7 +139,9 @@ def _summary_version(prompt: str) -> str | None:
 
 def test_failing_summarizer_leaves_the_conversation_intact(backend: LiveServer) -> None:
     budget = {"context_limit_tokens": 1400, "soft_ratio": 0.5}
-    server = proxy_for(backend, budget=budget, summarizer={"model": "no-such-model", "retry_backoff_s": 0})
+    # Compacting at the soft threshold whatever the growth (lookahead 0): the summary fails early on.
+    summarizer = {"model": "no-such-model", "retry_backoff_s": 0, "lookahead_requests": 0}
+    server = proxy_for(backend, budget=budget, summarizer=summarizer)
     try:
         responses = play(server, 12)
         assert [r.status_code for r in responses] == [200] * 12
@@ -254,3 +256,45 @@ def test_compaction_never_splits_tool_calls_from_their_results(backend: LiveServ
         call_ids = {c["id"] for m in after_summary for c in m.get("tool_calls") or []}
         result_ids = {m["tool_call_id"] for m in after_summary if m["role"] == "tool"}
         assert result_ids <= call_ids, "every tool result kept has its call"
+
+
+def test_a_summary_is_computed_ahead_only_when_the_conversation_will_need_it(backend: LiveServer) -> None:
+    """Past the soft threshold, a conversation that grows slowly (a long system prompt, short turns)
+    would not need its summary within ``lookahead_requests`` requests: none is computed, and the
+    backend gets only the client's requests. The same conversation with a lookahead long enough to
+    reach its limit gets its summary computed ahead."""
+    long_system = {"role": "system", "content": SYSTEM["content"] + " Cite the treaty names exactly." * 60}
+    limit = 1000
+
+    def run(lookahead: int) -> tuple[float, int]:
+        server = proxy_for(
+            backend,
+            budget={"context_limit_tokens": limit, "soft_ratio": 0.5},
+            summarizer={"lookahead_requests": lookahead, "keep_last_turns": 1},
+        )
+        httpx.post(backend.url + "/fake/reset")
+        try:
+            history: list[dict[str, Any]] = [long_system]
+            for turn in range(6):
+                history.append({"role": "user", "content": f"Turn {turn}: one cause, briefly."})
+                response = httpx.post(
+                    server.url + "/v1/chat/completions",
+                    json={"model": MODEL, "messages": history, "max_tokens": 8},
+                    headers={"x-session-id": f"slow-{lookahead}"},
+                    timeout=60,
+                )
+                assert response.status_code == 200, response.text
+                history.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+                time.sleep(0.05)
+            time.sleep(0.3)  # a compaction started after the last answer
+            started = metric(server, "prefix_proxy_compactions_total", 'outcome="started"')
+            prompt = history and response.json()["usage"]["prompt_tokens"]
+        finally:
+            server.stop()
+        return started, prompt
+
+    started, prompt = run(lookahead=4)
+    assert limit * 0.5 < prompt < limit * 0.9  # past the soft threshold, and far from the limit
+    assert started == 0
+    started, _ = run(lookahead=1000)
+    assert started >= 1

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from proxy.openai.messages import message_fingerprint
-from summarizer import Compactor, CompactorOptions, SummaryPolicy, SummaryState, anchor, plan_chunk
+from summarizer import Compactor, CompactorOptions, SummaryPolicy, SummaryState, anchor, needed_soon, plan_chunk
 from summarizer.anchor import SUMMARY_HEADER
 from summarizer.compactor import CompactionFailed
 from summarizer.prompt import build_request
@@ -227,3 +227,17 @@ async def test_the_saved_repair_tail_never_holds_a_message_the_proxy_inserted() 
     assert record is not None
     tail = SummaryState.from_json(record.summary).tail
     assert tail == forwarded[2:] and BLOCK not in tail
+
+
+def test_a_summary_is_needed_soon_only_where_the_growth_reaches_its_use() -> None:
+    # 20k of a 24.5k budget, growing 300 tokens a request: 15 requests away.
+    assert not needed_soon(20_000, 19_700, 24_500, requests=4)
+    assert needed_soon(20_000, 19_700, 24_500, requests=15)
+    # Growing 2k a request: within 3.
+    assert needed_soon(20_000, 18_000, 24_500, requests=4)
+    # Not growing (a request sent again): it never gets there at this pace.
+    assert not needed_soon(20_000, 20_000, 24_500, requests=4)
+    # Already where the summary is used, the first request of a session, or no lookahead.
+    assert needed_soon(24_600, 24_500, 24_500, requests=4)
+    assert needed_soon(20_000, 0, 24_500, requests=4)
+    assert needed_soon(20_000, 19_700, 24_500, requests=0)

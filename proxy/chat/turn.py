@@ -31,7 +31,7 @@ from proxy.protocols import CHAT, SummaryChannel
 from proxy.sessions import Reservation, SessionService, SessionView, StoreUnavailable, UsageLimit, conversation_root
 from proxy.tenants import Tenant
 from proxy.tokenization import CAUTIOUS_TOKENS_PER_BYTE, TYPICAL_TOKENS_PER_BYTE, TokenCounter
-from summarizer import Anchored, SummaryState, anchor, is_due
+from summarizer import Anchored, SummaryState, anchor, is_due, needed_soon
 
 
 @dataclass(frozen=True)
@@ -387,7 +387,7 @@ class ChatTurn:
         if self.summary_deferred:
             return False  # a summary is ready and waits until the conversation needs it
         context = usage.prompt_tokens + usage.completion_tokens if usage else 0
-        if is_due(context, self.limit, self.budget.soft_ratio):
+        if is_due(context, self.limit, self.budget.soft_ratio) and self._summary_needed_soon(usage):
             return True
         if self.repairs_window and self.anchored is not None and self.anchored.restored:
             restored = messages[self.anchored.history_start :]
@@ -397,6 +397,17 @@ class ChatTurn:
                 tokens_per_byte = usage.prompt_tokens / self.request_bytes
             return restored_bytes * tokens_per_byte > self.settings.summarizer.repair_max_tokens
         return False
+
+    def _summary_needed_soon(self, usage: Usage | None) -> bool:
+        """Past the soft threshold, whether the summary computed now would be used within
+        ``summarizer.lookahead_requests`` requests at the conversation's latest growth: a summary
+        that waits (``apply_ratio``) costs a request no direct connection makes. A window that
+        slides needs its summary for what the client no longer sends."""
+        if usage is None or self.limit is None or self.slides_window or self.session is None:
+            return True
+        previous = self.session.record.context_tokens if self.session.record else 0
+        used_at = self.limit * self.settings.summarizer.apply_ratio
+        return needed_soon(usage.prompt_tokens, previous, used_at, self.settings.summarizer.lookahead_requests)
 
     def finish_later(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
         """:meth:`finish` from synchronous code (the end of a stream), as a background task."""
