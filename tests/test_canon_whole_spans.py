@@ -177,6 +177,28 @@ def test_blocks_found_are_fences_tags_and_introduced_runs() -> None:
     assert text_blocks(lines) == [(4, 7), (8, 10), (1, 2)]
 
 
+def test_an_introduced_run_inside_a_document_ends_with_it() -> None:
+    """A ``def f():`` line in a retrieved document introduces nothing past its ``</context>``: the
+    time line after it moves alone and the document stays whole (it tore before: the fence of its
+    code and its closing tag moved with the time line)."""
+    document = "<context>\nFirst paragraph.\n\nSecond paragraph.\n\n    def f():\n        return 1  \n</context>"
+    lines = [*document.split("\n"), "Current time: 2026-11-29T14:03:11Z", "You are a helpful assistant."]
+    assert (6, 7) in text_blocks(lines) and (6, 9) not in text_blocks(lines)
+    memories = Memories()
+    for second in (10, 11, 12):
+        system = f"{document}\nCurrent time: 2026-11-29T14:03:{second}Z\nYou are a helpful assistant."
+        out = memories.apply(request(system, "hi")).body
+        if second == 10:
+            continue  # first sight: nothing is known to vary
+        assert stable_text(out) == f"{document}\nYou are a helpful assistant."
+        assert moved_block(out) == f"Current time: 2026-11-29T14:03:{second}Z"
+
+
+def test_an_introduced_run_reaching_into_a_block_stops_before_it() -> None:
+    lines = ["Notes:", "one", "<doc>", "two", "", "three", "</doc>"]
+    assert text_blocks(lines) == [(2, 6), (1, 1)]
+
+
 def test_first_sight_kinds_move_at_the_first_request() -> None:
     def environment(text: str) -> list[Span]:
         return [Span(m.start(), m.end(), "environment") for m in re.finditer(r"^cwd: .*$", text, re.M)]

@@ -156,7 +156,26 @@ def text_blocks(lines: list[str]) -> list[tuple[int, int]]:
             while last + 1 < len(lines) and not _blank(lines[last + 1]):
                 last += 1
             runs_.append((index + 1, last))
-    return found + runs_
+    return found + clip_runs(found, runs_)
+
+
+def clip_runs(delimited: list[tuple[int, int]], runs_: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Introduced runs cut where they would hold part of a delimited block: a run that starts inside
+    a fenced or tagged block ends with it (a ``def f():`` line in a retrieved document introduces
+    nothing past its ``</context>``), and a run that reaches into a block's opening without its
+    closing ends before it. Moving such a run would tear the block apart."""
+    clipped: list[tuple[int, int]] = []
+    for first, last in runs_:
+        changed = True
+        while changed and last >= first:
+            changed = False
+            for start, end in delimited:
+                if start < first <= end < last or first < start <= last < end:
+                    last = end if start < first else start - 1
+                    changed = True
+        if last >= first:
+            clipped.append((first, last))
+    return clipped
 
 
 def _fences(lines: list[str]) -> list[tuple[int, int]]:

@@ -598,7 +598,7 @@ def _text_blocks(tf: TextFacts) -> list[tuple[int, int]]:
             continue
         after = bisect_right(blank, index + 1)
         runs.append((index + 1, (blank[after] if after < len(blank) else n) - 1))
-    return found + runs
+    return found + rl.clip_runs(found, runs)
 
 
 def _skeleton(tf: TextFacts, text: str, detected: frozenset[int], learned: frozenset[int]) -> int:
