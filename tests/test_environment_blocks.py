@@ -81,6 +81,18 @@ def test_claude_code_environment_and_git_status_are_whole_blocks() -> None:
     assert "Platform conventions" not in env + git and "TodoWrite" not in env + git
 
 
+def test_a_commit_whose_short_hash_is_all_digits_is_a_commit_line() -> None:
+    """About 4% of 7-character abbreviations hold no letter a-f: "5949420 Initial commit" left the
+    "Recent commits:" list in the system prompt on the real Claude Code's first turn, and the next
+    turn, moving it, recomputed everything after it."""
+    for commits in (["5949420 Initial commit"], ["0341666 Review round 1", "c983482 Initial commit"]):
+        text = CLAUDE_CODE.format(commits="\n".join(commits))
+        _, git = spans(text)
+        assert git.endswith(commits[-1])
+    # A line opening with a long number is no commit.
+    assert not spans("Limits:\n12345678901234 requests a day\n98765432101234 tokens a minute")
+
+
 def test_a_file_listing_in_a_tag_block_goes_with_the_environment() -> None:
     (block,) = spans(OPENCODE)
     assert block.startswith("Here is some useful information") and block.endswith("</files>")

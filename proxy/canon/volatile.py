@@ -164,7 +164,10 @@ _ENV_KEY = re.compile(
 )
 _PATH_VALUE = re.compile(r"^\s*(?:[-*•]\s+)?[\w .'()-]{2,48}:\s*(?:/|~/|[A-Za-z]:\\)\S*\s*$")
 _PORCELAIN = re.compile(r"^\s?[MADRCUT?!]{1,2}\s+\S*[./]\S*\s*$")
-_COMMIT = re.compile(r"^\s*(?:[-*•]\s+)?(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b\s+\S")
+# A commit line: an abbreviated or full hash, then the subject. A hash holds a digit; one without a
+# letter a-f (about 4% of 7-character abbreviations, "5949420 Initial commit") is taken only at an
+# abbreviation's length, so a line opening with a long number is not one.
+_COMMIT = re.compile(r"^\s*(?:[-*•]\s+)?(?:(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}|[0-9]{7,12})\b\s+\S")
 _TREE = r"(?:[│├└─|`+\\ -]+\s*)?"  # tree-drawing prefixes of a file listing
 _FILE_PATH = re.compile(
     rf"^\s*{_TREE}[\w@.+~-]*(?:[/\\][\w@.+~ -]*)+/?\s*$"  # a path with a separator
