@@ -52,6 +52,8 @@ GIT_ENV = {
     "GIT_AUTHOR_EMAIL": "bench@example.invalid",
     "GIT_COMMITTER_NAME": "Bench",
     "GIT_COMMITTER_EMAIL": "bench@example.invalid",
+    "GIT_AUTHOR_DATE": "2026-12-01T09:00:00+00:00",
+    "GIT_COMMITTER_DATE": "2026-12-01T09:00:00+00:00",
 }
 
 
@@ -270,7 +272,10 @@ def run_client(
         else:
             base = backend_server.url
         # Outside the project's checkout: agents read instructions files (CLAUDE.md, AGENTS.md) up the tree.
-        root = Path(tempfile.mkdtemp(prefix=f"bench-{client.name}-"))
+        # The same path in both modes (and commits dated alike, GIT_ENV): the agents write it into
+        # their prompts, and a random one tokenizes to a few tokens more or less in each run.
+        root = Path(tempfile.gettempdir()) / f"bench-{client.name}-{result.scenario}"
+        shutil.rmtree(root, ignore_errors=True)
         stack.callback(shutil.rmtree, root, True)
         ws = Workspace(home=root / "home", repo=root / "repo", base_url=base, model=backend.model)
         ws.home.mkdir(parents=True)
