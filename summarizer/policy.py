@@ -36,19 +36,22 @@ def is_due(context_tokens: int, limit: int | None, soft_ratio: float) -> bool:
     return limit is not None and context_tokens > limit * soft_ratio
 
 
-def needed_soon(prompt_tokens: int, previous_prompt_tokens: int, used_at: float, requests: int) -> bool:
+def needed_soon(
+    prompt_tokens: int, completion_tokens: int, previous_prompt_tokens: int, used_at: float, requests: int
+) -> bool:
     """Whether a conversation that keeps growing as its latest request did (``prompt_tokens`` after
-    ``previous_prompt_tokens``) reaches ``used_at``, where a summary replaces its history, within
-    ``requests`` more requests.
+    ``previous_prompt_tokens``, and at least by the reply it just got) reaches ``used_at``, where a
+    summary replaces its history, within ``requests`` more requests.
 
     A summary computed ahead costs a request (its prefill and up to ``max_summary_tokens`` of
     decoding) that a direct connection never pays, and it is used only once the conversation would
     not fit without it: an agent whose 20k-token prompt is mostly system prompt and tools, growing by
     a few hundred tokens a turn, may never get there. Without a previous request to compare with
     (the first of the session) or with ``requests`` 0, the soft threshold alone decides."""
-    if requests <= 0 or previous_prompt_tokens <= 0 or prompt_tokens >= used_at:
+    context = prompt_tokens + completion_tokens  # what the next request re-sends, at the least
+    if requests <= 0 or previous_prompt_tokens <= 0 or context >= used_at:
         return True
-    step = prompt_tokens - previous_prompt_tokens
+    step = max(prompt_tokens - previous_prompt_tokens, completion_tokens)
     return step > 0 and prompt_tokens + requests * step >= used_at
 
 

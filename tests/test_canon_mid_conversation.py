@@ -144,3 +144,35 @@ def test_without_the_layout_memory_nothing_moves_mid_conversation() -> None:
     chat = warm_app(canonicalizer)[0]
     _, actions = chat.turn(system(30, MEMORY), "[chat 0, turn 2] And the memory?")
     assert "volatile_moved:mid_conversation" not in actions
+
+
+def test_a_conversation_this_replica_never_forwarded_goes_as_sent() -> None:
+    """Its earlier turns went out from another replica with the block in place (memories not
+    shared), so the backend holds the block where the client put it: moving it now would cost the
+    turn its whole history, although this replica forwarded the shorter system prompt for others."""
+    replica_a, replica_b = Canonicalizer(CanonSettings()), Canonicalizer(CanonSettings())
+    warm_app(replica_b)  # replica B knows the app's system prompt without the block
+    chat = Chat(replica_a, "chat x")
+    for turn in range(2):
+        chat.turn(system(20 + turn, MEMORY), f"[chat x, turn {turn}] What should I look at next?")
+    chat.canonicalizer = replica_b
+    forwarded, actions = chat.turn(system(30, MEMORY), "[chat x, turn 2] And the memory?")
+    assert "volatile_moved:mid_conversation" not in actions, actions
+    assert MEMORY in forwarded[0]["content"]
+
+
+def test_a_conversation_without_a_user_turn_gets_no_block_after_its_tool_result() -> None:
+    """An agent's loop that sends the system prompt, its calls and their results (no user turn):
+    there is no place before a user turn, and a system message after a tool result is a shape
+    strict templates refuse."""
+    canonicalizer = Canonicalizer(CanonSettings())
+    warm_app(canonicalizer)
+    call = {"id": "call_1", "type": "function", "function": {"name": "tool_1", "arguments": "{}"}}
+    history = [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
+    for second in (30, 31):
+        result = canonicalizer.apply(body(system(second, MEMORY), history), "tenant")
+        assert "volatile_moved:mid_conversation" not in [str(a) for a in result.actions]
+        assert result.body["messages"][-1] == history[-1]

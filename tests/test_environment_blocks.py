@@ -89,8 +89,11 @@ def test_a_commit_whose_short_hash_is_all_digits_is_a_commit_line() -> None:
         text = CLAUDE_CODE.format(commits="\n".join(commits))
         _, git = spans(text)
         assert git.endswith(commits[-1])
-    # A line opening with a long number is no commit.
+    # Numbered lines read alike: without facts around them, they are no environment.
     assert not spans("Limits:\n12345678901234 requests a day\n98765432101234 tokens a minute")
+    assert not spans("Holiday calendar:\n20240101 New Year's Day\n20241225 Christmas Day")
+    assert not spans("Phones:\n5551234 Front desk\n5551235 Back office\n- 1048576 Login fails")
+    assert not spans("<phones>\n5551234 Front desk\n5551235 Back office\n5551236 Kitchen\n</phones>")
 
 
 def test_a_file_listing_in_a_tag_block_goes_with_the_environment() -> None:

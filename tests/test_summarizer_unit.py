@@ -230,14 +230,17 @@ async def test_the_saved_repair_tail_never_holds_a_message_the_proxy_inserted() 
 
 
 def test_a_summary_is_needed_soon_only_where_the_growth_reaches_its_use() -> None:
-    # 20k of a 24.5k budget, growing 300 tokens a request: 15 requests away.
-    assert not needed_soon(20_000, 19_700, 24_500, requests=4)
-    assert needed_soon(20_000, 19_700, 24_500, requests=15)
+    # 20k of a 24.5k budget, growing 300 tokens a request (a short reply): 15 requests away.
+    assert not needed_soon(20_000, 50, 19_700, 24_500, requests=4)
+    assert needed_soon(20_000, 50, 19_700, 24_500, requests=15)
     # Growing 2k a request: within 3.
-    assert needed_soon(20_000, 18_000, 24_500, requests=4)
-    # Not growing (a request sent again): it never gets there at this pace.
-    assert not needed_soon(20_000, 20_000, 24_500, requests=4)
+    assert needed_soon(20_000, 50, 18_000, 24_500, requests=4)
+    # A request sent again (regenerated): it grows by its reply at the least.
+    assert not needed_soon(20_000, 100, 20_000, 24_500, requests=4)
+    assert needed_soon(20_000, 1_200, 20_000, 24_500, requests=4)
+    # The reply alone takes it there: the next request needs the summary.
+    assert needed_soon(30_000, 2_500, 30_000, 32_000, requests=4)
     # Already where the summary is used, the first request of a session, or no lookahead.
-    assert needed_soon(24_600, 24_500, 24_500, requests=4)
-    assert needed_soon(20_000, 0, 24_500, requests=4)
-    assert needed_soon(20_000, 19_700, 24_500, requests=0)
+    assert needed_soon(24_600, 50, 24_500, 24_500, requests=4)
+    assert needed_soon(20_000, 50, 0, 24_500, requests=4)
+    assert needed_soon(20_000, 50, 19_700, 24_500, requests=0)

@@ -54,6 +54,10 @@ from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import FIRST_SIGHT_KINDS, DetectionCache, Detector, Span, detect_spans
 from proxy.openai import is_text_parts
 
+# Mixed into a conversation's key (its stable system messages and first user turn), so that it never
+# equals the chain of a forwarded prompt.
+_CONVERSATION_MARK = 0x636F6E766572736E
+
 # A user turn is a template when its first this-many characters, with more after them, are what the
 # app sent in that place before: a human's question rarely opens with 256 characters seen before.
 TEMPLATE_OPENING_CHARS = 256
@@ -124,7 +128,7 @@ def relocate(
             # changed too, the old position saves nothing and the default place is decided afresh.
             if layout.continues(trial, outcome.stable_count):
                 layout.record_block(messages, system_count, position, _moved_lines(forced))
-                layout.record_forwarded(trial)
+                layout.record_forwarded(trial, outcome.stable_count)
                 messages[:] = trial
                 return Relocation(actions + outcome.actions, outcome.stable_count)
         if (
@@ -142,7 +146,7 @@ def relocate(
             outcome = _insert(trial, splits, system_count, placement, None, fresh=True, target="conversation_start")
             if layout.continues(trial, outcome.stable_count + 1):
                 layout.record_block(messages, system_count, system_count, _moved_lines(splits))
-                layout.record_forwarded(trial)
+                layout.record_forwarded(trial, outcome.stable_count)
                 messages[:] = trial
                 return Relocation(actions + outcome.actions, outcome.stable_count)
         if inserting and any(s is not None and s.held for s in splits):
@@ -180,11 +184,15 @@ def _moved_mid_conversation(
     document swapped) costs the turn everything after the change as sent: the tools and the whole
     history. Before the last user turn the lines cost only themselves, and the next turn finds them
     there again (``restorations``). A place first seen here has not varied for the app, but it has
-    for this conversation, whose earlier turns went out without these lines. Taken only where the
-    system messages left behind were forwarded before, as they are (so the backend holds them, and
-    the tools after them), while the system prompt as sent was not (or the request would have
-    continued a forwarded prompt): the change is exactly the lines moved."""
+    for this conversation, whose earlier turns went out without these lines. Taken only where this
+    conversation (its first user turn) was forwarded before after the very system messages left
+    behind (so the backend holds them, the tools and the history after them), while the system
+    prompt as sent was not (or the request would have continued a forwarded prompt): the change is
+    exactly the lines moved. A conversation this replica has not seen that way (it went out with
+    the lines in place from another replica, or was forgotten) goes as sent."""
     last_user = _last_user_index(messages)
+    if last_user >= len(messages):
+        return None  # no user turn to put them before (a tool result last): system_end's case
     first_reply = next((i for i in range(system_count, last_user) if messages[i].get("role") == "assistant"), None)
     if first_reply is None:
         return None  # a conversation's first turn: nothing was forwarded that moving could keep
@@ -200,10 +208,10 @@ def _moved_mid_conversation(
     position = last_user + 1 if placement.target == "after_last_user" else last_user
     trial = list(messages)
     outcome = _insert(trial, forced, position, placement, None, fresh=True, target="mid_conversation")
-    if not layout.forwarded_system(trial, outcome.stable_count):
+    if not outcome.stable_count or not layout.forwarded_conversation(trial, outcome.stable_count):
         return None
     layout.record_block(messages, system_count, position, _moved_lines(forced))
-    layout.record_forwarded(trial)
+    layout.record_forwarded(trial, outcome.stable_count)
     messages[:] = trial
     return outcome
 
@@ -679,7 +687,7 @@ def _insert(
         if count:
             actions.append(Action("query_blocks_restored", str(count)))
     if layout is not None:
-        layout.record_forwarded(messages)
+        layout.record_forwarded(messages, stable_count)
     return _Inserted(actions, stable_count)
 
 
@@ -831,10 +839,19 @@ class _Layout:
                 if holds:
                     yield system_count + offset, self.split_again(messages, system_count, block, placement, memories)
 
-    def forwarded_system(self, messages: list[dict[str, Any]], system_count: int) -> bool:
-        """Whether these leading system messages were forwarded before, on their own or ahead of a
-        conversation (the same app, model and tools)."""
-        return self._layouts.knows_prompt(self._prefix_chain(messages[:system_count])[-1])
+    def forwarded_conversation(self, messages: list[dict[str, Any]], stable_count: int) -> bool:
+        """Whether this conversation (its first user turn) was forwarded before right after these
+        stable system messages, blocks inserted between them aside (the same app, model and tools)."""
+        key = self._conversation_key(messages, stable_count)
+        return key is not None and self._layouts.knows_prompt(key)
+
+    def _conversation_key(self, messages: list[dict[str, Any]], stable_count: int) -> int | None:
+        first_user = next((m for m in messages[stable_count:] if m.get("role") == "user"), None)
+        if first_user is None:
+            return None
+        chain = self._prefix_chain(messages[:stable_count])[-1]
+        # Marked: a key of its own, never taken for the forwarded prompt [system, first user].
+        return extend(extend(chain, self._digest(first_user)), _CONVERSATION_MARK)
 
     def had_blocks(self, messages: list[dict[str, Any]], system_count: int) -> bool:
         """Whether a block was inserted anywhere in this conversation's history before (its lines
@@ -866,8 +883,14 @@ class _Layout:
         chain = self._prefix_chain(history)
         self._layouts.remember_block(extend(chain[-1], self._digest(messages[position])), lines, self._app)
 
-    def record_forwarded(self, messages: list[dict[str, Any]]) -> None:
-        """Remember the forwarded prompt, and its leading system messages on their own."""
+    def record_forwarded(self, messages: list[dict[str, Any]], stable_count: int | None = None) -> None:
+        """Remember the forwarded prompt, its leading system messages on their own, and (with the
+        stable system messages ahead of any block inserted before the first user turn) which
+        conversation went out after them."""
         chain = self._prefix_chain(messages)
+        system_count = leading_system_count(messages)
         self._layouts.remember_prompt(chain[-1])
-        self._layouts.remember_prompt(chain[leading_system_count(messages)])
+        self._layouts.remember_prompt(chain[system_count])
+        key = self._conversation_key(messages, system_count if stable_count is None else stable_count)
+        if key is not None:
+            self._layouts.remember_prompt(key)

@@ -528,7 +528,7 @@ def _facts_runs(tf: TextFacts, text: str) -> list[tuple[int, int]]:
         under_header = False
         while cursor < n:
             kind = facts[cursor].kind
-            if kind == _FACT or (kind == _PATH and under_header):
+            if kind == _FACT or (kind in vo._UNDER_HEADER and under_header):
                 if kind == _FACT:
                     seen.add(tf.line(text, cursor).strip())
                 last = cursor
@@ -538,7 +538,7 @@ def _facts_runs(tf: TextFacts, text: str) -> list[tuple[int, int]]:
                     if facts[ahead].kind != _BLANK:
                         following = facts[ahead].kind
                         break
-                if following not in (_FACT, _PATH):
+                if following != _FACT and following not in vo._UNDER_HEADER:
                     break
                 under_header = True
                 seen.add(f"\x00header {cursor}")

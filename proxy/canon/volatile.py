@@ -164,10 +164,12 @@ _ENV_KEY = re.compile(
 )
 _PATH_VALUE = re.compile(r"^\s*(?:[-*•]\s+)?[\w .'()-]{2,48}:\s*(?:/|~/|[A-Za-z]:\\)\S*\s*$")
 _PORCELAIN = re.compile(r"^\s?[MADRCUT?!]{1,2}\s+\S*[./]\S*\s*$")
-# A commit line: an abbreviated or full hash, then the subject. A hash holds a digit; one without a
-# letter a-f (about 4% of 7-character abbreviations, "5949420 Initial commit") is taken only at an
-# abbreviation's length, so a line opening with a long number is not one.
-_COMMIT = re.compile(r"^\s*(?:[-*•]\s+)?(?:(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}|[0-9]{7,12})\b\s+\S")
+# A commit line: an abbreviated or full hash (a digit and a letter a-f), then the subject.
+_COMMIT = re.compile(r"^\s*(?:[-*•]\s+)?(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b\s+\S")
+# One whose abbreviated hash has no letter (about 4% of 7-character ones: "5949420 Initial commit")
+# reads like a numbered line ("20241225 Christmas Day", a phone number): it belongs to an environment
+# block only under a header within a run of facts ("Recent commits:" after "Current branch: main").
+_NUMBERED_COMMIT = re.compile(r"^\s*(?:[-*•]\s+)?[0-9]{7,12}\s+\S")
 _TREE = r"(?:[│├└─|`+\\ -]+\s*)?"  # tree-drawing prefixes of a file listing
 _FILE_PATH = re.compile(
     rf"^\s*{_TREE}[\w@.+~-]*(?:[/\\][\w@.+~ -]*)+/?\s*$"  # a path with a separator
@@ -180,7 +182,9 @@ _HEADER_MAX_CHARS = 100
 _ENV_BLOCK_SHARE = 0.6
 _MAX_BLOCK_LINES = 400
 
-_FACT, _PATH, _HEADER, _BLANK, _OTHER = range(5)
+_FACT, _PATH, _HEADER, _BLANK, _OTHER, _LISTED = range(6)
+# Kinds a run of facts takes in under a header (a file listing, a list of commits).
+_UNDER_HEADER = (_PATH, _LISTED)
 
 
 def _line_kind(line: str) -> int:
@@ -199,6 +203,8 @@ def _line_kind(line: str) -> int:
         return _FACT
     if (path_like and _FILE_PATH.match(line)) or ("(" in line and _PARENTHESIZED.match(line)):
         return _PATH
+    if _NUMBERED_COMMIT.match(line):
+        return _LISTED
     if stripped.endswith(":") and len(stripped) <= _HEADER_MAX_CHARS:
         return _HEADER
     return _OTHER
@@ -219,14 +225,14 @@ def _environment_runs(lines: list[str], kinds: list[int]) -> list[tuple[int, int
         under_header = False
         while cursor < len(kinds):
             kind = kinds[cursor]
-            if kind == _FACT or (kind == _PATH and under_header):
+            if kind == _FACT or (kind in _UNDER_HEADER and under_header):
                 if kind == _FACT:
                     facts.add(lines[cursor].strip())
                 last = cursor
             elif kind == _HEADER:
                 # A header belongs to the run only with facts or paths under it.
                 following = next((k for k in kinds[cursor + 1 :] if k != _BLANK), _OTHER)
-                if following not in (_FACT, _PATH):
+                if following != _FACT and following not in _UNDER_HEADER:
                     break
                 under_header = True
                 facts.add(f"\x00header {cursor}")

@@ -407,7 +407,8 @@ class ChatTurn:
             return True
         previous = self.session.record.context_tokens if self.session.record else 0
         used_at = self.limit * self.settings.summarizer.apply_ratio
-        return needed_soon(usage.prompt_tokens, previous, used_at, self.settings.summarizer.lookahead_requests)
+        lookahead = self.settings.summarizer.lookahead_requests
+        return needed_soon(usage.prompt_tokens, usage.completion_tokens, previous, used_at, lookahead)
 
     def finish_later(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
         """:meth:`finish` from synchronous code (the end of a stream), as a background task."""
