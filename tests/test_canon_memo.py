@@ -418,6 +418,8 @@ def _line_kind_unfiltered(line: str) -> int:
         return vo._FACT
     if vo._FILE_PATH.match(line) or vo._PARENTHESIZED.match(line):
         return vo._PATH
+    if vo._NUMBERED_COMMIT.match(line):
+        return vo._LISTED
     if stripped.endswith(":") and len(stripped) <= vo._HEADER_MAX_CHARS:
         return vo._HEADER
     return vo._OTHER
@@ -426,8 +428,11 @@ def _line_kind_unfiltered(line: str) -> int:
 LINE_CHARS = st.text(alphabet="0123456789abcdef:：/.\\()=-月日年号点 aZTM?!├─│\t", max_size=30)
 
 
+NUMBERED = st.from_regex(r"\A[ •*-]{0,3}[0-9]{5,14}[ x]{0,2}[a-z]{0,3}\Z")
+
+
 @settings(max_examples=2000, deadline=None)
-@given(st.one_of(LINE_CHARS, st.sampled_from([line for p in PARAGRAPHS for line in p.split("\n")])))
+@given(st.one_of(LINE_CHARS, NUMBERED, st.sampled_from([line for p in PARAGRAPHS for line in p.split("\n")])))
 def test_prefilters_leave_the_detectors_as_they_were(line: str) -> None:
     from proxy.canon import volatile as vo
 

@@ -203,7 +203,7 @@ def _line_kind(line: str) -> int:
         return _FACT
     if (path_like and _FILE_PATH.match(line)) or ("(" in line and _PARENTHESIZED.match(line)):
         return _PATH
-    if _NUMBERED_COMMIT.match(line):
+    if (stripped[0].isdigit() or stripped[0] in "-*•") and _NUMBERED_COMMIT.match(line):
         return _LISTED
     if stripped.endswith(":") and len(stripped) <= _HEADER_MAX_CHARS:
         return _HEADER
