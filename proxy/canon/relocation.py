@@ -193,8 +193,7 @@ def _moved_mid_conversation(
     last_user = _last_user_index(messages)
     if last_user >= len(messages):
         return None  # no user turn to put them before (a tool result last): system_end's case
-    first_reply = next((i for i in range(system_count, last_user) if messages[i].get("role") == "assistant"), None)
-    if first_reply is None:
+    if not any(m.get("role") == "assistant" for m in messages[system_count:last_user]):
         return None  # a conversation's first turn: nothing was forwarded that moving could keep
     block = tuple(
         (index, part, line)
@@ -241,11 +240,15 @@ class _Split:
     at_end: bool = False
     # (text part, line hash) of each moving line: what a later turn of the conversation moves again.
     lines: list[tuple[int, int]] = field(default_factory=list)
-    # Some candidate lines stay (their place has not varied yet).
-    held: bool = False
-    # What finds (text part, line hash) of every candidate line, whole blocks, moved or not: asked
-    # for only when a conversation's system prompt changed mid-way, so found then.
+    # Where some candidate lines stay (their place has not varied yet): what finds (text part, line
+    # hash) of every candidate line of that text, whole blocks, moved or not. Asked for only when a
+    # conversation's system prompt changed mid-way, so found then.
     candidate_finders: list[Callable[[], list[tuple[int, int]]]] = field(default_factory=list)
+
+    @property
+    def held(self) -> bool:
+        """Some candidate lines stay where the client put them."""
+        return bool(self.candidate_finders)
 
     def candidate_lines(self) -> list[tuple[int, int]]:
         return [line for find in self.candidate_finders for line in find()]
@@ -316,9 +319,7 @@ def _split_text(
     held = not candidates <= moving
     finders = [lambda: _all_candidates(lines, detected, learned_lines, blocks, where[1])] if held else []
     if not moving:
-        return _Split(
-            text, learned=len(learned_lines), candidates=len(candidates), held=held, candidate_finders=finders
-        )
+        return _Split(text, learned=len(learned_lines), candidates=len(candidates), candidate_finders=finders)
     stable, moved = partition_lines(lines, moving)
     return _Split(
         stable,
@@ -328,7 +329,6 @@ def _split_text(
         len(candidates),
         already_at_end(lines, moving),
         _line_ids(lines, moving, where[1]),
-        held,
         finders,
     )
 
@@ -365,16 +365,11 @@ def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, wher
     moving = set(_varied_learned_facts(text, facts, learned_lines, memories.varying, place_key, where))
     varied_lines = frozenset(facts.lines_touched(varied))
     if varied_lines:
-        closed = facts.cached(
-            ("closed", varied_lines), lambda: frozenset(tm.close_blocks(facts, set(varied_lines), facts.blocks(text)))
-        )
-        moving |= closed
+        moving |= _closed_facts(text, facts, varied_lines)
     held = not candidates <= moving
     finders = [lambda: _all_candidates_facts(text, facts, detected, learned_lines, where[1])] if held else []
     if not moving:
-        return _Split(
-            text, learned=len(learned_lines), candidates=len(candidates), held=held, candidate_finders=finders
-        )
+        return _Split(text, learned=len(learned_lines), candidates=len(candidates), candidate_finders=finders)
     planned, at_end, ids = _planned(facts, moving)
     stable, moved = tm.cut(facts, text, planned)
     return _Split(
@@ -385,7 +380,6 @@ def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, wher
         len(candidates),
         at_end,
         [(where[1], line) for line in ids],
-        held,
         finders,
     )
 
@@ -396,8 +390,16 @@ def _all_candidates_facts(
     """:func:`_all_candidates` on the text's facts."""
     closed = set(learned)
     if detected:
-        closed |= tm.close_blocks(facts, set(detected), facts.blocks(text))
+        closed |= _closed_facts(text, facts, detected)
     return tm.line_ids(facts, tm.bridge_blanks(facts, closed), part)
+
+
+def _closed_facts(text: str, facts: TextFacts, spanned: frozenset[int]) -> frozenset[int]:
+    """The lines of detected spans with the blocks holding them (a date inside <env>...</env>)."""
+    closed: frozenset[int] = facts.cached(
+        ("closed", spanned), lambda: frozenset(tm.close_blocks(facts, set(spanned), facts.blocks(text)))
+    )
+    return closed
 
 
 def _planned(facts: TextFacts, moving: set[int]) -> tuple[tm.Plan, bool, tuple[int, ...]]:
@@ -523,7 +525,6 @@ def _split_parts(
         split = _split_text(part["text"], placement, memories, f"{key}\x00{number}", where, _forced(forced, number))
         out.learned += split.learned
         out.candidates += split.candidates
-        out.held = out.held or split.held
         out.candidate_finders.extend(split.candidate_finders)  # tagged with their part already
         if not split.moved:
             kept.append(part)
