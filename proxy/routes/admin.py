@@ -7,7 +7,6 @@ only ever name its own sessions.
 from __future__ import annotations
 
 import hmac
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -53,7 +52,7 @@ async def _describe(state: ProxyState, tenant: Tenant, record: SessionRecord) ->
     )
     budget_left = {}
     for limit in usage_limits(budget, tenant.name, record.session_id):
-        used = await state.sessions.call(state.sessions.store.usage(limit.key, budget.window_s, time.time()))
+        used = await state.sessions.used(limit, budget.window_s)
         budget_left[limit.kind] = max(0, limit.limit - used)
     view["budget_left"] = budget_left
     return view

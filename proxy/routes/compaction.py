@@ -209,7 +209,7 @@ async def _budget_spent(state: ProxyState, tenant: Tenant, model: str, session: 
     sessions = state.sessions
     for limit in usage_limits(budget, tenant.name, session):
         try:
-            used = await sessions.call(sessions.store.usage(limit.key, budget.window_s, time.time()))
+            used = await sessions.used(limit, budget.window_s)
         except StoreUnavailable:
             return False  # admitted as the turn is: the store's outage is never the client's
         if used >= limit.limit:

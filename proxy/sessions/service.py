@@ -209,6 +209,10 @@ class SessionService:
         known = {fp for fp, match in zip(history, matches, strict=True) if match == session_id}
         return SessionView(tenant, session_id, record, fingerprints, known)
 
+    async def used(self, limit: UsageLimit, window_s: int) -> int:
+        """What ``limit``'s key has spent in the current window."""
+        return await self.call(self.store.usage(limit.key, window_s, time.time()))
+
     async def reserve(self, limits: list[UsageLimit], amount: int, window_s: int) -> Reservation:
         if not limits:
             return Reservation(True)
