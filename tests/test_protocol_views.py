@@ -207,3 +207,37 @@ def test_responses_chain_keeps_instructions_out_of_the_view() -> None:
     view = ResponsesView.of(responses_body(previous_response_id="resp_1"))
     assert view.chat["messages"][0]["role"] == "user"
     assert view.restore(view.chat)["instructions"] == responses_body()["instructions"]
+
+
+def test_tool_views_are_made_once_per_tenant_and_list_and_equal_a_fresh_view() -> None:
+    from proxy.protocols.base import tool_views
+
+    made: list[Any] = []
+
+    def view(tool: Any) -> Any:
+        made.append(tool)
+        return {"type": "function", "function": {"name": tool["name"]}}
+
+    tools = [{"name": "Read", "input_schema": {"type": "object"}}, {"name": "Edit", "input_schema": {}}]
+    first = tool_views(tools, view, "tenant-a")
+    again = tool_views([dict(t) for t in tools], view, "tenant-a")  # the next request: a fresh parse
+    assert first == again == [view(t) for t in tools]
+    assert first is not again  # a list of the request's own
+    made.clear()
+    tool_views(tools, view, "tenant-a")
+    assert made == []
+    tool_views(tools, view, "tenant-b")  # another tenant's request is not faster for tenant-a's
+    assert len(made) == 2
+
+
+def test_tool_views_of_a_list_orjson_writes_ambiguously_are_made_afresh() -> None:
+    from proxy.protocols.base import tool_views
+
+    def view(tool: Any) -> Any:
+        return {"function": {"default": tool["default"]}}
+
+    nan = [{"name": "f", "default": float("nan")}]
+    none = [{"name": "f", "default": None}]
+    assert tool_views(none, view, "t")[0]["function"]["default"] is None
+    views = tool_views(nan, view, "t")  # both serialize as null: never the other's view
+    assert views[0]["function"]["default"] != views[0]["function"]["default"]  # NaN

@@ -110,7 +110,14 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
     used: set[str] = set()
     restored = arguments_restored = 0
     # histories[i] names the texts of messages[:i] (ids and argument bytes left out: they churn).
-    histories = prefix_chain(0, [_anchor(m) for m in messages])
+    # Made when first needed: a client that keeps the backend's ids is answered by them alone.
+    histories: list[int] = []
+
+    def history(index: int) -> int:
+        if not histories:
+            histories.extend(prefix_chain(0, [_anchor(m) for m in messages]))
+        return histories[index]
+
     for index, anchor, ordinal in iter_call_positions(messages):
         calls = messages[index].get("tool_calls")
         if not isinstance(calls, list) or not calls:
@@ -126,15 +133,14 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
             key = nth_key(base, occurrences[base])
             occurrences[base] += 1
             old_id = call.get("id")
-            # Calls the proxy did not relay are remembered under the whole history before them:
-            # restored only within the same conversation, never into another that happens to ask
-            # the same thing (a client's own ids must stay its own).
-            forwarded_key = extend(histories[index], key)
             # A client that kept the backend's own id identifies the call exactly; the position key
             # can collide between conversations that happen to ask the same thing (harmless for calls
             # the backend generated: a client re-sending them with fresh ids has no ids of its own).
+            # Calls the proxy did not relay are remembered under the whole history before them
+            # (``forwarded_key``): restored only within the same conversation, never into another
+            # that happens to ask the same thing (a client's own ids must stay its own).
             original = (
-                (memory.by_id(old_id) or memory.recall(key) or memory.recall(forwarded_key))
+                (memory.by_id(old_id) or memory.recall(key) or memory.recall(extend(history(index), key)))
                 if memory is not None
                 else None
             )
@@ -152,7 +158,7 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
             else:
                 arguments = function.get("arguments")
                 if memory is not None and isinstance(old_id, str) and isinstance(arguments, str):
-                    memory.remember(forwarded_key, GeneratedCall(id=old_id, arguments=arguments))
+                    memory.remember(extend(history(index), key), GeneratedCall(id=old_id, arguments=arguments))
             if isinstance(old_id, str) and old_id != new_id:
                 renamed[old_id] = new_id
             if new_id != old_id:

@@ -35,9 +35,34 @@ def digest(message: Any) -> int:
 
 
 def align(view: Sequence[Any], forwarded: Sequence[Any]) -> list[Aligned]:
+    # Most of a conversation is forwarded as it came, and the pipeline's copies share their values
+    # with the view's messages (equal at the cost of an identity check each): the equal runs at both
+    # ends are matched without serializing a message, and only what lies between is diffed.
+    head = _common_head(view, forwarded)
+    tail = _common_head(view[head:][::-1], forwarded[head:][::-1])
+    out = [Aligned(i, False) for i in range(head)]
+    middle = _diff(view[head : len(view) - tail], forwarded[head : len(forwarded) - tail])
+    out.extend(Aligned(None if m.view is None else head + m.view, m.changed) for m in middle)
+    out.extend(Aligned(len(view) - tail + k, False) for k in range(tail))
+    return out
+
+
+def _common_head(a: Sequence[Any], b: Sequence[Any]) -> int:
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        # Equal as values: the same message (the pipeline changes text, never a key's order or a number's type).
+        if x is not y and not (type(x) is type(y) and x == y):
+            break
+        count += 1
+    return count
+
+
+def _diff(view: Sequence[Any], forwarded: Sequence[Any]) -> list[Aligned]:
+    out: list[Aligned] = [Aligned(None, True)] * len(forwarded)
+    if not forwarded:
+        return out
     a = [digest(m) for m in view]
     b = [digest(m) for m in forwarded]
-    out: list[Aligned] = [Aligned(None, True)] * len(b)
     if a == b:
         return [Aligned(i, False) for i in range(len(b))]
     for tag, i1, i2, j1, j2 in SequenceMatcher(None, a, b, autojunk=False).get_opcodes():

@@ -34,6 +34,7 @@ from proxy.protocols.base import (
     event_payloads,
     summary_options,
     texts,
+    tool_views,
 )
 
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -155,7 +156,7 @@ class AnthropicView:
         chat: dict[str, Any] = {"model": body["model"], "messages": messages}
         tools = body.get("tools")
         if isinstance(tools, list) and tools:
-            chat["tools"] = [_tool_view(tool) for tool in tools]
+            chat["tools"] = tool_views(tools, _tool_view, namespace)
         for key in ("max_tokens", "stream", "cache_salt"):
             if key in body:
                 chat[key] = body[key]

@@ -10,9 +10,13 @@ summarizer's request for the conversation is sent in the same protocol. The pipe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
+
+import orjson
+import xxhash
+from cachetools import LRUCache
 
 from proxy.canon import ToolOrders
 from proxy.http import OPENAI, ErrorDialect, SSERelay
@@ -114,6 +118,33 @@ class GenerationProtocol:
     def diagnostics_fields(self, diagnosis: Diagnosis) -> dict[str, Any]:
         """The fields the answer object gets for ``diagnosis``, in the protocol's hosted shape."""
         return openai_diagnostics_fields(diagnosis)
+
+
+# The chat view of tool lists seen before, by tenant and the list's JSON: a client re-sends the same
+# tools on every request, and their view (schemas with keys sorted at every level) is made once.
+_TOOL_VIEWS: LRUCache[tuple[str, Callable[[Any], Any], int], tuple[Any, ...]] = LRUCache(1024)
+
+
+def tool_views(tools: list[Any], view: Callable[[Any], Any], namespace: str) -> list[Any]:
+    """``[view(tool) for tool in tools]``, made once per distinct list (``namespace``: the tenant, so
+    that no tenant's request is faster for another's). ``view`` is one function per cache user (a
+    protocol's), pure; what it made is shared by the requests that send the same list, as the
+    canonical tools are (``proxy.canon.tools``): nothing changes a request's tools in place.
+
+    Keyed by the list's orjson bytes, which tell two lists apart except where orjson writes two
+    values alike: a NaN or an infinity (accepted by the standard library's parser) is written as
+    ``null``, so a list whose JSON holds a ``null`` is viewed afresh."""
+    try:
+        raw = orjson.dumps(tools)
+    except TypeError:  # what orjson refuses (a lone surrogate, an integer past 64 bits)
+        return [view(tool) for tool in tools]
+    if b"null" in raw:
+        return [view(tool) for tool in tools]
+    key = (namespace, view, xxhash.xxh3_128_intdigest(raw))
+    found = _TOOL_VIEWS.get(key)
+    if found is None:
+        found = _TOOL_VIEWS[key] = tuple(view(tool) for tool in tools)
+    return list(found)
 
 
 def texts(content: Any) -> list[str]:

@@ -26,7 +26,7 @@ from proxy.canon import ToolOrders, canonicalize_tool_fields
 from proxy.http import InvalidRequest, SSERelay, is_text, require_model, with_data_fields
 from proxy.openai import STABLE_ROLES, AssistantRecorder, ToolCall, Usage, sort_keys_deep, token_count
 from proxy.protocols.align import align
-from proxy.protocols.base import GenerationProtocol, event_payloads, summary_options, texts
+from proxy.protocols.base import GenerationProtocol, event_payloads, summary_options, texts, tool_views
 
 # Ties a system/developer text part of the view to the client's content part (stripped on the way back).
 PART_KEY = "_part"
@@ -141,7 +141,8 @@ class ResponsesView:
             for index, item in enumerate(value):
                 _add_item(item, index, messages, sources)
         chat: dict[str, Any] = {"model": body["model"], "messages": messages}
-        tools = [_tool_view(t) for t in body.get("tools") or () if isinstance(t, dict) and t.get("type") == "function"]
+        sent_tools = body.get("tools")
+        tools = [t for t in tool_views(sent_tools, _tool_view, namespace) if t is not None] if sent_tools else []
         if tools:
             chat["tools"] = tools
         if isinstance(body.get("max_output_tokens"), int):
@@ -290,7 +291,10 @@ def _content_view(content: Any, stable: bool) -> Any:
     return parts
 
 
-def _tool_view(tool: dict[str, Any]) -> Any:
+def _tool_view(tool: Any) -> Any:
+    """A function tool as chat's; None for another kind (a built-in tool: not rendered as chat's)."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        return None
     function = {"name": tool.get("name"), "description": tool.get("description"), "parameters": tool.get("parameters")}
     return sort_keys_deep({"type": "function", "function": function})
 
