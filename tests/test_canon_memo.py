@@ -291,6 +291,127 @@ def test_a_text_filled_into_a_place_has_the_facts_of_the_text_read_whole(lines: 
         assert found.hash_set() == whole.hash_set()
 
 
+# Lines of one length (so a text holding one in place of another has every offset the same): a
+# filled text of the same shape shares its spans and line indices with the place's last one.
+SAME_LENGTH = [
+    line.ljust(20)[:20]
+    for line in (
+        "Mon 14:03:11 2026-01",
+        "Tue 09:15:42 2026-02",
+        "a1b2c3d Fix it again",
+        " M src/a.py",
+        "```",
+        "<doc>",
+        "</doc>",
+        "x: 1",
+        "plain words here ok",
+        "other words here ok",
+        "<context>",
+        "",
+        "List:",
+        "- one",
+        "Today's date: 2026-11",
+        "时间：2026-11-29 14:03",
+        "时间：2026-11-30 09:41",
+        "text line",
+        "see ratio 3:4 here",
+        "see ratio 3 4 here",
+        "a1b2c3d Fix it",
+        "e4f5a6b Add it",
+    )
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(SOUP, st.integers(0, 45), st.lists(st.sampled_from(SAME_LENGTH), min_size=2, max_size=12))
+def test_a_text_of_the_same_shape_in_the_holes_has_the_facts_of_the_text_read_whole(
+    lines: list[str], position: int, fills: list[str]
+) -> None:
+    position = min(position, len(lines))
+    memo = tm.TextMemo()
+    for fill in fills:
+        text = "\n".join([*lines[:position], fill, *lines[position:]])
+        found = memo.scope("t", DETECTORS).facts(text, "place")
+        whole = tm.TextMemo().scope("t", DETECTORS).facts(text, "")
+        assert [found.start(i) for i in range(found.n + 1)] == [whole.start(i) for i in range(whole.n + 1)]
+        assert list(found.hashes) == list(whole.hashes)
+        assert (found.spans, found.detected) == (whole.spans, whole.detected)
+        assert found.blocks(text) == whole.blocks(text)
+        assert found.weak(text) == whole.weak(text)
+        assert found.index == whole.index
+        assert found.hash_set() == whole.hash_set()
+        detected = set(found.detected)
+        blocks = whole.blocks(text)
+        assert tm.close_blocks(found, detected, found.blocks(text)) == tm.close_blocks(whole, detected, blocks)
+
+
+def _padded(*lines: str) -> list[str]:
+    return [line.ljust(20) for line in lines]
+
+
+# Each: the text's other lines, and the hole's lines in turn. The first two make the place (its text
+# read whole, then the line that differs becomes its hole), the third is filled in and read, the
+# fourth has the third's shape but differs in what the shape does not cover.
+@pytest.mark.parametrize(
+    ("lines", "position", "fills"),
+    [
+        # The hole's ':' is the text's only one: the environment detector reads the lines, or none.
+        (
+            ["a1b2c3d Fix it", " M src/a.py", "text line"],
+            2,
+            _padded("see ratio 7 8 here", "see ratio 9 0 here", "see ratio 3:4 here", "see ratio 3 4 here"),
+        ),
+        # A fact's text counts (one fact repeated is no environment): a fact in a hole is read afresh.
+        (
+            ["a1b2c3d Fix it", "text line", "", "Platform: linux"],
+            1,
+            _padded("0000000 Zero it", "1111111 One it", "a1b2c3d Fix it", "e4f5a6b Add it"),
+        ),
+        # Repeated lines are weak: a hole repeating another line, then not.
+        (
+            ["text line".ljust(20), "```", "x"],
+            1,
+            _padded("first words", "second words", "text line", "other words here"),
+        ),
+    ],
+)
+def test_what_the_shape_does_not_cover_is_read_afresh(lines: list[str], position: int, fills: list[str]) -> None:
+    test_a_text_of_the_same_shape_in_the_holes_has_the_facts_of_the_text_read_whole.hypothesis.inner_test(  # type: ignore[attr-defined]
+        lines, position, fills
+    )
+
+
+def test_relocation_on_texts_of_the_same_shape_is_the_same_as_without_the_memo(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reshaped = 0
+    original = tm.TextFacts.reshaped
+
+    def counted(self: tm.TextFacts, *args: Any) -> tm.TextFacts:
+        nonlocal reshaped
+        reshaped += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(tm.TextFacts, "reshaped", counted)
+    rng = random.Random(11)
+    twins = Twins()
+    head = "You are a support assistant.\nRules:\n- Be brief.\n- Cite sources.\n"
+    tail = "\n<env>\nWorking directory: /srv/app\nPlatform: linux\n</env>\n```\ncode\n```\na1b2c3d Fix it\nThe end."
+    for i in range(300):
+        # Mostly a clock that ticks; now and then a line of the same length that reads otherwise.
+        fill = SAME_LENGTH[i % 2] if rng.random() < 0.7 else rng.choice(SAME_LENGTH)
+        fill = fill.replace("14:03:11", f"{i % 24:02d}:{i % 60:02d}:{(7 * i) % 60:02d}")
+        system = head + fill + tail
+        turns = rng.randrange(3)
+        twins.check(
+            {
+                "model": "m",
+                "messages": [{"role": "system", "content": system}, *conversation(rng, App(rng, "a"), 0, turns)],
+            }
+        )
+    assert reshaped > 50
+
+
 def test_tenants_do_not_share_what_the_memo_holds() -> None:
     memo = tm.TextMemo()
     text = "You are a helpful assistant.\nAnswer briefly."

@@ -363,7 +363,7 @@ def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, wher
     place_key = f"{key}\x00{skeleton:x}"
     varied = _varied_spans(text, spans, memories.varying, place_key, where)
     moving = set(_varied_learned_facts(text, facts, learned_lines, memories.varying, place_key, where))
-    varied_lines = frozenset(facts.lines_touched(varied))
+    varied_lines: frozenset[int] = facts.cached(("touched", *varied), lambda: frozenset(facts.lines_touched(varied)))
     if varied_lines:
         moving |= _closed_facts(text, facts, varied_lines)
     held = not candidates <= moving
@@ -406,12 +406,15 @@ def _planned(facts: TextFacts, moving: set[int]) -> tuple[tm.Plan, bool, tuple[i
     """What moves (``moving`` with the blank lines between its lines) as runs, whether it already
     sits at the end, and the hashes of its lines."""
 
-    def compute() -> tuple[tm.Plan, bool, tuple[int, ...]]:
+    def compute() -> tuple[tm.Plan, bool, list[int]]:
         bridged = tm.bridge_blanks(facts, moving)
-        ids = tuple(line for _, line in tm.line_ids(facts, bridged, 0))
-        return tm.plan(facts, bridged), tm.already_at_end(facts, bridged), ids
+        nonblank = sorted(i for i in bridged if not facts.facts[i].blank)
+        return tm.plan(facts, bridged), tm.already_at_end(facts, bridged), nonblank
 
-    return facts.cached(("planned", frozenset(moving)), compute)
+    # Which lines, by shape only (a text of the same shape shares it); their hashes are this text's.
+    planned, at_end, nonblank = facts.cached(("plan", frozenset(moving)), compute)
+    hashes = facts.hashes
+    return planned, at_end, tuple(hashes[i] for i in nonblank)
 
 
 def _reindex_around(excluded: frozenset[int], learned: set[int]) -> set[int]:
@@ -701,15 +704,37 @@ def _system_lines(messages: list[dict[str, Any]]) -> set[MovedLine]:
     return lines
 
 
-def _holds_lines(messages: list[dict[str, Any]], block: Block, texts: TextScope) -> bool:
-    """``_system_lines(messages).issuperset(block)``, on the texts' facts."""
-    for index, part, line in block:
-        if index >= len(messages):
-            return False
-        found = _texts(messages[index].get("content"))
-        if part >= len(found) or not texts.facts(found[part], "").holds(line):
-            return False
-    return True
+class _SystemLines:
+    """Whether the system messages hold a block's lines (``_system_lines(messages).issuperset(block)``),
+    asked for each block remembered at a position (up to ``BLOCKS_PER_POSITION``, most of them
+    differing in one line): each text part's facts are found once, the lines looked up in them."""
+
+    def __init__(self, messages: list[dict[str, Any]], texts: TextScope | None) -> None:
+        self._messages = messages
+        self._texts = texts
+        self._facts: dict[tuple[int, int], TextFacts | None] = {}
+        self._lines: set[MovedLine] | None = None
+
+    def hold(self, block: Block) -> bool:
+        if self._texts is None:
+            if self._lines is None:
+                self._lines = _system_lines(self._messages)
+            return self._lines.issuperset(block)
+        for index, part, line in block:
+            place = (index, part)
+            if place in self._facts:
+                facts = self._facts[place]
+            else:
+                facts = self._facts[place] = self._read(index, part)
+            if facts is None or not facts.holds(line):
+                return False
+        return True
+
+    def _read(self, index: int, part: int) -> TextFacts | None:
+        if index >= len(self._messages):
+            return None
+        found = _texts(self._messages[index].get("content"))
+        return self._texts.facts(found[part], "") if part < len(found) and self._texts is not None else None
 
 
 def _texts(content: Any) -> list[str]:
@@ -828,16 +853,10 @@ class _Layout:
         again (earliest position first; blocks whose lines are not all in the system prompt skipped)."""
         history = messages[system_count:]
         chain = self._prefix_chain(history)
-        present: set[MovedLine] | None = None
+        present = _SystemLines(messages[:system_count], memories.texts)
         for offset, message in enumerate(history):
             for block in self._layouts.blocks_at(extend(chain[offset], self._digest(message))):
-                if memories.texts is not None:
-                    holds = _holds_lines(messages[:system_count], block, memories.texts)
-                else:
-                    if present is None:
-                        present = _system_lines(messages[:system_count])
-                    holds = present.issuperset(block)
-                if holds:
+                if present.hold(block):
                     yield system_count + offset, self.split_again(messages, system_count, block, placement, memories)
 
     def forwarded_conversation(self, messages: list[dict[str, Any]], stable_count: int) -> bool:

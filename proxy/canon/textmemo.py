@@ -142,9 +142,33 @@ class LineFacts:
         """Whether the two lines count alike in the environment detector (a fact's text counts too)."""
         return self.kind == other.kind != _FACT and self.env_tag == other.env_tag and self.env_close == other.env_close
 
+    def same_shape(self, other: LineFacts, line: str) -> bool:
+        """Whether a text holding this line (``line``) instead of ``other``, at the same length, reads
+        alike everywhere but in the line's hash: the same line-local detections at the same offsets,
+        the same environment reading (not a fact, whose text counts) and no ``<context>`` marker; the
+        same block facts where ``other``'s were read (this line's are read for that)."""
+        if not (
+            self.local == other.local
+            and self.blank == other.blank
+            and self.same_environment(other)
+            and not self.context
+            and not other.context
+        ):
+            return False
+        if other.weak is None:
+            return True
+        if self.weak is None:
+            self.read_blocks(line)
+        return self.weak == other.weak and self.structural == other.structural and self.same_blocks(other)
+
 
 # A character ``str.isalnum`` holds for (``\w`` is those and the underscore).
 _ALNUM = re.compile(r"[^\W_]")
+
+# What a text's facts derive from its lines' shapes and positions alone, never from their hashes or
+# text (``TextFacts.reshaped`` carries them): the blocks, the environment's runs, and the results
+# relocation keeps under these names (``cached`` keys are tuples that start with the name).
+SHAPE_RESULTS = frozenset({"blocks", "environment", "closed", "plan", "touched"})
 
 # The line indices a text's facts keep, by what each line is; the block ones once blocks are asked for.
 _INDEXED: dict[str, Callable[[LineFacts], Any]] = {
@@ -230,6 +254,22 @@ class TextFacts:
         self.spans = self.find_spans(text, detectors)
         self.detected = frozenset(self.lines_touched(self.spans))
         return self
+
+    def reshaped(self, keys: array[int], facts: list[LineFacts], hashes: array[int]) -> TextFacts:
+        """These facts for the same place's text with other lines of the same shape in the holes
+        (:meth:`LineFacts.same_shape`, each hole the same length): the spans, the line indices and what
+        was derived from shapes alone are these; what hashes or text decide is derived afresh."""
+        assert self.base is not None
+        twin = TextFacts.__new__(TextFacts)
+        twin.n, twin.keys, twin.facts, twin.hashes = self.n, keys, facts, hashes
+        twin.base, twin.holes, twin.deltas = self.base, self.holes, self.deltas
+        twin.memo = {
+            key: value
+            for key, value in self.memo.items()
+            if key == "starts" or (key if isinstance(key, str) else key[0]) in SHAPE_RESULTS
+        }
+        twin.spans, twin.detected, twin.index = self.spans, self.detected, dict(self.index)
+        return twin
 
     # -- offsets ----------------------------------------------------------------------------
 
@@ -845,6 +885,7 @@ class TextMemo:
         self._salts: LRUCache[str, int] = LRUCache(16_384)
         self._detectors: tuple[Detector, ...] | None = None
         self._local: tuple[Detector, ...] = ()
+        self.reshapes = False
 
     def scope(self, namespace: str, detectors: Sequence[Detector]) -> TextScope:
         detectors = tuple(detectors)
@@ -856,6 +897,11 @@ class TextMemo:
             self._seen = RecentSet(16_384)
             self._detectors = detectors
             self._local = tuple(d for d in detectors if getattr(d, "line_local", False))
+            # Texts of the same shape read alike only where every detector reads lines (or is one
+            # of the block detectors whose reading the shapes cover); a rule sees the whole text.
+            self.reshapes = all(
+                d in self._local or d is detect_environment_blocks or d is vo.detect_context_blocks for d in detectors
+            )
         salt = self._salts.get(namespace)
         if salt is None:
             salt = self._salts[namespace] = int.from_bytes(os.urandom(8), "little") >> 1
@@ -884,16 +930,28 @@ def _is_none(value: object) -> bool:
     return value is None
 
 
+def _same_shapes(filled: TextFacts, lines: list[LineFacts], contents: list[str]) -> bool:
+    """Whether ``contents`` (read as ``lines``) in the holes read as ``filled``'s holes do: each the
+    same length (so every offset is the same) and the same shape."""
+    for hole, line, content, number in zip(filled.holes, lines, contents, range(len(contents)), strict=True):
+        was = filled.deltas[number] - (filled.deltas[number - 1] if number else 0)
+        length = filled.base.start(hole + 1) - 1 - filled.base.start(hole) + was  # type: ignore[union-attr]
+        if len(content) != length or not line.same_shape(filled.facts[hole], content):
+            return False
+    return True
+
+
 class TextScope:
     """One request's (one tenant's) view of the memory: the facts of each system text it reads."""
 
-    __slots__ = ("_memo", "_salt", "_seed", "_views", "detectors")
+    __slots__ = ("_memo", "_reshapes", "_salt", "_seed", "_views", "detectors")
 
     def __init__(self, memo: TextMemo, salt: int, detectors: tuple[Detector, ...]) -> None:
         self._memo = memo
         self._salt = salt
         self._seed = salt & 0xFFFF_FFFF_FFFF_FFFF
         self.detectors = detectors
+        self._reshapes = memo.reshapes
         # The facts of the texts read in this request, by identity (the layout asks again).
         self._views: dict[int, tuple[str, TextFacts]] = {}
 
@@ -951,16 +1009,32 @@ class TextScope:
         keys = base.keys[:]
         facts = base.facts[:]
         hashes = base.hashes[:]
-        for hole, key, line in zip(spot.holes, new_keys, self._memo.line_facts(new_keys, contents), strict=True):
+        lines = self._memo.line_facts(new_keys, contents)
+        for hole, key, line in zip(spot.holes, new_keys, lines, strict=True):
             keys[hole] = key
             facts[hole] = line
             hashes[hole] = line.hash
+        # What the environment detector asks of the whole text before it reads lines.
+        marked = ":" in text or "</" in text
+        previous = spot.filled[1] if spot.filled is not None else None
+        if (
+            previous is not None
+            and self._reshapes
+            and previous.memo.get("marked") == marked
+            and _same_shapes(previous, lines, contents)
+        ):
+            # The place's last filled text, but for the holes' text (a clock that ticked): read alike.
+            filled = previous.reshaped(keys, facts, hashes)
+            filled.memo["marked"] = marked
+            spot.filled = (known, filled)
+            return filled
         deltas = []
         shift = 0
         for hole, content in zip(spot.holes, contents, strict=True):
             shift += len(content) - (base.start(hole + 1) - 1 - base.start(hole))
             deltas.append(shift)
         filled = TextFacts(keys, facts, base.memo["starts"], hashes, base, spot.holes, tuple(deltas))
+        filled.memo["marked"] = marked
         spot.filled = (known, filled.prepare(text, self.detectors))
         return filled
 

@@ -1,0 +1,81 @@
+"""Instructions per request, counted by valgrind: a before/after figure a noisy machine cannot blur.
+
+    python -m bench.instructions [--shape dify] [--requests 200] [--before CHECKOUT] [--bare]
+                                 [--settings JSON]
+
+CPU time on a shared 2-core machine drifts by 20-40% between runs of the same build, which hides a
+change worth 5%. The instructions the proxy's code executes do not drift: this runs
+``bench.inprocess`` (the app driven in process, the instant backend in another process, which
+valgrind does not follow) under callgrind twice, with ``--requests`` more requests the second time,
+and divides the difference by them, so start-up and warm-up cancel out. ``--before`` counts another
+checkout the same way (with its own ``.venv`` where it has one), for a ratio.
+
+An instruction is not a nanosecond (a cache miss costs more than an add), so this says whether a
+change made the code do less, and by how much; the wall-clock figures stay ``bench.hop``'s. Needs
+valgrind (``apt-get install valgrind``); a run takes about a minute per hundred requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench import shapes
+
+# The first run's requests per round (start-up and warm-up are the same in both runs).
+BASELINE_REQUESTS = 20
+
+_COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
+
+
+def count(source: Path, args: argparse.Namespace, requests: int) -> int:
+    """Instructions callgrind counts in one run of ``bench.inprocess`` from ``source``."""
+    own_python = source / ".venv" / "bin" / "python"
+    python = str(own_python) if own_python.exists() else sys.executable
+    command = [python, "-m", "bench.inprocess", "--rounds", "1", "--requests", str(requests)]
+    command += ["--shape", args.shape, "--settings", args.settings] + (["--bare"] if args.bare else [])
+    env = {**os.environ, "PYTHONPATH": str(source), "PYTHONHASHSEED": "0"}
+    with tempfile.TemporaryDirectory() as tmp:
+        valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out"]
+        done = subprocess.run(valgrind + command, cwd=source, env=env, capture_output=True, text=True, check=False)
+    found = _COLLECTED.search(done.stderr)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(f"valgrind on {source} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def per_request(source: Path, args: argparse.Namespace) -> float:
+    with ThreadPoolExecutor(2) as pool:
+        small = pool.submit(count, source, args, BASELINE_REQUESTS)
+        large = pool.submit(count, source, args, BASELINE_REQUESTS + args.requests)
+        return (large.result() - small.result()) / args.requests
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__)
+    parser.add_argument("--shape", default="dify", choices=shapes.SHAPE_NAMES)
+    parser.add_argument("--requests", type=int, default=200, help="the requests the two runs differ by")
+    parser.add_argument("--before", type=Path, help="another checkout of prefix-proxy, counted too")
+    parser.add_argument("--bare", action="store_true", help="bench.bare_hop's app: the stack without logic")
+    parser.add_argument("--settings", default="{}", help="settings overrides (JSON), as bench.inprocess")
+    args = parser.parse_args(argv)
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind not found: apt-get install valgrind")
+    here = Path(__file__).resolve().parent.parent
+    after = per_request(here, args)
+    line = f"{args.shape}{' (bare)' if args.bare else ''}: {after / 1e6:.3f} M instructions per request"
+    if args.before is not None:
+        before = per_request(args.before.resolve(), args)
+        line += f", before {before / 1e6:.3f} M ({after / before:.3f}x)"
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
