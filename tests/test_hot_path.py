@@ -21,10 +21,12 @@ from proxy.backends.transport import read_all
 from proxy.backends.upstream import Upstream
 from proxy.canon.normalize import MEMO_MIN_CHARS, NormalTextMemo, normalize_text
 from proxy.config import Settings
-from proxy.http.body import _plain_message, _validate_message
+from proxy.http.body import _plain_message, _validate_message, parse_json_object
 from proxy.http.direct import DirectRequest
 from proxy.ids import unique_id
-from proxy.openai.jsonio import TooDeep, check_depth, dumps, loads
+from proxy.http.errors import InvalidRequest
+from proxy.openai import jsonio
+from proxy.openai.jsonio import MAX_DEPTH, TooDeep, check_depth, dumps, loads
 from proxy.recent import RecentSet
 from proxy.routes.forward import AfterSending
 from testbed.serving import LiveServer, json_post_scope
@@ -253,6 +255,79 @@ def test_depth_check_refuses_exactly_what_nests_deeper(value: Any, limit: int) -
             check_depth(value, limit)
     else:
         check_depth(value, limit)
+
+
+def _nested(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def _body_with_tool_depth(levels: int, name: str = "f") -> bytes:
+    """A chat body whose tool list nests ``levels`` levels (the body itself one more)."""
+    parameters = _nested(levels - 3)  # under the list, a tool and its function
+    tool = {"type": "function", "function": {"name": name, "parameters": parameters}}
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}).encode()
+
+
+def test_a_tool_list_is_walked_once_per_tenant_and_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    walked: list[int] = []
+    original = jsonio.check_depth
+
+    def counted(value: Any, max_depth: int = MAX_DEPTH) -> None:
+        walked.append(max_depth)
+        original(value, max_depth)
+
+    monkeypatch.setattr(jsonio, "check_depth", counted)
+    monkeypatch.setattr(jsonio, "_WITHIN_BOUND", type(jsonio._WITHIN_BOUND)(16))
+    body = _body_with_tool_depth(20)
+    for _ in range(3):
+        parse_json_object(body, "tenant-a")
+    assert walked == [MAX_DEPTH - 1]  # the tools once; the rest of the body is not the memo's
+    parse_json_object(body, "tenant-b")  # another tenant's first time is walked too
+    parse_json_object(_body_with_tool_depth(20, "g"), "tenant-a")  # and another list
+    assert walked == [MAX_DEPTH - 1] * 3
+
+
+@pytest.mark.parametrize("namespace", [None, "tenant-a"])
+def test_the_tool_lists_depth_bound_is_the_bodys_with_or_without_the_memo(namespace: str | None) -> None:
+    parse_json_object(_body_with_tool_depth(MAX_DEPTH - 1), namespace)  # the body: MAX_DEPTH levels
+    for _ in range(2):  # refused again: a list past the bound is never remembered
+        with pytest.raises(InvalidRequest, match="nests deeper"):
+            parse_json_object(_body_with_tool_depth(MAX_DEPTH), namespace)
+    with pytest.raises(InvalidRequest, match="nests deeper"):  # past orjson's 254 levels: walked
+        parse_json_object(_body_with_tool_depth(300), namespace)
+    surrogate = _body_with_tool_depth(MAX_DEPTH).replace(b'"f"', b'"\\ud800"')  # orjson cannot write it
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="nests deeper"):
+            parse_json_object(surrogate, namespace)
+
+
+def test_a_lists_json_is_made_once_and_afresh_when_its_items_change() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    first = jsonio.shared_json(tools)
+    assert first == dumps(tools)
+    assert jsonio.shared_json(tools) is first  # the same list: the same bytes, not written again
+    assert jsonio.shared_json(list(tools)) is not first  # another list is its own
+    tools.append({"type": "function", "function": {"name": "g"}})
+    assert jsonio.shared_json(tools) == dumps(tools)
+    tools[0] = {"type": "function", "function": {"name": "h"}}
+    assert jsonio.shared_json(tools) == dumps(tools)
+    tools.reverse()
+    assert jsonio.shared_json(tools) == dumps(tools)
+
+
+@given(
+    st.lists(st.dictionaries(st.sampled_from(["name", "type", "description"]), st.text(max_size=4)), max_size=4),
+    st.text(max_size=4),
+    st.booleans(),
+)
+def test_a_body_is_written_with_its_shared_tool_list_as_without(tools: list[Any], text: str, stream: bool) -> None:
+    body = {"model": "m", "tools": tools, "messages": [{"role": "user", "content": text}], "stream": stream}
+    jsonio.shared_json(tools)
+    assert jsonio.dumps_body(body) == dumps(body)  # lone surrogates included: dumps' own fallback
+    assert jsonio.shared_dumps(tools) == dumps(tools)
 
 
 MESSAGE_VALUES = st.none() | st.booleans() | st.integers() | st.text(max_size=3) | st.lists(st.none(), max_size=1)

@@ -6,7 +6,7 @@ from typing import Any
 
 import xxhash
 
-from proxy.openai import STABLE_ROLES, dumps
+from proxy.openai import STABLE_ROLES, dumps, shared_dumps
 
 
 def leading_system_count(messages: list[dict[str, Any]]) -> int:
@@ -28,7 +28,7 @@ def stable_prefix_hash(body: dict[str, Any], stable_count: int | None = None) ->
     digest.update(b"\x00")
     tools = body.get("tools") or body.get("functions")
     if tools:
-        digest.update(dumps(tools))
+        digest.update(shared_dumps(tools))
     digest.update(b"\x00")
     for message in messages[:stable_count]:
         digest.update(dumps(message.get("content")))

@@ -25,7 +25,7 @@ from typing import Any
 import xxhash
 from cachetools import LRUCache
 
-from proxy.openai import dumps
+from proxy.openai import dumps, shared_dumps
 from proxy.recent import RecentSet, peek
 
 # (system message index, text part, line hash) of one moved line.
@@ -81,7 +81,7 @@ def chain_header(namespace: str, body: dict[str, Any]) -> int:
     digest.update(b"\x00")
     digest.update(str(body.get("model", "")).encode("utf-8", "surrogatepass"))
     digest.update(b"\x00")
-    digest.update(dumps(body.get("tools") or body.get("functions") or []))
+    digest.update(shared_dumps(body.get("tools") or body.get("functions") or []))
     return digest.intdigest()
 
 

@@ -25,7 +25,7 @@ import xxhash
 from cachetools import LRUCache
 
 from proxy.canon.actions import Action
-from proxy.openai import canonical_dumps, sort_keys_deep
+from proxy.openai import canonical_dumps, shared_json, sort_keys_deep
 
 
 def _tool_name(tool: Any) -> str:
@@ -137,7 +137,7 @@ def canonicalize_tool_fields(
 
 def _rewritten(orders: ToolOrders | None, namespace: str, body: dict[str, Any], field: str, value: Any) -> Any:
     """The field's value to forward, or None when it goes as sent."""
-    raw = _dumps(value)
+    raw = shared_json(value) if type(value) is list else _dumps(value)
     if raw is None:  # values orjson refuses: canonical, as without a memory
         canonical: Any = (
             _canonical_tools([sort_keys_deep(t) for t in value]) if isinstance(value, list) else sort_keys_deep(value)

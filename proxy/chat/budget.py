@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.config import BudgetOverrides, BudgetSettings, Settings
-from proxy.openai import dumps, message_text, utf8_size
+from proxy.openai import message_text, shared_dumps, utf8_size
 from proxy.sessions import UsageLimit, slot_tag
 from proxy.tokenization import CAUTIOUS_TOKENS_PER_BYTE, TokenCounter
 
@@ -102,7 +102,7 @@ def request_bytes(body: dict[str, Any]) -> int:
     size = sum(utf8_size(message_text(m)) + 8 for m in body.get("messages") or [])
     tools = body.get("tools") or body.get("functions")
     if tools:
-        size += len(dumps(tools))  # not orjson.dumps: it refuses lone surrogates, which clients may send
+        size += len(shared_dumps(tools))  # not orjson.dumps: it refuses lone surrogates, which clients may send
     return size
 
 

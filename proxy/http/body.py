@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from proxy.http.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
-from proxy.openai import MAX_DEPTH, TooDeep, loads
+from proxy.openai import MAX_DEPTH, TooDeep, check_depth, check_depth_once, loads
 
 VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # A message's fields checked beyond its role and content.
@@ -58,11 +58,22 @@ def require_json_content_type(request: Request) -> None:
     raise UnsupportedMediaType()
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
+def parse_json_object(raw: bytes, namespace: str | None = None) -> dict[str, Any]:
+    """The body as a JSON object nesting at most ``MAX_DEPTH`` levels (InvalidRequest otherwise).
+
+    With ``namespace`` (the tenant), its tool list, which a client re-sends unchanged on every
+    request and which holds most of a body's nesting (JSON schemas), is checked once per tenant
+    and list (``check_depth_once``); the rest of the body every time."""
     if not raw:
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
-        body = loads(raw, max_depth=MAX_DEPTH)
+        body = loads(raw)
+        tools = body.get("tools") if namespace is not None and isinstance(body, dict) else None
+        if isinstance(tools, list):
+            check_depth({key: value for key, value in body.items() if key != "tools"}, MAX_DEPTH)
+            check_depth_once(tools, namespace or "", MAX_DEPTH - 1)  # a level below the body's
+        else:
+            check_depth(body, MAX_DEPTH)
     except TooDeep:
         raise InvalidRequest(f"request body nests deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:

@@ -24,7 +24,7 @@ import xxhash
 from cachetools import FIFOCache
 
 from proxy.canon import leading_system_count
-from proxy.openai import dumps
+from proxy.openai import dumps, shared_dumps
 
 ROLE_CODES = {"system": 1, "developer": 1, "user": 2, "assistant": 3, "tool": 4, "function": 4}
 SYSTEM, USER, ASSISTANT = 1, 2, 3
@@ -151,7 +151,7 @@ def digest_prompt(
 ) -> PromptDigest:
     messages: Sequence[Any] = body.get("messages") or []
     tools = body.get("tools") or body.get("functions") or []
-    tools_raw = dumps(tools) if tools else b""
+    tools_raw = shared_dumps(tools) if tools else b""
     digests: array[int] = array("Q")
     ends: array[int] = array("Q", [len(tools_raw)])
     roles = bytearray()

@@ -5,7 +5,17 @@ A leaf: it imports nothing else from the proxy, so every part (and ``summarizer`
 
 from proxy.openai.assistant import AssistantRecorder, ToolCall
 from proxy.openai.jsoncanon import canonical_arguments, canonical_dumps, sort_keys_deep
-from proxy.openai.jsonio import MAX_DEPTH, TooDeep, dumps, loads
+from proxy.openai.jsonio import (
+    MAX_DEPTH,
+    TooDeep,
+    check_depth,
+    check_depth_once,
+    dumps,
+    dumps_body,
+    loads,
+    shared_dumps,
+    shared_json,
+)
 from proxy.openai.messages import STABLE_ROLES, is_text_parts, message_fingerprint, message_text, utf8_size
 from proxy.openai.usage import Usage, token_count
 
@@ -18,11 +28,16 @@ __all__ = [
     "Usage",
     "canonical_arguments",
     "canonical_dumps",
+    "check_depth",
+    "check_depth_once",
     "dumps",
+    "dumps_body",
     "is_text_parts",
     "loads",
     "message_fingerprint",
     "message_text",
+    "shared_dumps",
+    "shared_json",
     "sort_keys_deep",
     "token_count",
     "utf8_size",

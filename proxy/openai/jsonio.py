@@ -13,6 +13,7 @@ few hundred levels deep would otherwise fail somewhere deep inside the proxy
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from itertools import chain, compress, repeat
@@ -20,6 +21,8 @@ from operator import is_
 from typing import Any
 
 import orjson
+import xxhash
+from cachetools import LRUCache
 
 # Far deeper than any real request (JSON schemas of tools nest a dozen levels), far below the
 # 254 levels orjson serializes and the interpreter's recursion limit.
@@ -76,6 +79,31 @@ def check_depth(value: Any, max_depth: int = MAX_DEPTH) -> None:
     _check_depth(value, max_depth)
 
 
+# Values found within a depth bound, by (tenant, bound, digest of their JSON): a tool list, which a
+# client re-sends on every request, is walked once per tenant instead of on every request.
+_WITHIN_BOUND: LRUCache[tuple[str, int, int], None] = LRUCache(4096)
+
+
+def check_depth_once(value: Any, namespace: str, max_depth: int = MAX_DEPTH) -> None:
+    """:func:`check_depth`, once per ``namespace`` (the tenant: no tenant's request is checked faster
+    for another's) and distinct value: a value seen within the bound before costs a serialization
+    and a hash (a tool list's walk costs five to eight times that).
+
+    Keyed by orjson's bytes of the value, which fix its nesting exactly (orjson writes NaN as
+    ``null``, a leaf either way). A value orjson refuses to write (a lone surrogate, an integer past
+    64 bits, nesting past its 254 levels) is walked every time."""
+    try:
+        raw = orjson.dumps(value)
+    except TypeError:
+        check_depth(value, max_depth)
+        return
+    key = (namespace, max_depth, xxhash.xxh3_128_intdigest(raw))
+    if key in _WITHIN_BOUND:
+        return
+    check_depth(value, max_depth)
+    _WITHIN_BOUND[key] = None
+
+
 def _check_depth(value: Any, max_depth: int) -> None:
     level: list[Any] = [value] if isinstance(value, dict | list) else []
     depth = 0
@@ -97,3 +125,44 @@ def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
         return orjson.dumps(value, default=default)
     except TypeError:
         return json.dumps(value, separators=(",", ":"), default=default).encode()
+
+
+# orjson's bytes of the lists that several steps of one request serialize (a tool list: its
+# canonical form, the layout's chain header, the prefix fingerprint, the budget, the digests and
+# the body sent upstream), by identity: the list held, so that its id stays its own, with its items.
+_SHARED: LRUCache[int, tuple[list[Any], tuple[Any, ...], bytes | None]] = LRUCache(256)
+
+
+def shared_json(value: list[Any]) -> bytes | None:
+    """``orjson.dumps(value)`` (None where orjson refuses it), made once per list object.
+
+    Nothing on the hot path changes a request's tool list in place: a step that changes tools
+    forwards a new list (``proxy.canon.tools``, the protocol views), so the bytes made for a list
+    stay its bytes. A list changed item by item (another item, a reorder) is written afresh; an
+    item changed in place would not be seen, which is why only lists pass through here."""
+    found = _SHARED.get(id(value))
+    if found is not None and found[0] is value and len(found[1]) == len(value) and all(map(is_, found[1], value)):
+        return found[2]
+    try:
+        raw: bytes | None = orjson.dumps(value)
+    except TypeError:
+        raw = None
+    _SHARED[id(value)] = (value, tuple(value), raw)
+    return raw
+
+
+def shared_dumps(value: Any) -> bytes:
+    """:func:`dumps`, through :func:`shared_json` for a list."""
+    raw = shared_json(value) if type(value) is list else None
+    return raw if raw is not None else dumps(value)
+
+
+def dumps_body(body: dict[str, Any]) -> bytes:
+    """``dumps(body)``, its tool list written from :func:`shared_json`'s bytes (orjson places them
+    as they are: the same bytes as writing the list)."""
+    tools = body.get("tools")
+    raw = shared_json(tools) if type(tools) is list else None
+    if raw is not None:
+        with contextlib.suppress(TypeError):
+            return orjson.dumps({**body, "tools": orjson.Fragment(raw)})
+    return dumps(body)

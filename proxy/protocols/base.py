@@ -14,13 +14,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
-import orjson
 import xxhash
 from cachetools import LRUCache
 
 from proxy.canon import ToolOrders
 from proxy.http import OPENAI, ErrorDialect, SSERelay
-from proxy.openai import AssistantRecorder, Usage, loads
+from proxy.openai import AssistantRecorder, Usage, loads, shared_json
 from proxy.protocols.channel import SummaryChannel
 from summarizer import RENDERING_FIELDS
 
@@ -134,9 +133,8 @@ def tool_views(tools: list[Any], view: Callable[[Any], Any], namespace: str) -> 
     Keyed by the list's orjson bytes, which tell two lists apart except where orjson writes two
     values alike: a NaN or an infinity (accepted by the standard library's parser) is written as
     ``null``, so a list whose JSON holds a ``null`` is viewed afresh."""
-    try:
-        raw = orjson.dumps(tools)
-    except TypeError:  # what orjson refuses (a lone surrogate, an integer past 64 bits)
+    raw = shared_json(tools)
+    if raw is None:  # what orjson refuses (a lone surrogate, an integer past 64 bits)
         return [view(tool) for tool in tools]
     if b"null" in raw:
         return [view(tool) for tool in tools]

@@ -15,7 +15,7 @@ from proxy.tenants import Tenant
 
 
 async def chat_completions(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
-    body = await read_request(state, request, CHAT_COMPLETIONS)
+    body = await read_request(state, request, CHAT_COMPLETIONS, tenant)
     body, diagnostics = CHAT_COMPLETIONS.diagnostics_asked(body)
     view = CHAT_COMPLETIONS.view(body, state.canonicalizer.tool_orders, tenant.name)
     options = TurnOptions(diagnostics=diagnostics)

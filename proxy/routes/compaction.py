@@ -65,7 +65,7 @@ async def read_responses(
 ) -> dict[str, Any] | Response:
     """A ``POST /v1/responses`` body, its compaction items expanded and validated; or, for a
     request ending in a ``compaction_trigger``, the proxy's answer to it (a :class:`Response`)."""
-    body = await _read(state, request)
+    body = await _read(state, request, tenant)
     body = _expanded(state, ctx, tenant, RESPONSES, body, wire.expand_responses)
     if not wire.is_trigger_request(body):
         RESPONSES.validate(body)
@@ -86,7 +86,7 @@ async def read_messages(
 ) -> dict[str, Any] | Response:
     """A ``POST /v1/messages`` body, its compaction blocks expanded and validated; or, for a
     request with ``compaction: {"type": "summarize"}``, the proxy's answer to it."""
-    body = await _read(state, request)
+    body = await _read(state, request, tenant)
     body = _expanded(state, ctx, tenant, MESSAGES, body, wire.expand_messages)
     param = wire.compaction_param(body)
     if param is None:
@@ -101,7 +101,7 @@ async def read_messages(
 
 async def compact(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
     """``POST /v1/responses/compact``: the request's user messages, then one compaction item."""
-    body = await _read(state, request)
+    body = await _read(state, request, tenant)
     original = body.get("input")
     body = _expanded(state, ctx, tenant, RESPONSES, body, wire.expand_responses)
     _no_chain(body)
@@ -261,8 +261,8 @@ def _patched(
 # -- the work ----------------------------------------------------------------------------------
 
 
-async def _read(state: ProxyState, request: Request) -> dict[str, Any]:
-    return parse_json_object(await read_body(request, state.settings.max_body_bytes))
+async def _read(state: ProxyState, request: Request, tenant: Tenant) -> dict[str, Any]:
+    return parse_json_object(await read_body(request, state.settings.max_body_bytes), tenant.name)
 
 
 def _seal(state: ProxyState, tenant: Tenant, summary: str, usage: Usage | None, kept: list[Any] | None = None) -> str:

@@ -22,7 +22,7 @@ from proxy.app_state import ProxyState
 from proxy.canon import CanonResult, stable_prefix_hash
 from proxy.chat import ChatTurn
 from proxy.http import ProxyError, RequestContext, ServerError, parse_json_object, read_body
-from proxy.openai import AssistantRecorder, Usage, dumps
+from proxy.openai import AssistantRecorder, Usage, dumps_body
 from proxy.protocols import DiagnosticsAsk, GenerationProtocol, ProtocolView
 from proxy.routes.exchange import StreamingAnswer, UpstreamAnswer, Wire, respond, send
 from proxy.routes.forward import error_response
@@ -57,9 +57,11 @@ class TurnOptions:
     diagnostics: DiagnosticsAsk | None = None
 
 
-async def read_request(state: ProxyState, request: Request, protocol: GenerationProtocol) -> dict[str, Any]:
+async def read_request(
+    state: ProxyState, request: Request, protocol: GenerationProtocol, tenant: Tenant
+) -> dict[str, Any]:
     """The client's body as a JSON object the protocol accepts (InvalidRequest otherwise)."""
-    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+    body = parse_json_object(await read_body(request, state.settings.max_body_bytes), tenant.name)
     protocol.validate(body)
     return body
 
@@ -207,7 +209,7 @@ async def forward_turn(
             request,
             ctx,
             wire_of(protocol),
-            dumps(outgoing),
+            dumps_body(outgoing),
             stream=ctx.stream,
             backend=options.backend,
             client_wants_usage=client_wants_usage,

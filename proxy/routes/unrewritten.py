@@ -31,7 +31,7 @@ from proxy.tenants import Tenant
 
 
 async def completions(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
-    body = parse_json_object(await read_body(request, state.settings.max_body_bytes))
+    body = parse_json_object(await read_body(request, state.settings.max_body_bytes), tenant.name)
     validate_completion_request(body)
     body = state.tenants.cache_salted(tenant, body)
     ctx.model = body["model"]
