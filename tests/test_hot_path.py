@@ -21,10 +21,10 @@ from proxy.backends.transport import read_all
 from proxy.backends.upstream import Upstream
 from proxy.canon.normalize import MEMO_MIN_CHARS, NormalTextMemo, normalize_text
 from proxy.config import Settings
-from proxy.http.body import _plain_message, _validate_message, parse_json_object
+from proxy.http.body import _valid_message, _valid_tool, _validate_message, _validate_tool, parse_json_object
 from proxy.http.direct import DirectRequest
-from proxy.ids import unique_id
 from proxy.http.errors import InvalidRequest
+from proxy.ids import unique_id
 from proxy.openai import jsonio
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, check_depth, dumps, loads
 from proxy.recent import RecentSet
@@ -331,14 +331,39 @@ def test_a_body_is_written_with_its_shared_tool_list_as_without(tools: list[Any]
 
 
 MESSAGE_VALUES = st.none() | st.booleans() | st.integers() | st.text(max_size=3) | st.lists(st.none(), max_size=1)
+PARTS = st.lists(
+    st.dictionaries(st.sampled_from(["type", "text"]), MESSAGE_VALUES | st.just("text"), max_size=2), max_size=2
+)
+FUNCTIONS = st.dictionaries(
+    st.sampled_from(["name", "arguments", "parameters"]), MESSAGE_VALUES | st.dictionaries(st.just("a"), st.none())
+)
+CALLS = st.lists(
+    st.none() | st.dictionaries(st.sampled_from(["id", "type", "function"]), MESSAGE_VALUES | FUNCTIONS), max_size=2
+)
+
+
+def _verdict(check: Any, *args: Any) -> bool:
+    try:
+        check(*args)
+    except InvalidRequest:
+        return False
+    return True
 
 
 @given(
     st.dictionaries(
         st.sampled_from(["role", "content", "name", "tool_call_id", "tool_calls", "function_call", "extra"]),
-        MESSAGE_VALUES | st.sampled_from(["user", "assistant", "tool", "bogus"]),
+        MESSAGE_VALUES | st.sampled_from(["user", "assistant", "tool", "bogus"]) | PARTS | CALLS | FUNCTIONS,
     )
 )
-def test_a_message_the_shortcut_passes_passes_the_full_check(message: dict[str, Any]) -> None:
-    if _plain_message(message):
-        _validate_message(message, "messages[0]")
+def test_the_message_shortcut_agrees_with_the_full_check(message: dict[str, Any]) -> None:
+    assert _valid_message(message) == _verdict(_validate_message, message, "messages[0]")
+
+
+@given(
+    st.none()
+    | st.integers()
+    | st.dictionaries(st.sampled_from(["type", "function", "name", "parameters"]), MESSAGE_VALUES | FUNCTIONS)
+)
+def test_the_tool_shortcut_agrees_with_the_full_check(tool: Any) -> None:
+    assert _valid_tool(tool) == _verdict(_validate_tool, tool, "tools[0]")

@@ -118,13 +118,14 @@ def validate_chat_request(body: dict[str, Any]) -> None:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
     for index, message in enumerate(messages):
-        if not _plain_message(message):
+        if not _valid_message(message):
             _validate_message(message, f"messages[{index}]")
     for key in ("tools", "functions"):
         value = body.get(key)
         _optional(value, list, key, "an array")
         for index, tool in enumerate(value or ()):
-            _validate_tool(tool, f"{key}[{index}]")
+            if not _valid_tool(tool):
+                _validate_tool(tool, f"{key}[{index}]")
     stream_options = body.get("stream_options")
     _optional(stream_options, dict, "stream_options", "an object")
     _optional(body.get("tool_choice"), (str, dict), "tool_choice", "a string or an object")
@@ -136,18 +137,56 @@ def validate_chat_request(body: dict[str, Any]) -> None:
             raise InvalidRequest(f"'{key}' must be an integer", param=key)
 
 
-def _plain_message(message: Any) -> bool:
-    """A valid message of the common shape (a role and string content, nothing else to check):
-    decided without naming the parameter each check would report, for every message of a history."""
+def _valid_message(message: Any) -> bool:
+    """Whether :func:`_validate_message` passes the message: its checks, without naming the parameter
+    each would report (an f-string per field), for every message of a history on every request. A
+    value of a subclass (never parsed JSON) fails here and is judged by the full check."""
     if type(message) is not dict:
         return False
     role = message.get("role")
-    return (
-        type(role) is str
-        and role in VALID_ROLES
-        and type(message.get("content")) is str
-        and message.keys().isdisjoint(_CHECKED_FIELDS)
-    )
+    if type(role) is not str or role not in VALID_ROLES:
+        return False
+    content = message.get("content")
+    if type(content) is str and message.keys().isdisjoint(_CHECKED_FIELDS):
+        return True  # the common shape: nothing else to check
+    if content is not None and type(content) is not str:
+        if type(content) is not list:
+            return False
+        for part in content:
+            if type(part) is not dict or (part.get("type") == "text" and type(part.get("text")) is not str):
+                return False
+    for key in ("name", "tool_call_id"):
+        value = message.get(key)
+        if value is not None and type(value) is not str:
+            return False
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if type(calls) is not list:
+            return False
+        for call in calls:
+            if type(call) is not dict:
+                return False
+            call_id, function = call.get("id"), call.get("function")
+            if (call_id is not None and type(call_id) is not str) or type(function) is not dict:
+                return False
+            name = function.get("name")
+            if name is not None and type(name) is not str:
+                return False
+    function_call = message.get("function_call")
+    return function_call is None or type(function_call) is dict
+
+
+def _valid_tool(tool: Any) -> bool:
+    """Whether :func:`_validate_tool` passes the tool (its checks, no parameter named)."""
+    if type(tool) is not dict:
+        return False
+    function = tool.get("function", tool if "name" in tool else None)
+    if function is None:
+        return True
+    if type(function) is not dict:
+        return False
+    name, parameters = function.get("name"), function.get("parameters")
+    return (name is None or type(name) is str) and (parameters is None or type(parameters) is dict)
 
 
 def _validate_message(message: Any, param: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -56,14 +57,24 @@ def _arguments(arguments: Any) -> bytes:
     keys in their order), so spacing and escapes do not count and key order does. orjson's compact
     form of the parsed value is equal exactly when that rendering is."""
     if isinstance(arguments, str):
-        try:
-            arguments = orjson.loads(arguments)
-        except orjson.JSONDecodeError:
-            return _utf8(arguments)
+        return _argument_string(arguments)
     try:
         return orjson.dumps(arguments)
     except TypeError:
         return dumps(arguments)
+
+
+@lru_cache(maxsize=65536)
+def _argument_string(arguments: str) -> bytes:
+    # History re-sends the same argument strings on every turn: each is parsed once.
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return _utf8(arguments)
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return dumps(value)
 
 
 _ROLE_PREFIX: dict[Any, bytes] = {}
