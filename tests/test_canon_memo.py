@@ -289,6 +289,9 @@ def test_a_text_filled_into_a_place_has_the_facts_of_the_text_read_whole(lines: 
         assert found.weak(text) == whole.weak(text)
         assert found.index == whole.index
         assert found.hash_set() == whole.hash_set()
+        # Every line the place's texts ever held, the lines gone from the holes among them.
+        asked = set(memo._places[next(iter(memo._places))].facts.hashes) | set(whole.hashes) | {1, 2}
+        assert {h for h in asked if found.holds(h)} == {h for h in asked if whole.holds(h)}
 
 
 # Lines of one length (so a text holding one in place of another has every offset the same): a
@@ -340,6 +343,9 @@ def test_a_text_of_the_same_shape_in_the_holes_has_the_facts_of_the_text_read_wh
         assert found.weak(text) == whole.weak(text)
         assert found.index == whole.index
         assert found.hash_set() == whole.hash_set()
+        # Every line the place's texts ever held, the lines gone from the holes among them.
+        asked = set(memo._places[next(iter(memo._places))].facts.hashes) | set(whole.hashes) | {1, 2}
+        assert {h for h in asked if found.holds(h)} == {h for h in asked if whole.holds(h)}
         detected = set(found.detected)
         blocks = whole.blocks(text)
         assert tm.close_blocks(found, detected, found.blocks(text)) == tm.close_blocks(whole, detected, blocks)

@@ -461,10 +461,17 @@ class TextFacts:
         base = self.base
         if base is None:
             return hashed in self.hash_set()
-        facts = self.facts
-        if any(facts[h].hash == hashed and not facts[h].blank for h in self.holes):
-            return True
-        return base.holds(hashed) and any(p not in self.holes for p in base.line_positions(hashed))
+        found = self.memo.get("held")
+        if found is None:
+            # The holes' own lines, and the base's lines that were only in the holes (gone here):
+            # a relocation asks once per block remembered at a position, up to sixteen.
+            holes, facts, was = self.holes, self.facts, base.facts
+            present = frozenset(facts[h].hash for h in holes if not facts[h].blank)
+            replaced = {base.hashes[h] for h in holes if not was[h].blank}
+            gone = frozenset(g for g in replaced if all(p in holes for p in base.line_positions(g)))
+            found = self.memo["held"] = (present, gone)
+        present, gone = found
+        return hashed in present or (hashed not in gone and hashed in base.hash_set())
 
     def hash_set(self) -> frozenset[int]:
         """The hashes of the non-blank lines."""
