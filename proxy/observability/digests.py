@@ -64,7 +64,7 @@ def _arguments(arguments: Any) -> bytes:
         return dumps(arguments)
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=8192)
 def _argument_string(arguments: str) -> bytes:
     # History re-sends the same argument strings on every turn: each is parsed once.
     try:

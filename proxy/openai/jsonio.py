@@ -130,7 +130,8 @@ def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
 # orjson's bytes of the lists that several steps of one request serialize (a tool list: its
 # canonical form, the layout's chain header, the prefix fingerprint, the budget, the digests and
 # the body sent upstream), by identity: the list held, so that its id stays its own, with its items.
-_SHARED: LRUCache[int, tuple[list[Any], tuple[Any, ...], bytes | None]] = LRUCache(256)
+# Only the requests in flight need theirs: a few dozen lists (a tool list is tens of kB) at most.
+_SHARED: LRUCache[int, tuple[list[Any], tuple[Any, ...], bytes | None]] = LRUCache(64)
 
 
 def shared_json(value: list[Any]) -> bytes | None:
