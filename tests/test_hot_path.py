@@ -197,9 +197,10 @@ def test_idle_upstream_connections_are_dropped_before_the_backend_drops_them() -
         return JSONResponse({})
 
     async def requests(url: str) -> None:
-        upstream = Upstream(url, keepalive_s=0.3)
+        # Wide enough that a loaded machine does not take the first two requests for idle ones.
+        upstream = Upstream(url, keepalive_s=1.0)
         try:
-            for pause in (0.0, 0.0, 0.6):
+            for pause in (0.0, 0.0, 1.5):
                 await asyncio.sleep(pause)
                 await upstream.read(await upstream.open("POST", "/chat/completions", content=b"{}"))
         finally:
