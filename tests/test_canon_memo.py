@@ -278,20 +278,26 @@ def test_a_text_filled_into_a_place_has_the_facts_of_the_text_read_whole(lines: 
         if position < len(lines):
             lines = [*lines[:position], replacement, *lines[position + 1 :]]
         text = "\n".join(lines)
-        found = memo.scope("t", DETECTORS).facts(text, "place")
-        whole = tm.TextMemo().scope("t", DETECTORS).facts(text, "")
-        assert found.n == whole.n
-        assert [found.start(i) for i in range(found.n + 1)] == [whole.start(i) for i in range(whole.n + 1)]
-        assert list(found.hashes) == list(whole.hashes)
-        assert found.spans == whole.spans
-        assert found.detected == whole.detected
-        assert found.blocks(text) == whole.blocks(text)
-        assert found.weak(text) == whole.weak(text)
-        assert found.index == whole.index
-        assert found.hash_set() == whole.hash_set()
-        # Every line the place's texts ever held, the lines gone from the holes among them.
-        asked = set(memo._places[next(iter(memo._places))].facts.hashes) | set(whole.hashes) | {1, 2}
-        assert {h for h in asked if found.holds(h)} == {h for h in asked if whole.holds(h)}
+        assert_read_as_whole(memo, text)
+
+
+def assert_read_as_whole(memo: tm.TextMemo, text: str) -> None:
+    """The facts ``memo`` gives ``text`` at its place are those of the text read whole."""
+    found = memo.scope("t", DETECTORS).facts(text, "place")
+    whole = tm.TextMemo().scope("t", DETECTORS).facts(text, "")
+    assert found.n == whole.n
+    assert [found.start(i) for i in range(found.n + 1)] == [whole.start(i) for i in range(whole.n + 1)]
+    assert list(found.hashes) == list(whole.hashes)
+    assert (found.spans, found.detected) == (whole.spans, whole.detected)
+    assert found.blocks(text) == whole.blocks(text)
+    assert found.weak(text) == whole.weak(text)
+    assert found.index == whole.index
+    assert found.hash_set() == whole.hash_set()
+    # Every line the place's texts ever held, the lines gone from the holes among them.
+    asked = set(memo._places[next(iter(memo._places))].facts.hashes) | set(whole.hashes) | {1, 2}
+    assert {h for h in asked if found.holds(h)} == {h for h in asked if whole.holds(h)}
+    detected = set(found.detected)
+    assert tm.close_blocks(found, detected, found.blocks(text)) == tm.close_blocks(whole, detected, whole.blocks(text))
 
 
 # Lines of one length (so a text holding one in place of another has every offset the same): a
@@ -333,22 +339,7 @@ def test_a_text_of_the_same_shape_in_the_holes_has_the_facts_of_the_text_read_wh
     position = min(position, len(lines))
     memo = tm.TextMemo()
     for fill in fills:
-        text = "\n".join([*lines[:position], fill, *lines[position:]])
-        found = memo.scope("t", DETECTORS).facts(text, "place")
-        whole = tm.TextMemo().scope("t", DETECTORS).facts(text, "")
-        assert [found.start(i) for i in range(found.n + 1)] == [whole.start(i) for i in range(whole.n + 1)]
-        assert list(found.hashes) == list(whole.hashes)
-        assert (found.spans, found.detected) == (whole.spans, whole.detected)
-        assert found.blocks(text) == whole.blocks(text)
-        assert found.weak(text) == whole.weak(text)
-        assert found.index == whole.index
-        assert found.hash_set() == whole.hash_set()
-        # Every line the place's texts ever held, the lines gone from the holes among them.
-        asked = set(memo._places[next(iter(memo._places))].facts.hashes) | set(whole.hashes) | {1, 2}
-        assert {h for h in asked if found.holds(h)} == {h for h in asked if whole.holds(h)}
-        detected = set(found.detected)
-        blocks = whole.blocks(text)
-        assert tm.close_blocks(found, detected, found.blocks(text)) == tm.close_blocks(whole, detected, blocks)
+        assert_read_as_whole(memo, "\n".join([*lines[:position], fill, *lines[position:]]))
 
 
 def _padded(*lines: str) -> list[str]:
