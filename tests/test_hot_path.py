@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 from starlette.applications import Starlette
@@ -25,7 +26,7 @@ from proxy.http.body import _valid_message, _valid_tool, _validate_message, _val
 from proxy.http.direct import DirectRequest
 from proxy.http.errors import InvalidRequest
 from proxy.ids import unique_id
-from proxy.openai import jsonio
+from proxy.openai import jsonio, link_hash
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, check_depth, dumps, loads
 from proxy.recent import RecentSet
 from proxy.routes.forward import AfterSending
@@ -329,6 +330,13 @@ def test_a_body_is_written_with_its_shared_tool_list_as_without(tools: list[Any]
     jsonio.shared_json(tools)
     assert jsonio.dumps_body(body) == dumps(body)  # lone surrogates included: dumps' own fallback
     assert jsonio.shared_dumps(tools) == dumps(tools)
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+def test_a_chain_link_is_the_hash_of_the_two_as_little_endian_bytes(previous: int, current: int) -> None:
+    # The value other replicas (and earlier releases) compute: chains are shared through Redis.
+    expected = xxhash.xxh3_64_intdigest(previous.to_bytes(8, "little") + current.to_bytes(8, "little"))
+    assert link_hash(previous, current) == expected
 
 
 MESSAGE_VALUES = st.none() | st.booleans() | st.integers() | st.text(max_size=3) | st.lists(st.none(), max_size=1)

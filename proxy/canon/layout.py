@@ -25,7 +25,7 @@ from typing import Any
 import xxhash
 from cachetools import LRUCache
 
-from proxy.openai import dumps, shared_dumps
+from proxy.openai import dumps, link_hash, shared_dumps
 from proxy.recent import RecentSet, peek
 
 # (system message index, text part, line hash) of one moved line.
@@ -90,7 +90,7 @@ def message_digest(message: Any) -> int:
 
 
 def extend(chain: int, digest: int) -> int:
-    return xxhash.xxh3_64_intdigest(chain.to_bytes(8, "little") + digest.to_bytes(8, "little"))
+    return link_hash(chain, digest)
 
 
 def prefix_chain(header: int, digests: Sequence[int]) -> list[int]:

@@ -25,7 +25,7 @@ import xxhash
 from cachetools import FIFOCache
 
 from proxy.canon import leading_system_count
-from proxy.openai import dumps, shared_dumps
+from proxy.openai import dumps, link_hash, shared_dumps
 
 ROLE_CODES = {"system": 1, "developer": 1, "user": 2, "assistant": 3, "tool": 4, "function": 4}
 SYSTEM, USER, ASSISTANT = 1, 2, 3
@@ -204,5 +204,5 @@ def chain(prompt: PromptDigest) -> list[int]:
     """``chain[k]`` names the header and ``messages[:k]``."""
     links = [header_key(prompt)]
     for digest in prompt.digests:
-        links.append(xxhash.xxh3_64_intdigest(links[-1].to_bytes(8, "little") + digest.to_bytes(8, "little")))
+        links.append(link_hash(links[-1], digest))
     return links

@@ -16,7 +16,14 @@ from proxy.openai.jsonio import (
     shared_dumps,
     shared_json,
 )
-from proxy.openai.messages import STABLE_ROLES, is_text_parts, message_fingerprint, message_text, utf8_size
+from proxy.openai.messages import (
+    STABLE_ROLES,
+    is_text_parts,
+    link_hash,
+    message_fingerprint,
+    message_text,
+    utf8_size,
+)
 from proxy.openai.usage import Usage, token_count
 
 __all__ = [
@@ -33,6 +40,7 @@ __all__ = [
     "dumps",
     "dumps_body",
     "is_text_parts",
+    "link_hash",
     "loads",
     "message_fingerprint",
     "message_text",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
@@ -57,6 +58,16 @@ def message_fingerprint(message: Mapping[str, Any]) -> int:
             digest.update(b"\x01" + str(function.get("name", "")).encode("utf-8", "surrogatepass"))
             digest.update(canonical_arguments(function.get("arguments", "")).encode("utf-8", "surrogatepass"))
     return digest.intdigest()
+
+
+_PAIR = struct.Struct("<QQ")
+
+
+def link_hash(previous: int, current: int) -> int:
+    """One link of a chain of 64-bit hashes: the hash of the two as 16 little-endian bytes (one
+    ``struct`` call, not two ``int.to_bytes`` and a concatenation: chains run over every message
+    of a history on every request)."""
+    return xxhash.xxh3_64_intdigest(_PAIR.pack(previous, current))
 
 
 def utf8_size(text: str) -> int:

@@ -31,13 +31,13 @@ from typing import Any
 
 import xxhash
 
-from proxy.openai import STABLE_ROLES, message_fingerprint
+from proxy.openai import STABLE_ROLES, link_hash, message_fingerprint
 
 _START = 0x5EED
 
 
 def pair_fingerprint(previous: int, current: int) -> int:
-    return xxhash.xxh3_64_intdigest(previous.to_bytes(8, "little") + current.to_bytes(8, "little"))
+    return link_hash(previous, current)
 
 
 # A message and its :func:`message_fingerprint`.
