@@ -26,7 +26,9 @@ from proxy.http.body import _valid_message, _valid_tool, _validate_message, _val
 from proxy.http.direct import DirectRequest
 from proxy.http.errors import InvalidRequest
 from proxy.ids import unique_id
-from proxy.openai import jsonio, link_hash
+from proxy.observability import digests
+from proxy.observability.digests import content_text
+from proxy.openai import canonical_arguments, jsonio, link_hash, message_fingerprint, message_text
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, check_depth, dumps, loads
 from proxy.recent import RecentSet
 from proxy.routes.forward import AfterSending
@@ -337,6 +339,64 @@ def test_a_chain_link_is_the_hash_of_the_two_as_little_endian_bytes(previous: in
     # The value other replicas (and earlier releases) compute: chains are shared through Redis.
     expected = xxhash.xxh3_64_intdigest(previous.to_bytes(8, "little") + current.to_bytes(8, "little"))
     assert link_hash(previous, current) == expected
+
+
+def _reference_fingerprint(message: dict[str, Any]) -> int:
+    """message_fingerprint as it was first written (streamed piece by piece): its values are stored."""
+    digest = xxhash.xxh3_64()
+    digest.update(str(message.get("role", "")).encode("utf-8", "surrogatepass"))
+    digest.update(b"\x00")
+    content = message.get("content")
+    text = content if isinstance(content, str) else message_text({"content": content})
+    digest.update(text.encode("utf-8", "surrogatepass"))
+    for call in message.get("tool_calls") or ():
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            function = call["function"]
+            digest.update(b"\x01" + str(function.get("name", "")).encode("utf-8", "surrogatepass"))
+            digest.update(canonical_arguments(function.get("arguments", "")).encode("utf-8", "surrogatepass"))
+    return digest.intdigest()
+
+
+def _reference_message_hash(message: dict[str, Any]) -> tuple[int, int]:
+    """digests.message_hash as it was first written (streamed)."""
+    content = message.get("content")
+    text = (content if isinstance(content, str) else content_text(content)).encode("utf-8", "surrogatepass")
+    digest = xxhash.xxh3_64(str(message.get("role")).encode("utf-8", "surrogatepass") + b"\x00")
+    digest.update(text)
+    size = len(text)
+    calls = message.get("tool_calls")
+    if calls and isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            function = function if isinstance(function, dict) else {}
+            name = str(function.get("name", "")).encode("utf-8", "surrogatepass")
+            arguments = digests._arguments(function.get("arguments"))
+            digest.update(b"\x01" + name + b"\x00" + arguments)
+            size += len(name) + len(arguments)
+    return digest.intdigest(), size
+
+
+TEXTS = st.text(max_size=6) | st.builds(lambda n: "long line\n" * n, st.integers(400, 500))
+
+
+@given(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "tool", "system"]) | st.none()},
+        optional={
+            "content": TEXTS | st.none() | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXTS})),
+            "tool_calls": st.lists(
+                st.fixed_dictionaries(
+                    {"id": st.text(max_size=3), "function": st.fixed_dictionaries({"name": TEXTS, "arguments": TEXTS})}
+                ),
+                max_size=2,
+            ),
+        },
+    )
+)
+def test_message_identities_are_the_values_they_always_were(message: dict[str, Any]) -> None:
+    # Session fingerprints are kept in the shared store across releases; digests name prompts.
+    assert message_fingerprint(message) == _reference_fingerprint(message)
+    assert digests.message_hash(message) == _reference_message_hash(message)
 
 
 MESSAGE_VALUES = st.none() | st.booleans() | st.integers() | st.text(max_size=3) | st.lists(st.none(), max_size=1)

@@ -25,7 +25,7 @@ import xxhash
 from cachetools import FIFOCache
 
 from proxy.canon import leading_system_count
-from proxy.openai import dumps, link_hash, shared_dumps
+from proxy.openai import ONE_SHOT_BYTES, dumps, link_hash, role_prefix, shared_dumps
 
 ROLE_CODES = {"system": 1, "developer": 1, "user": 2, "assistant": 3, "tool": 4, "function": 4}
 SYSTEM, USER, ASSISTANT = 1, 2, 3
@@ -77,9 +77,6 @@ def _argument_string(arguments: str) -> bytes:
         return dumps(value)
 
 
-_ROLE_PREFIX: dict[Any, bytes] = {}
-
-
 def message_hash(message: Any) -> tuple[int, int]:
     """(hash, rendered bytes) of one message. On every request, for every message: kept lean."""
     if not isinstance(message, dict):
@@ -87,17 +84,14 @@ def message_hash(message: Any) -> tuple[int, int]:
         return xxhash.xxh3_64_intdigest(raw), len(raw)
     content = message.get("content")
     text = _utf8(content if isinstance(content, str) else content_text(content))
-    role = message.get("role")
-    prefix = _ROLE_PREFIX.get(role) if isinstance(role, str) else None
-    if prefix is None:
-        prefix = _utf8(str(role)) + b"\x00"
-        if isinstance(role, str) and len(_ROLE_PREFIX) < 64:
-            _ROLE_PREFIX[role] = prefix
+    prefix = role_prefix(message.get("role"))
+    size = len(text)
+    calls = message.get("tool_calls")
+    if (not calls or not isinstance(calls, list)) and size < ONE_SHOT_BYTES:
+        return xxhash.xxh3_64_intdigest(prefix + text), size
     # Streamed, not ``prefix + text``: a long message is not copied once more to be hashed.
     digest = xxhash.xxh3_64(prefix)
     digest.update(text)
-    size = len(text)
-    calls = message.get("tool_calls")
     if not calls or not isinstance(calls, list):
         return digest.intdigest(), size
     for call in calls:

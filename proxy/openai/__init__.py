@@ -17,17 +17,20 @@ from proxy.openai.jsonio import (
     shared_json,
 )
 from proxy.openai.messages import (
+    ONE_SHOT_BYTES,
     STABLE_ROLES,
     is_text_parts,
     link_hash,
     message_fingerprint,
     message_text,
+    role_prefix,
     utf8_size,
 )
 from proxy.openai.usage import Usage, token_count
 
 __all__ = [
     "MAX_DEPTH",
+    "ONE_SHOT_BYTES",
     "STABLE_ROLES",
     "AssistantRecorder",
     "TooDeep",
@@ -44,6 +47,7 @@ __all__ = [
     "loads",
     "message_fingerprint",
     "message_text",
+    "role_prefix",
     "shared_dumps",
     "shared_json",
     "sort_keys_deep",

@@ -43,16 +43,38 @@ def is_text_parts(content: Any) -> TypeGuard[list[dict[str, Any]]]:
     )
 
 
+# A role's bytes and the separator after them, by role (the few roles there are).
+_ROLE_PREFIX: dict[str, bytes] = {}
+
+# Shorter texts are hashed in one call with their role's bytes prepended (cheaper than a streaming
+# hasher for the many short turns of a history); longer ones streamed, not copied once more.
+ONE_SHOT_BYTES = 4096
+
+
+def role_prefix(role: Any) -> bytes:
+    """``str(role)``'s UTF-8 bytes and a NUL: what a message's identity hashes ahead of its text."""
+    prefix = _ROLE_PREFIX.get(role) if type(role) is str else None
+    if prefix is None:
+        prefix = str(role).encode("utf-8", "surrogatepass") + b"\x00"
+        if type(role) is str and len(_ROLE_PREFIX) < 64:
+            _ROLE_PREFIX[role] = prefix
+    return prefix
+
+
 def message_fingerprint(message: Mapping[str, Any]) -> int:
     """A 64-bit identity of what a message says (role, text, tool calls with canonical arguments),
     blind to tool-call ids and the key order of arguments."""
-    digest = xxhash.xxh3_64()
-    digest.update(str(message.get("role", "")).encode("utf-8", "surrogatepass"))
-    digest.update(b"\x00")
+    prefix = role_prefix(message.get("role", ""))
     content = message.get("content")
-    text = content if isinstance(content, str) else message_text({"content": content})
-    digest.update(text.encode("utf-8", "surrogatepass"))
-    for call in message.get("tool_calls") or ():
+    text = (content if isinstance(content, str) else message_text({"content": content})).encode(
+        "utf-8", "surrogatepass"
+    )
+    calls = message.get("tool_calls")
+    if not calls and len(text) < ONE_SHOT_BYTES:
+        return xxhash.xxh3_64_intdigest(prefix + text)
+    digest = xxhash.xxh3_64(prefix)
+    digest.update(text)
+    for call in calls or ():
         if isinstance(call, dict) and isinstance(call.get("function"), dict):
             function = call["function"]
             digest.update(b"\x01" + str(function.get("name", "")).encode("utf-8", "surrogatepass"))
