@@ -9,7 +9,8 @@ that expire are in a :class:`cachetools.TTLCache` (one lifetime) or :class:`cach
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
 from typing import Generic, TypeVar
 
 from cachetools import Cache, LRUCache
@@ -55,3 +56,32 @@ class RecentSet(Generic[T]):
 
     def discard(self, item: T) -> None:
         self._members.pop(item, None)
+
+
+class LastWritten(Generic[K, V]):
+    """A memory of at most ``max_entries`` that forgets the entry written longest ago, read without
+    counting a use (as :func:`peek` reads a cache), kept in an :class:`~collections.OrderedDict`: its
+    writes run in C, for a memory written once per message of a history on every request (a
+    :class:`cachetools.LRUCache` write is a few Python calls)."""
+
+    def __init__(self, max_entries: int) -> None:
+        self._entries: OrderedDict[K, V] = OrderedDict()
+        self._max = max(1, max_entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: K) -> V | None:
+        return self._entries.get(key)
+
+    def write(self, keys: Iterable[K], value: V) -> None:
+        """Write ``value`` under every key: each becomes the most recently written."""
+        entries = self._entries
+        for key in keys:
+            entries[key] = value
+            entries.move_to_end(key)
+        while len(entries) > self._max:
+            entries.popitem(last=False)

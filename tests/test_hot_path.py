@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 import xxhash
+from cachetools import LRUCache
 from hypothesis import given
 from hypothesis import strategies as st
 from starlette.applications import Starlette
@@ -30,7 +31,7 @@ from proxy.observability import digests
 from proxy.observability.digests import content_text
 from proxy.openai import canonical_arguments, jsonio, link_hash, message_fingerprint, message_text
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, check_depth, dumps, loads
-from proxy.recent import RecentSet
+from proxy.recent import LastWritten, RecentSet, peek
 from proxy.routes.forward import AfterSending
 from testbed.serving import LiveServer, json_post_scope
 from tests.redis_server import SHARED_URL
@@ -397,6 +398,19 @@ def test_message_identities_are_the_values_they_always_were(message: dict[str, A
     # Session fingerprints are kept in the shared store across releases; digests name prompts.
     assert message_fingerprint(message) == _reference_fingerprint(message)
     assert digests.message_hash(message) == _reference_message_hash(message)
+
+
+@given(st.lists(st.lists(st.integers(0, 9), max_size=5), max_size=12), st.integers(1, 6))
+def test_last_written_forgets_as_a_write_ordered_lru_cache(batches: list[list[int]], size: int) -> None:
+    ours: LastWritten[int, int] = LastWritten(size)
+    reference: LRUCache[int, int] = LRUCache(size)
+    for number, keys in enumerate(batches):
+        ours.write(keys, number)
+        for key in keys:
+            reference[key] = number
+        for key in range(10):  # reads are no use to either
+            assert (key in ours, ours.get(key)) == (key in reference, peek(reference, key))
+    assert len(ours) == len(reference)
 
 
 MESSAGE_VALUES = st.none() | st.booleans() | st.integers() | st.text(max_size=3) | st.lists(st.none(), max_size=1)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from cachetools import LRUCache
 
 from proxy.observability.digests import ASSISTANT, SYSTEM, USER, PromptDigest, chain
-from proxy.recent import peek
+from proxy.recent import LastWritten, peek
 from proxy.tokenization import TYPICAL_TOKENS_PER_BYTE
 
 CAUSES = (
@@ -171,7 +171,7 @@ class BreakMemory:
         self.block_size = block_size
         self._prompts: LRUCache[int, Forwarded] = LRUCache(max(1, max_prompts))
         # Prefix chain link -> id of the last prompt that went through it.
-        self._links: LRUCache[int, int] = LRUCache(max(1, max_prompts * 8))
+        self._links: LastWritten[int, int] = LastWritten(max_prompts * 8)
         self._conversations: LRUCache[str, int] = LRUCache(max(1, max_prompts))
         self._apps: LRUCache[tuple[str, str], _App] = LRUCache(max(1, max_prompts // 8))
         self._next_id = 0
@@ -251,7 +251,7 @@ class BreakMemory:
         this prompt re-sends it unchanged right where that prompt ended."""
         if reach < 0:
             return 0
-        holder_id = peek(self._links, links[reach])
+        holder_id = self._links.get(links[reach])
         holder = peek(self._prompts, holder_id) if holder_id is not None else None
         if (
             holder is not None
@@ -273,7 +273,7 @@ class BreakMemory:
                 if found is not None:
                     return found
         if reach > prompt.system_count:
-            holder_id = peek(self._links, links[reach])
+            holder_id = self._links.get(links[reach])
             if holder_id is not None:
                 return peek(self._prompts, holder_id)
         return None
@@ -392,8 +392,7 @@ class BreakMemory:
         prompt_id = self._next_id
         self._next_id += 1
         self._prompts[prompt_id] = Forwarded(prompt, per_byte)
-        for link in links:
-            self._links[link] = prompt_id
+        self._links.write(links, prompt_id)
         if conversation is not None:
             self._conversations[conversation] = prompt_id
         key = (prompt.namespace, prompt.model)
