@@ -1,7 +1,7 @@
 """Instructions per request, counted by valgrind: a before/after figure a noisy machine cannot blur.
 
     python -m bench.instructions [--shape dify] [--requests 200] [--before CHECKOUT] [--bare]
-                                 [--settings JSON]
+                                 [--settings JSON] [--cache-sim]
 
 CPU time on a shared 2-core machine drifts by 20-40% between runs of the same build, which hides a
 change worth 5%. The instructions the proxy's code executes do not drift: this runs
@@ -11,8 +11,11 @@ and divides the difference by them, so start-up and warm-up cancel out. ``--befo
 checkout the same way (with its own ``.venv`` where it has one), for a ratio.
 
 An instruction is not a nanosecond (a cache miss costs more than an add), so this says whether a
-change made the code do less, and by how much; the wall-clock figures stay ``bench.hop``'s. Needs
-valgrind (``apt-get install valgrind``); a run takes about a minute per hundred requests.
+change made the code do less, and by how much; the wall-clock figures stay ``bench.hop``'s.
+``--cache-sim`` has callgrind simulate the caches too and adds an estimate of cycles per request
+(instructions + 10 per first-level miss + 100 per last-level miss, callgrind's own weighting): a
+change that does less but touches more memory shows there. Needs valgrind (``apt-get install
+valgrind``); a run takes about a minute per hundred requests (twice that with ``--cache-sim``).
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ from bench import shapes
 BASELINE_REQUESTS = 20
 
 _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
+# callgrind's summary with --cache-sim=yes: first-level and last-level misses, instructions and data.
+_MISSES = re.compile(r"(I1|LLi|D1|LLd)\s+misses:\s*([\d,]+)")
 
 
 def count(source: Path, args: argparse.Namespace, requests: int) -> int:
-    """Instructions callgrind counts in one run of ``bench.inprocess`` from ``source``."""
+    """Instructions (or, with ``--cache-sim``, estimated cycles) callgrind counts in one run of
+    ``bench.inprocess`` from ``source``."""
     own_python = source / ".venv" / "bin" / "python"
     python = str(own_python) if own_python.exists() else sys.executable
     command = [python, "-m", "bench.inprocess", "--rounds", "1", "--requests", str(requests)]
@@ -44,11 +50,16 @@ def count(source: Path, args: argparse.Namespace, requests: int) -> int:
     env = {**os.environ, "PYTHONPATH": str(source), "PYTHONHASHSEED": "0"}
     with tempfile.TemporaryDirectory() as tmp:
         valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out"]
+        valgrind += ["--cache-sim=yes"] if args.cache_sim else []
         done = subprocess.run(valgrind + command, cwd=source, env=env, capture_output=True, text=True, check=False)
     found = _COLLECTED.search(done.stderr)
     if done.returncode != 0 or found is None:
         raise SystemExit(f"valgrind on {source} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return int(found.group(1))
+    if not args.cache_sim:
+        return int(found.group(1))
+    misses = {name: int(value.replace(",", "")) for name, value in _MISSES.findall(done.stderr)}
+    first_level, last_level = misses["I1"] + misses["D1"], misses["LLi"] + misses["LLd"]
+    return int(found.group(1)) + 10 * first_level + 100 * last_level
 
 
 def per_request(source: Path, args: argparse.Namespace) -> float:
@@ -65,12 +76,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--before", type=Path, help="another checkout of prefix-proxy, counted too")
     parser.add_argument("--bare", action="store_true", help="bench.bare_hop's app: the stack without logic")
     parser.add_argument("--settings", default="{}", help="settings overrides (JSON), as bench.inprocess")
+    parser.add_argument("--cache-sim", action="store_true", help="estimate cycles with callgrind's cache simulation")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind not found: apt-get install valgrind")
     here = Path(__file__).resolve().parent.parent
     after = per_request(here, args)
-    line = f"{args.shape}{' (bare)' if args.bare else ''}: {after / 1e6:.3f} M instructions per request"
+    unit = "estimated cycles" if args.cache_sim else "instructions"
+    line = f"{args.shape}{' (bare)' if args.bare else ''}: {after / 1e6:.3f} M {unit} per request"
     if args.before is not None:
         before = per_request(args.before.resolve(), args)
         line += f", before {before / 1e6:.3f} M ({after / before:.3f}x)"
