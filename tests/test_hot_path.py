@@ -22,6 +22,7 @@ from proxy.app import create_app
 from proxy.backends.transport import read_all
 from proxy.backends.upstream import Upstream
 from proxy.canon.normalize import MEMO_MIN_CHARS, NormalTextMemo, normalize_text
+from proxy.canon.toolcalls import call_key
 from proxy.config import Settings
 from proxy.http.body import _valid_message, _valid_tool, _validate_message, _validate_tool, parse_json_object
 from proxy.http.direct import DirectRequest
@@ -411,6 +412,18 @@ def test_last_written_forgets_as_a_write_ordered_lru_cache(batches: list[list[in
         for key in range(10):  # reads are no use to either
             assert (key in ours, ours.get(key)) == (key in reference, peek(reference, key))
     assert len(ours) == len(reference)
+
+
+@given(st.text(max_size=4), st.integers(0, 2**64 - 1), st.integers(0, 9), st.integers(0, 3), st.text(max_size=4), TEXTS)
+def test_a_tool_calls_key_is_the_value_it_always_was(
+    namespace: str, anchor: int, ordinal: int, index: int, name: str, arguments: str
+) -> None:
+    # Remembered calls are found again by it, across replicas and releases.
+    digest = xxhash.xxh3_64()
+    for part in (namespace, str(anchor), str(ordinal), str(index), name, canonical_arguments(arguments)):
+        digest.update(part.encode("utf-8", "surrogatepass"))
+        digest.update(b"\x00")
+    assert call_key(namespace, anchor, ordinal, index, name, arguments) == digest.intdigest()
 
 
 MESSAGE_VALUES = st.none() | st.booleans() | st.integers() | st.text(max_size=3) | st.lists(st.none(), max_size=1)

@@ -58,11 +58,10 @@ class ToolCallMemory:
 
 
 def call_key(namespace: str, anchor: int, ordinal: int, index: int, name: str, arguments: Any) -> int:
-    digest = xxhash.xxh3_64()
-    for part in (namespace, str(anchor), str(ordinal), str(index), name, canonical_arguments(arguments)):
-        digest.update(part.encode("utf-8", "surrogatepass"))
-        digest.update(b"\x00")
-    return digest.intdigest()
+    """The hash of the parts, each followed by a NUL (one call: every call of a history is keyed on
+    every request)."""
+    parts = (namespace, str(anchor), str(ordinal), str(index), name, canonical_arguments(arguments), "")
+    return xxhash.xxh3_64_intdigest("\x00".join(parts).encode("utf-8", "surrogatepass"))
 
 
 def nth_key(key: int, occurrence: int) -> int:
