@@ -940,7 +940,7 @@ def _is_none(value: object) -> bool:
 def _same_shapes(filled: TextFacts, lines: list[LineFacts], contents: list[str]) -> bool:
     """Whether ``contents`` (read as ``lines``) in the holes read as ``filled``'s holes do: each the
     same length (so every offset is the same) and the same shape."""
-    for hole, line, content, number in zip(filled.holes, lines, contents, range(len(contents)), strict=True):
+    for number, (hole, line, content) in enumerate(zip(filled.holes, lines, contents, strict=True)):
         was = filled.deltas[number] - (filled.deltas[number - 1] if number else 0)
         length = filled.base.start(hole + 1) - 1 - filled.base.start(hole) + was  # type: ignore[union-attr]
         if len(content) != length or not line.same_shape(filled.facts[hole], content):
@@ -951,14 +951,13 @@ def _same_shapes(filled: TextFacts, lines: list[LineFacts], contents: list[str])
 class TextScope:
     """One request's (one tenant's) view of the memory: the facts of each system text it reads."""
 
-    __slots__ = ("_memo", "_reshapes", "_salt", "_seed", "_views", "detectors")
+    __slots__ = ("_memo", "_salt", "_seed", "_views", "detectors")
 
     def __init__(self, memo: TextMemo, salt: int, detectors: tuple[Detector, ...]) -> None:
         self._memo = memo
         self._salt = salt
         self._seed = salt & 0xFFFF_FFFF_FFFF_FFFF
         self.detectors = detectors
-        self._reshapes = memo.reshapes
         # The facts of the texts read in this request, by identity (the layout asks again).
         self._views: dict[int, tuple[str, TextFacts]] = {}
 
@@ -1026,7 +1025,7 @@ class TextScope:
         previous = spot.filled[1] if spot.filled is not None else None
         if (
             previous is not None
-            and self._reshapes
+            and self._memo.reshapes
             and previous.memo.get("marked") == marked
             and _same_shapes(previous, lines, contents)
         ):

@@ -84,24 +84,23 @@ def check_depth(value: Any, max_depth: int = MAX_DEPTH) -> None:
 _WITHIN_BOUND: LRUCache[tuple[str, int, int], None] = LRUCache(4096)
 
 
-def check_depth_once(value: Any, namespace: str, max_depth: int = MAX_DEPTH) -> None:
+def check_depth_once(value: list[Any], namespace: str, max_depth: int = MAX_DEPTH) -> None:
     """:func:`check_depth`, once per ``namespace`` (the tenant: no tenant's request is checked faster
-    for another's) and distinct value: a value seen within the bound before costs a serialization
-    and a hash (a tool list's walk costs five to eight times that).
+    for another's) and distinct list: a list seen within the bound before costs a hash of its bytes,
+    which :func:`shared_json` makes once for every step of the request that writes the list (a tool
+    list's walk costs five to eight times its serialization).
 
-    Keyed by orjson's bytes of the value, which fix its nesting exactly (orjson writes NaN as
-    ``null``, a leaf either way). A value orjson refuses to write (a lone surrogate, an integer past
+    Keyed by orjson's bytes of the list, which fix its nesting exactly (orjson writes NaN as
+    ``null``, a leaf either way). A list orjson refuses to write (a lone surrogate, an integer past
     64 bits, nesting past its 254 levels) is walked every time."""
-    try:
-        raw = orjson.dumps(value)
-    except TypeError:
+    raw = shared_json(value)
+    if raw is None:
         check_depth(value, max_depth)
         return
     key = (namespace, max_depth, xxhash.xxh3_128_intdigest(raw))
-    if key in _WITHIN_BOUND:
-        return
-    check_depth(value, max_depth)
-    _WITHIN_BOUND[key] = None
+    if key not in _WITHIN_BOUND:
+        check_depth(value, max_depth)
+    _WITHIN_BOUND[key] = None  # written on a hit too: the least recently used goes first
 
 
 def _check_depth(value: Any, max_depth: int) -> None:
