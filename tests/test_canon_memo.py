@@ -420,6 +420,54 @@ def test_tenants_do_not_share_what_the_memo_holds() -> None:
     assert set(first.keys).isdisjoint(other.keys)  # lines are keyed apart per tenant too
 
 
+def _stable_system(body: dict[str, Any], twins: Twins, namespace: str) -> str:
+    found = canonicalize(
+        copy.deepcopy(body), CanonOptions(), namespace=namespace, text_memo=twins.memo, **twins.memoized
+    )
+    assert any(str(a).startswith("volatile_moved") for a in found.actions)
+    content = found.body["messages"][0]["content"]
+    assert isinstance(content, str)
+    return content
+
+
+def test_a_clock_moved_out_of_an_unchanged_prompt_leaves_the_same_string() -> None:
+    """The stable text a place's split cut is the string cut last time, where it is equal: what was
+    made of it (its UTF-8 form) is not made again. Equal text only, and one tenant's only."""
+    shape = shapes.build("dify", 3000)
+    twins = Twins()
+    for i in range(3):
+        twins.check(shape.body(i))  # the clock is seen to vary: it moves from now on
+    first = _stable_system(shape.body(3), twins, "t")
+    second = _stable_system(shape.body(4), twins, "t")
+    assert second == first and second is first
+    # Another tenant's equal text is its own string.
+    for i in range(3):
+        twins.check(shape.body(i), "other")
+    assert _stable_system(shape.body(5), twins, "other") == first
+    assert _stable_system(shape.body(6), twins, "other") is not first
+    # A changed prompt gives its own text (once its clock is seen to vary), remembered in turn.
+    changed = [shape.body(i) for i in range(7, 12)]
+    for body in changed:
+        body["messages"][0]["content"] = body["messages"][0]["content"].replace("expert", "seasoned", 1)
+    for body in changed[:3]:
+        twins.check(body)
+    third = _stable_system(changed[3], twins, "t")
+    assert third != first and "seasoned" in third
+    assert _stable_system(changed[4], twins, "t") is third
+
+
+def test_reused_texts_are_bounded_by_characters() -> None:
+    memo = tm.TextMemo()
+    scope = memo.scope("t", DETECTORS)
+    big = "x" * (tm.MAX_REUSED_CHARS + 1)
+    assert scope.reuse(("p", 0), big) is big  # too large to keep: handed back, not remembered
+    texts = ["".join(["line ", str(n), "\n"]) * (tm.MAX_REUSED_CHARS // 40) for n in range(6)]
+    for n, text in enumerate(texts):
+        assert scope.reuse(("p", n), text) is text
+    kept = sum(memo._stable.get((scope._salt, ("p", n))) is texts[n] for n in range(6))
+    assert 0 < kept < 6 and memo._stable.currsize <= tm.MAX_REUSED_CHARS
+
+
 # -- learned volatility against its earlier implementation -----------------------------------------
 
 

@@ -372,6 +372,8 @@ def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, wher
         return _Split(text, learned=len(learned_lines), candidates=len(candidates), candidate_finders=finders)
     planned, at_end, ids = _planned(facts, moving)
     stable, moved = tm.cut(facts, text, planned)
+    if memories.texts is not None:
+        stable = memories.texts.reuse((key, where[1]), stable)
     return _Split(
         stable,
         moved,
