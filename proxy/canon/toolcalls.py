@@ -74,14 +74,19 @@ def _anchor(message: dict[str, Any]) -> int:
     return xxhash.xxh3_64_intdigest(message_text(message).encode("utf-8", "surrogatepass"))
 
 
-def iter_call_positions(messages: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
-    """(message index, anchor, ordinal) for every assistant message, in order."""
+def iter_call_positions(
+    messages: list[dict[str, Any]], anchors: dict[int, int] | None = None
+) -> list[tuple[int, int, int]]:
+    """(message index, anchor, ordinal) for every assistant message, in order; the user turns'
+    anchors, by index, into ``anchors`` where given."""
     positions: list[tuple[int, int, int]] = []
     anchor, ordinal = 0, 0
     for index, message in enumerate(messages):
         role = message.get("role")
         if role == "user":
             anchor, ordinal = _anchor(message), 0
+            if anchors is not None:
+                anchors[index] = anchor
         elif role == "assistant":
             positions.append((index, anchor, ordinal))
             ordinal += 1
@@ -111,13 +116,16 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
     # histories[i] names the texts of messages[:i] (ids and argument bytes left out: they churn).
     # Made when first needed: a client that keeps the backend's ids is answered by them alone.
     histories: list[int] = []
+    # The user turns' anchors, which the call positions are read from: the history reuses them.
+    user_anchors: dict[int, int] = {}
 
     def history(index: int) -> int:
         if not histories:
-            histories.extend(prefix_chain(0, [_anchor(m) for m in messages]))
+            anchors = [user_anchors[i] if i in user_anchors else _anchor(m) for i, m in enumerate(messages)]
+            histories.extend(prefix_chain(0, anchors))
         return histories[index]
 
-    for index, anchor, ordinal in iter_call_positions(messages):
+    for index, anchor, ordinal in iter_call_positions(messages, user_anchors):
         calls = messages[index].get("tool_calls")
         if not isinstance(calls, list) or not calls:
             continue

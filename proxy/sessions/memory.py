@@ -121,13 +121,14 @@ class MemorySessionStore:
     async def lookup(self, tenant: str, fingerprints: list[int]) -> tuple[list[str | None], dict[str, float]]:
         now = time.time()
         matches: list[str | None] = []
+        # Each session's record read once: a conversation's pairs all name the same session.
+        live: dict[str, bytes | None] = {}
         for fingerprint in fingerprints:
             session_id = self._fingerprints.get(_tenant_key(tenant, fingerprint))
-            matches.append(session_id if session_id and self._live((tenant, session_id), now) else None)
-        last_seen = {}
-        for session_id in {m for m in matches if m}:
-            packed = self._live((tenant, session_id), now)
-            last_seen[session_id] = _last_seen(packed) if packed else 0.0
+            if session_id and session_id not in live:
+                live[session_id] = self._live((tenant, session_id), now)
+            matches.append(session_id if session_id and live[session_id] else None)
+        last_seen = {session_id: _last_seen(packed) for session_id, packed in live.items() if packed}
         return matches, last_seen
 
     async def record_turn(self, tenant: str, session_id: str, turn: TurnRecord, now: float) -> None:
