@@ -13,6 +13,8 @@ of each round (min and median first). ``--bare`` drives ``bench.bare_hop``'s app
 upstream client and a Starlette route, no logic); ``--settings`` overrides the defaults, to see
 what one part costs by turning it off, e.g. ``--settings '{"cache_breaks": {"enabled": false}}'``.
 ``--cprofile TOP`` prints cProfile's TOP functions by own time over one more round.
+``--bodies-only`` makes the same request bodies round by round and sends none: what the driver
+itself spends per request, which ``bench.instructions`` takes off its counts.
 
 Without uvicorn in front, the difference between two runs is the difference in the app's code.
 The machine drifts: compare runs made one after the other, several times.
@@ -32,7 +34,7 @@ import pstats
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from bench import shapes
@@ -81,7 +83,8 @@ async def send_one(app: Any, body: bytes, path: str = "/v1/chat/completions") ->
         raise RuntimeError(f"the app answered {sent}")
 
 
-async def measure(app: Any, args: argparse.Namespace) -> list[float]:
+def body_maker(args: argparse.Namespace) -> tuple[Callable[[int], list[bytes]], str]:
+    """What makes the next ``count`` request bodies (the driver's sequence), and their path."""
     salts = iter(range(10**9))
     shape = shapes.build(args.shape, args.tokens) if args.shape else None
     path = "/v1" + shape.path if shape is not None else "/v1/chat/completions"
@@ -91,8 +94,26 @@ async def measure(app: Any, args: argparse.Namespace) -> list[float]:
             return [json.dumps(shape.body(next(salts))).encode() for _ in range(count)]
         return [body_of(next(salts), args.tokens, args.messages) for _ in range(count)]
 
+    return bodies, path
+
+
+def make_bodies_only(args: argparse.Namespace) -> None:
+    """The bodies :func:`measure` makes, in the same rounds, sent nowhere."""
+    bodies, _ = body_maker(args)
+    bodies(WARM_UP)
+    for _ in range(args.rounds):
+        bodies(args.requests)
+
+
+# Requests sent before the rounds (not timed).
+WARM_UP = 100
+
+
+async def measure(app: Any, args: argparse.Namespace) -> list[float]:
+    bodies, path = body_maker(args)
+
     async with app.router.lifespan_context(app):
-        for body in bodies(100):
+        for body in bodies(WARM_UP):
             await send_one(app, body, path)
         gc.collect()
         gc.freeze()
@@ -141,11 +162,15 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--settings", default="{}", help="settings overrides (JSON)")
     parser.add_argument("--bare", action="store_true", help="bench.bare_hop's app: no logic")
     parser.add_argument("--cprofile", type=int, default=0, metavar="TOP")
+    parser.add_argument("--bodies-only", action="store_true", help="make the bodies, send none")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if args.bodies_only:
+        make_bodies_only(args)
+        return
     port = free_port()
     backend = [sys.executable, "-m", "bench.instant_backend", "--port", str(port)]
     with spawn(backend, f"http://127.0.0.1:{port}/health"), contextlib.ExitStack() as stack:

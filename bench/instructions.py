@@ -7,8 +7,11 @@ CPU time on a shared 2-core machine drifts by 20-40% between runs of the same bu
 change worth 5%. The instructions the proxy's code executes do not drift: this runs
 ``bench.inprocess`` (the app driven in process, the instant backend in another process, which
 valgrind does not follow) under callgrind twice, with ``--requests`` more requests the second time,
-and divides the difference by them, so start-up and warm-up cancel out. ``--before`` counts another
-checkout the same way (with its own ``.venv`` where it has one), for a ratio.
+and divides the difference by them, so start-up and warm-up cancel out. What the driver itself does
+per request (making each request's body from ``bench.shapes``: a ``json.dumps`` of the whole
+request, about as much as the proxy's logic on the Dify row) is counted the same way with
+``bench.inprocess --bodies-only`` and taken off (``--with-driver`` keeps it in). ``--before`` counts
+another checkout the same way (with its own ``.venv`` where it has one), for a ratio.
 
 An instruction is not a nanosecond (a cache miss costs more than an add), so this says whether a
 change made the code do less, and by how much; the wall-clock figures stay ``bench.hop``'s.
@@ -40,13 +43,14 @@ _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 _MISSES = re.compile(r"(I1|LLi|D1|LLd)\s+misses:\s*([\d,]+)")
 
 
-def count(source: Path, args: argparse.Namespace, requests: int) -> int:
+def count(source: Path, args: argparse.Namespace, requests: int, bodies_only: bool = False) -> int:
     """Instructions (or, with ``--cache-sim``, estimated cycles) callgrind counts in one run of
-    ``bench.inprocess`` from ``source``."""
+    ``bench.inprocess`` from ``source`` (``bodies_only``: the driver making the bodies alone)."""
     own_python = source / ".venv" / "bin" / "python"
     python = str(own_python) if own_python.exists() else sys.executable
     command = [python, "-m", "bench.inprocess", "--rounds", "1", "--requests", str(requests)]
     command += ["--shape", args.shape, "--settings", args.settings] + (["--bare"] if args.bare else [])
+    command += ["--bodies-only"] if bodies_only else []
     env = {**os.environ, "PYTHONPATH": str(source), "PYTHONHASHSEED": "0"}
     with tempfile.TemporaryDirectory() as tmp:
         valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out"]
@@ -62,11 +66,21 @@ def count(source: Path, args: argparse.Namespace, requests: int) -> int:
     return int(found.group(1)) + 10 * first_level + 100 * last_level
 
 
-def per_request(source: Path, args: argparse.Namespace) -> float:
+def per_request(source: Path, args: argparse.Namespace, bodies_only: bool = False) -> float:
     with ThreadPoolExecutor(2) as pool:
-        small = pool.submit(count, source, args, BASELINE_REQUESTS)
-        large = pool.submit(count, source, args, BASELINE_REQUESTS + args.requests)
+        small = pool.submit(count, source, args, BASELINE_REQUESTS, bodies_only)
+        large = pool.submit(count, source, args, BASELINE_REQUESTS + args.requests, bodies_only)
         return (large.result() - small.result()) / args.requests
+
+
+def proxy_per_request(source: Path, args: argparse.Namespace, here: Path) -> float:
+    """Per request, the driver's own work taken off (counted from ``source``'s driver where it can
+    make the bodies alone, else from this checkout's: the same shapes unless they changed)."""
+    measured = per_request(source, args)
+    if args.with_driver:
+        return measured
+    driver = source if "--bodies-only" in (source / "bench" / "inprocess.py").read_text() else here
+    return measured - per_request(driver, args, bodies_only=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,15 +91,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bare", action="store_true", help="bench.bare_hop's app: the stack without logic")
     parser.add_argument("--settings", default="{}", help="settings overrides (JSON), as bench.inprocess")
     parser.add_argument("--cache-sim", action="store_true", help="estimate cycles with callgrind's cache simulation")
+    parser.add_argument("--with-driver", action="store_true", help="keep the driver's body making in the count")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind not found: apt-get install valgrind")
     here = Path(__file__).resolve().parent.parent
-    after = per_request(here, args)
+    after = proxy_per_request(here, args, here)
     unit = "estimated cycles" if args.cache_sim else "instructions"
     line = f"{args.shape}{' (bare)' if args.bare else ''}: {after / 1e6:.3f} M {unit} per request"
     if args.before is not None:
-        before = per_request(args.before.resolve(), args)
+        before = proxy_per_request(args.before.resolve(), args, here)
         line += f", before {before / 1e6:.3f} M ({after / before:.3f}x)"
     print(line)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import xml.dom.minidom
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,3 +83,29 @@ def test_inprocess_driver_times_the_app_and_its_parts(capsys: pytest.CaptureFixt
         line = capsys.readouterr().out.strip()
         assert line.startswith("CPU per request in process: min "), line
         assert len(line.split("rounds: ")[1].rstrip(")").split(", ")) == 2
+
+
+def test_inprocess_bodies_only_makes_the_rounds_bodies_and_sends_none(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``bench.instructions`` takes off its counts: the driver making the same bodies, the
+    same number of them, with no backend and no app."""
+    made: list[int] = []
+    maker = inprocess.body_maker
+
+    def counting(args: Any) -> Any:
+        bodies, path = maker(args)
+
+        def counted(count: int) -> list[bytes]:
+            made.append(count)
+            return bodies(count)
+
+        return counted, path
+
+    monkeypatch.setattr(inprocess, "body_maker", counting)
+    monkeypatch.setattr(inprocess, "spawn", None)  # starting a backend would fail
+    inprocess.main(["--shape", "dify", "--requests", "7", "--rounds", "3", "--tokens", "300", "--bodies-only"])
+    assert made == [inprocess.WARM_UP, 7, 7, 7]
+    assert capsys.readouterr().out == ""
+    bodies, path = maker(inprocess.parser().parse_args(["--shape", "dify", "--tokens", "300"]))
+    assert path == "/v1/chat/completions" and json.loads(bodies(1)[0])["messages"][0]["role"] == "system"
