@@ -714,7 +714,8 @@ class _SystemLines:
     def __init__(self, messages: list[dict[str, Any]], texts: TextScope | None) -> None:
         self._messages = messages
         self._texts = texts
-        self._facts: dict[tuple[int, int], TextFacts | None] = {}
+        # Per (message, text part): whether its text holds a line hash (None: no such text).
+        self._holders: dict[tuple[int, int], Callable[[int], bool] | None] = {}
         self._lines: set[MovedLine] | None = None
 
     def hold(self, block: Block) -> bool:
@@ -722,21 +723,19 @@ class _SystemLines:
             if self._lines is None:
                 self._lines = _system_lines(self._messages)
             return self._lines.issuperset(block)
+        holders = self._holders
         for index, part, line in block:
             place = (index, part)
-            if place in self._facts:
-                facts = self._facts[place]
-            else:
-                facts = self._facts[place] = self._read(index, part)
-            if facts is None or not facts.holds(line):
+            holder = holders[place] if place in holders else holders.setdefault(place, self._holder(index, part))
+            if holder is None or not holder(line):
                 return False
         return True
 
-    def _read(self, index: int, part: int) -> TextFacts | None:
-        if index >= len(self._messages):
+    def _holder(self, index: int, part: int) -> Callable[[int], bool] | None:
+        if index >= len(self._messages) or self._texts is None:
             return None
         found = _texts(self._messages[index].get("content"))
-        return self._texts.facts(found[part], "") if part < len(found) and self._texts is not None else None
+        return self._texts.facts(found[part], "").holder() if part < len(found) else None
 
 
 def _texts(content: Any) -> list[str]:

@@ -467,20 +467,30 @@ class TextFacts:
 
     def holds(self, hashed: int) -> bool:
         """Whether a non-blank line has this hash."""
+        return self.holder()(hashed)
+
+    def holder(self) -> Callable[[int], bool]:
+        """:meth:`holds`, as a function made once per text: a relocation asks once per block
+        remembered at a position, up to sixteen."""
+        found: Callable[[int], bool] | None = self.memo.get("holder")
+        if found is not None:
+            return found
         base = self.base
         if base is None:
-            return hashed in self.hash_set()
-        found = self.memo.get("held")
-        if found is None:
-            # The holes' own lines, and the base's lines that were only in the holes (gone here):
-            # a relocation asks once per block remembered at a position, up to sixteen.
+            found = self.hash_set().__contains__
+        else:
+            # The holes' own lines, and the base's lines that were only in the holes (gone here).
             holes, facts, was = self.holes, self.facts, base.facts
             present = frozenset(facts[h].hash for h in holes if not facts[h].blank)
             replaced = {base.hashes[h] for h in holes if not was[h].blank}
             gone = frozenset(g for g in replaced if all(p in holes for p in base.line_positions(g)))
-            found = self.memo["held"] = (present, gone)
-        present, gone = found
-        return hashed in present or (hashed not in gone and hashed in base.hash_set())
+            kept = base.hash_set()
+
+            def found(hashed: int) -> bool:
+                return hashed in present or (hashed not in gone and hashed in kept)
+
+        self.memo["holder"] = found
+        return found
 
     def hash_set(self) -> frozenset[int]:
         """The hashes of the non-blank lines."""
