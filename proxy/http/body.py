@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from proxy.http.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from proxy.openai import MAX_DEPTH, TooDeep, check_depth, check_depth_once, loads
+from proxy.openai.recurring import reuse_texts
 
 VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # A message's fields checked beyond its role and content.
@@ -63,7 +64,9 @@ def parse_json_object(raw: bytes, namespace: str | None = None) -> dict[str, Any
 
     With ``namespace`` (the tenant), its tool list, which a client re-sends unchanged on every
     request and which holds most of a body's nesting (JSON schemas), is checked once per tenant
-    and list (``check_depth_once``); the rest of the body every time."""
+    and list (``check_depth_once``); the rest of the body every time. And its long non-ASCII texts
+    that the tenant sent last are the strings made then (``proxy.openai.recurring``): equal, with
+    their UTF-8 form already made."""
     if not raw:
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
@@ -80,6 +83,8 @@ def parse_json_object(raw: bytes, namespace: str | None = None) -> dict[str, Any
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    if namespace is not None:
+        reuse_texts(body, namespace)
     return body
 
 
