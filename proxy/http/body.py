@@ -14,8 +14,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from proxy.http.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
-from proxy.openai import MAX_DEPTH, TooDeep, check_depth, check_depth_once, loads
-from proxy.openai.recurring import reuse_texts
+from proxy.openai import MAX_DEPTH, TooDeep, check_depth, check_depth_once, loads, reuse_texts
 
 VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # A message's fields checked beyond its role and content.

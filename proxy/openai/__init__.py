@@ -26,6 +26,7 @@ from proxy.openai.messages import (
     role_prefix,
     utf8_size,
 )
+from proxy.openai.recurring import reuse_texts
 from proxy.openai.usage import Usage, token_count
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "loads",
     "message_fingerprint",
     "message_text",
+    "reuse_texts",
     "role_prefix",
     "shared_dumps",
     "shared_json",
