@@ -432,7 +432,8 @@ def _stable_system(body: dict[str, Any], twins: Twins, namespace: str) -> str:
 
 def test_a_clock_moved_out_of_an_unchanged_prompt_leaves_the_same_string() -> None:
     """The stable text a place's split cut is the string cut last time, where it is equal: what was
-    made of it (its UTF-8 form) is not made again. Equal text only, and one tenant's only."""
+    made of it (its UTF-8 form) is not made again. Equal text only, and one tenant's only (the
+    memory and its bound: tests/test_recurring_texts.py)."""
     shape = shapes.build("dify", 3000)
     twins = Twins()
     for i in range(3):
@@ -454,18 +455,6 @@ def test_a_clock_moved_out_of_an_unchanged_prompt_leaves_the_same_string() -> No
     third = _stable_system(changed[3], twins, "t")
     assert third != first and "seasoned" in third
     assert _stable_system(changed[4], twins, "t") is third
-
-
-def test_reused_texts_are_bounded_by_characters() -> None:
-    memo = tm.TextMemo()
-    scope = memo.scope("t", DETECTORS)
-    big = "x" * (tm.MAX_REUSED_CHARS + 1)
-    assert scope.reuse(("p", 0), big) is big  # too large to keep: handed back, not remembered
-    texts = ["".join(["line ", str(n), "\n"]) * (tm.MAX_REUSED_CHARS // 40) for n in range(6)]
-    for n, text in enumerate(texts):
-        assert scope.reuse(("p", n), text) is text
-    kept = sum(memo._stable.get((scope._salt, ("p", n))) is texts[n] for n in range(6))
-    assert 0 < kept < 6 and memo._stable.currsize <= tm.MAX_REUSED_CHARS
 
 
 # -- learned volatility against its earlier implementation -----------------------------------------

@@ -93,10 +93,10 @@ def test_every_protocols_text_places() -> None:
 
 def test_the_kept_texts_are_bounded_by_characters() -> None:
     huge = "漢" * (recurring.MAX_CHARS + 1)
-    assert recurring._same(huge, "t") is huge
-    assert recurring._same(huge[:1] + huge[1:], "t") is not huge  # an equal copy: never kept
+    assert recurring.same_text(huge, "t") is huge
+    assert recurring.same_text(huge[:1] + huge[1:], "t") is not huge  # an equal copy: never kept
     texts = [f"{n}" + "漢字" * (recurring.MAX_CHARS // 6) for n in range(5)]
     for text in texts:
-        recurring._same(text, "t")
+        recurring.same_text(text, "t")
     assert recurring._kept.currsize <= recurring.MAX_CHARS
-    assert 0 < sum(recurring._same(text[:1] + text[1:], "t") is text for text in reversed(texts)) < 5
+    assert 0 < sum(recurring.same_text(text[:1] + text[1:], "t") is text for text in reversed(texts)) < 5

@@ -52,7 +52,7 @@ from proxy.canon.relocate import (
 from proxy.canon.textmemo import TextFacts, TextScope
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import FIRST_SIGHT_KINDS, DetectionCache, Detector, Span, detect_spans
-from proxy.openai import is_text_parts
+from proxy.openai import is_text_parts, same_text
 
 # Mixed into a conversation's key (its stable system messages and first user turn), so that it never
 # equals the chain of a forwarded prompt.
@@ -372,8 +372,8 @@ def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, wher
         return _Split(text, learned=len(learned_lines), candidates=len(candidates), candidate_finders=finders)
     planned, at_end, ids = _planned(facts, moving)
     stable, moved = tm.cut(facts, text, planned)
-    if memories.texts is not None:
-        stable = memories.texts.reuse((key, where[1]), stable)
+    # The string made when this place last cut this text: its UTF-8 form is made already.
+    stable = same_text(stable, f"{key}\x00{where[1]}")
     return _Split(
         stable,
         moved,

@@ -14,12 +14,6 @@ each line starts. All of that is a pure function of the text and the detector se
   differs from it only in those lines is recognized by hashing the stretches between them, and its
   facts are the place's with only the holes read anew.
 
-And per place, the stable text its last split cut (the one exception to "never text", bounded by
-characters): a clock moved out of an unchanged prompt leaves the same stable text every request,
-and handing back the string already made means its UTF-8 form, which orjson and every digest of the
-forwarded messages need, is made once, not on every request (for a 23k-character CJK prompt the
-first conversion costs about eight times a serialization that finds it made).
-
 So the work a request costs grows with what is new in its system prompt, not with its length. The
 outcome never depends on this memory (tests run the same traffic with and without it); caches are
 bounded by lines held, and keyed per tenant so that no tenant's request is faster for another's.
@@ -53,9 +47,6 @@ from proxy.recent import RecentSet
 MAX_HOLES = 16
 # Memo entries of one text's facts (results per set of moving lines, ...): a text meets few.
 MAX_RESULTS_PER_TEXT = 32
-# Characters of the stable texts kept for reuse (TextScope.reuse), all places together: a few dozen
-# prompts of Dify's size, at most about 16 MB with their UTF-8 forms.
-MAX_REUSED_CHARS = 4_000_000
 
 _CHAR_CODES = {"`": 1, "~": 2}
 _BLANK = vo._BLANK
@@ -908,8 +899,6 @@ class TextMemo:
             max(1, max_lines), getsizeof=lambda p: _facts_size(p.facts)
         )
         self._place_count = max_places
-        # By (salt, (place, text part)): the stable text the place's last split cut (TextScope.reuse).
-        self._stable: LRUCache[tuple[int, tuple[str, int]], str] = LRUCache(MAX_REUSED_CHARS, getsizeof=len)
         self._salts: LRUCache[str, int] = LRUCache(16_384)
         self._detectors: tuple[Detector, ...] | None = None
         self._local: tuple[Detector, ...] = ()
@@ -922,7 +911,6 @@ class TextMemo:
             self._lines.clear()
             self._texts.clear()
             self._places.clear()
-            self._stable.clear()
             self._seen = RecentSet(16_384)
             self._detectors = detectors
             self._local = tuple(d for d in detectors if getattr(d, "line_local", False))
@@ -1009,22 +997,6 @@ class TextScope:
         if place:
             self._settle(place_key, spot, found, text)
         return found
-
-    def reuse(self, place: tuple[str, int], stable: str) -> str:
-        """The stable text this place's last split cut, the same string object, where ``stable``
-        equals it (a comparison of memory, no hashing); else ``stable``, remembered for the next.
-
-        Equal strings are interchangeable, so nothing forwarded changes; what the old object
-        brings is what was made of it before, its UTF-8 form above all, which every serialization
-        and digest of the forwarded message needs and CPython keeps with the string."""
-        memo = self._memo._stable
-        key = (self._salt, place)  # one tenant's: no request is faster for another's text
-        known = memo.get(key)
-        if known is not None and known == stable:
-            return known
-        if len(stable) <= memo.maxsize:
-            memo[key] = stable
-        return stable
 
     def _keys(self, lines: Sequence[str]) -> array[int]:
         return array("q", map((self._salt).__xor__, map(hash, lines)))

@@ -26,7 +26,7 @@ from proxy.openai.messages import (
     role_prefix,
     utf8_size,
 )
-from proxy.openai.recurring import reuse_texts
+from proxy.openai.recurring import reuse_texts, same_text
 from proxy.openai.usage import Usage, token_count
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "message_text",
     "reuse_texts",
     "role_prefix",
+    "same_text",
     "shared_dumps",
     "shared_json",
     "sort_keys_deep",

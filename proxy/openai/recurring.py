@@ -10,10 +10,13 @@ the same tenant, length and ends are replaced, in the parsed body, by that text'
 strings are interchangeable, so nothing forwarded or answered changes, and the second request of a
 prompt converts nothing.
 
-Found by a key made of the text's length and first and last characters (no hashing of the text),
-then compared whole (a comparison of memory that stops at the first difference). Kept per tenant
-(no request is faster for another tenant's text) and bounded by characters. ASCII texts gain
-nothing (their UTF-8 form is the string's own memory) and short ones little: both are left alone.
+Relocation hands its stable texts through the same memory (``same_text``, scoped by the place): a
+clock moved out of an unchanged prompt leaves the same stable text on every request, and its string
+is the one made the first time. Found by a key made of the text's length and first and last
+characters (no hashing of the text), then compared whole (a comparison of memory that stops at
+the first difference). Kept per tenant (no request is faster for another tenant's text) and
+bounded by characters. ASCII texts gain nothing (their UTF-8 form is the string's own memory) and
+short ones little: both are left alone.
 """
 
 from __future__ import annotations
@@ -40,43 +43,38 @@ _kept: LRUCache[tuple[str, int, str, str], str] = LRUCache(MAX_CHARS, getsizeof=
 def reuse_texts(body: dict[str, Any], namespace: str) -> None:
     """Replace the body's long non-ASCII texts seen last from this tenant by the strings kept."""
     for key in _TEXTS:
-        value = body.get(key)
-        if type(value) is str:
-            if len(value) >= MIN_CHARS and not value.isascii():
-                body[key] = _same(value, namespace)
-        elif type(value) is list:
-            _reuse_parts(value, namespace)
+        _reuse_in(body, key, namespace)
     for key in _LISTS:
         items = body.get(key)
-        if type(items) is not list:
-            continue
-        for item in items:
-            if type(item) is not dict:
-                continue
-            content = item.get("content")
-            if type(content) is str:
-                if len(content) >= MIN_CHARS and not content.isascii():
-                    item["content"] = _same(content, namespace)
-            elif type(content) is list:
-                _reuse_parts(content, namespace)
+        if type(items) is list:
+            for item in items:
+                if type(item) is dict:
+                    _reuse_in(item, "content", namespace)
 
 
-def _reuse_parts(parts: list[Any], namespace: str) -> None:
-    for part in parts:
-        if type(part) is dict:
-            text = part.get("text")
-            if type(text) is str and len(text) >= MIN_CHARS and not text.isascii():
-                part["text"] = _same(text, namespace)
-
-
-def _same(text: str, namespace: str) -> str:
-    key = (namespace, len(text), text[:_ENDS], text[-_ENDS:])
+def same_text(text: str, scope: str) -> str:
+    """The string kept under ``scope`` (a tenant, or a place of one) that equals ``text``, where
+    ``text`` is long and not ASCII and one is kept; else ``text``, kept for the next."""
+    if len(text) < MIN_CHARS or text.isascii():
+        return text
+    key = (scope, len(text), text[:_ENDS], text[-_ENDS:])
     known = _kept.get(key)
     if known is not None and known == text:
         return known
     if len(text) <= MAX_CHARS:
         _kept[key] = text
     return text
+
+
+def _reuse_in(container: dict[str, Any], key: str, namespace: str) -> None:
+    """The text at ``container[key]``, or each text part's text where it holds a list of parts."""
+    value = container.get(key)
+    if type(value) is str:
+        container[key] = same_text(value, namespace)
+    elif type(value) is list:
+        for part in value:
+            if type(part) is dict and type(text := part.get("text")) is str:
+                part["text"] = same_text(text, namespace)
 
 
 def forget() -> None:
