@@ -10,7 +10,8 @@ prompt each time), sent to ``create_app`` with ASGI messages and answered by
 ``bench.instant_backend`` in another process; the access log goes to ``/dev/null`` and the heap is
 frozen after warm-up, as ``prefix-proxy serve`` has them. Printed: the process CPU time per request
 of each round (min and median first). ``--bare`` drives ``bench.bare_hop``'s app instead (the
-upstream client and a Starlette route, no logic); ``--settings`` overrides the defaults, to see
+upstream client and a Starlette route, no logic; ``--bare --json``: the body parsed and written
+again too); ``--settings`` overrides the defaults, to see
 what one part costs by turning it off, e.g. ``--settings '{"cache_breaks": {"enabled": false}}'``.
 ``--cprofile TOP`` prints cProfile's TOP functions by own time over one more round.
 ``--bodies-only`` makes the same request bodies round by round and sends none: what the driver
@@ -161,6 +162,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", choices=shapes.SHAPE_NAMES, help="requests of this shape (bench.shapes) instead")
     parser.add_argument("--settings", default="{}", help="settings overrides (JSON)")
     parser.add_argument("--bare", action="store_true", help="bench.bare_hop's app: no logic")
+    parser.add_argument("--json", action="store_true", help="with --bare: parse and write the body again")
     parser.add_argument("--cprofile", type=int, default=0, metavar="TOP")
     parser.add_argument("--bodies-only", action="store_true", help="make the bodies, send none")
     return parser
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     with spawn(backend, f"http://127.0.0.1:{port}/health"), contextlib.ExitStack() as stack:
         upstream = f"http://127.0.0.1:{port}/v1"
         if args.bare:
-            app: Any = create_bare_app(upstream)
+            app: Any = create_bare_app(upstream, json=args.json)
         else:
             settings = Settings(upstream=upstream, **json.loads(args.settings))
             app = create_app(settings)

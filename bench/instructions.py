@@ -1,6 +1,6 @@
 """Instructions per request, counted by valgrind: a before/after figure a noisy machine cannot blur.
 
-    python -m bench.instructions [--shape dify] [--requests 200] [--before CHECKOUT] [--bare]
+    python -m bench.instructions [--shape dify] [--requests 200] [--before CHECKOUT] [--bare [--json]]
                                  [--settings JSON] [--cache-sim]
 
 CPU time on a shared 2-core machine drifts by 20-40% between runs of the same build, which hides a
@@ -49,7 +49,8 @@ def count(source: Path, args: argparse.Namespace, requests: int, bodies_only: bo
     own_python = source / ".venv" / "bin" / "python"
     python = str(own_python) if own_python.exists() else sys.executable
     command = [python, "-m", "bench.inprocess", "--rounds", "1", "--requests", str(requests)]
-    command += ["--shape", args.shape, "--settings", args.settings] + (["--bare"] if args.bare else [])
+    command += ["--shape", args.shape, "--settings", args.settings]
+    command += (["--bare"] if args.bare else []) + (["--json"] if args.json else [])
     command += ["--bodies-only"] if bodies_only else []
     env = {**os.environ, "PYTHONPATH": str(source), "PYTHONHASHSEED": "0"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=200, help="the requests the two runs differ by")
     parser.add_argument("--before", type=Path, help="another checkout of prefix-proxy, counted too")
     parser.add_argument("--bare", action="store_true", help="bench.bare_hop's app: the stack without logic")
+    parser.add_argument("--json", action="store_true", help="with --bare: the body parsed and written again")
     parser.add_argument("--settings", default="{}", help="settings overrides (JSON), as bench.inprocess")
     parser.add_argument("--cache-sim", action="store_true", help="estimate cycles with callgrind's cache simulation")
     parser.add_argument("--with-driver", action="store_true", help="keep the driver's body making in the count")
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     here = Path(__file__).resolve().parent.parent
     after = proxy_per_request(here, args, here)
     unit = "estimated cycles" if args.cache_sim else "instructions"
-    line = f"{args.shape}{' (bare)' if args.bare else ''}: {after / 1e6:.3f} M {unit} per request"
+    stack = (" (bare + JSON)" if args.json else " (bare)") if args.bare else ""
+    line = f"{args.shape}{stack}: {after / 1e6:.3f} M {unit} per request"
     if args.before is not None:
         before = proxy_per_request(args.before.resolve(), args, here)
         line += f", before {before / 1e6:.3f} M ({after / before:.3f}x)"

@@ -14,10 +14,12 @@ Two backends, both modes by default:
 - ``--instant``: a backend that answers at once (``bench.instant_backend``), so what is measured
   is the hop itself: prefix-proxy on its default settings and, side by side, the same server and
   upstream client with none of its logic (``bench.bare_hop``: what the logic costs is the
-  difference), LiteLLM's proxy and vLLM Router (round robin over one worker: the floor of a proxy
-  hop) when their executables are found (``--litellm``, ``--vllm-router``, on ``PATH`` or next to
-  this Python; ``--no-peers``: prefix-proxy only). Per proxy: the median added at concurrency 1,
-  the median and p99 added and the throughput against direct at concurrency 16, the CPU time the proxy process (and its
+  difference), that stack with the body parsed and written again (``bench.bare_hop --json``: the
+  floor of any proxy that rewrites the body in Python), LiteLLM's proxy and vLLM Router (round
+  robin over one worker: the floor of a proxy hop) when their executables are found
+  (``--litellm``, ``--vllm-router``, on ``PATH`` or next to this Python; ``--no-peers``:
+  prefix-proxy only). Per proxy: the median added at concurrency 1, the median and p99 added and
+  the throughput against direct at concurrency 16, the CPU time the proxy process (and its
   children) spent per request over ``--requests`` sequential requests, and its resident memory
   before and after. ``--sessions N`` then sends N distinct conversations to each prefix-proxy
   (in-memory session store) and gives its RSS; ``--profile DIR`` then records each prefix-proxy
@@ -67,6 +69,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 CPU_ROUNDS = 4
 LITELLM_KEY = "sk-bench-hop-0000000000000000"  # a local benchmark process, not a credential
 BARE_HOP = "bare stack (no logic)"
+JSON_HOP = "bare stack + JSON"
 T = TypeVar("T")
 
 
@@ -144,12 +147,13 @@ def prefix_proxy(upstream: str, source: str | None = None, name: str = "prefix-p
 
 
 @contextlib.contextmanager
-def bare_hop(upstream: str) -> Iterator[Hop]:
-    """The proxy's server and upstream client without its logic (``bench.bare_hop``)."""
+def bare_hop(upstream: str, *, json: bool = False) -> Iterator[Hop]:
+    """The proxy's server and upstream client without its logic (``bench.bare_hop``); ``json``: the
+    body parsed and written again."""
     port = free_port()
     args = [sys.executable, "-m", "bench.bare_hop", "--upstream", upstream, "--port", str(port)]
-    with spawn(args, f"http://127.0.0.1:{port}/healthz") as proc:
-        yield Hop(BARE_HOP, f"http://127.0.0.1:{port}/v1", proc.pid)
+    with spawn([*args, "--json"] if json else args, f"http://127.0.0.1:{port}/healthz") as proc:
+        yield Hop(JSON_HOP if json else BARE_HOP, f"http://127.0.0.1:{port}/v1", proc.pid)
 
 
 @contextlib.contextmanager
@@ -520,6 +524,7 @@ async def instant_mode(args: argparse.Namespace) -> str:
         ]
         if args.peers:
             contexts.append((BARE_HOP, bare_hop(root + "/v1")))
+            contexts.append((JSON_HOP, bare_hop(root + "/v1", json=True)))
         if args.peers and (path := find(args.litellm, "litellm")):
             contexts.append(("LiteLLM", litellm(path, root + "/v1")))
         if args.peers and (path := find(args.vllm_router, "vllm-router")):

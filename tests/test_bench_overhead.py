@@ -78,7 +78,13 @@ def test_flame_graph_is_valid_svg_with_one_box_per_frame() -> None:
 
 def test_inprocess_driver_times_the_app_and_its_parts(capsys: pytest.CaptureFixture[str]) -> None:
     small = ["--requests", "5", "--rounds", "2", "--tokens", "300"]
-    for extra in ([], ["--settings", '{"cache_breaks": {"enabled": false}}'], ["--bare"], ["--messages", "4"]):
+    for extra in (
+        [],
+        ["--settings", '{"cache_breaks": {"enabled": false}}'],
+        ["--bare"],
+        ["--bare", "--json"],
+        ["--messages", "4"],
+    ):
         inprocess.main([*small, *extra])
         line = capsys.readouterr().out.strip()
         assert line.startswith("CPU per request in process: min "), line
