@@ -15,7 +15,8 @@ again too); ``--settings`` overrides the defaults, to see
 what one part costs by turning it off, e.g. ``--settings '{"cache_breaks": {"enabled": false}}'``.
 ``--cprofile TOP`` prints cProfile's TOP functions by own time over one more round.
 ``--bodies-only`` makes the same request bodies round by round and sends none: what the driver
-itself spends per request, which ``bench.instructions`` takes off its counts.
+itself spends per request, which ``bench.instructions`` takes off its counts. ``--patch FILE`` runs
+a Python file (a prototype patching the proxy's functions) before the app is built.
 
 Without uvicorn in front, the difference between two runs is the difference in the app's code.
 The machine drifts: compare runs made one after the other, several times.
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import pstats
+import runpy
 import statistics
 import sys
 import time
@@ -165,6 +167,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="with --bare: parse and write the body again")
     parser.add_argument("--cprofile", type=int, default=0, metavar="TOP")
     parser.add_argument("--bodies-only", action="store_true", help="make the bodies, send none")
+    parser.add_argument("--patch", help="a Python file run before the app is built (a prototype)")
     return parser
 
 
@@ -173,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.bodies_only:
         make_bodies_only(args)
         return
+    if args.patch:
+        runpy.run_path(args.patch)
     port = free_port()
     backend = [sys.executable, "-m", "bench.instant_backend", "--port", str(port)]
     with spawn(backend, f"http://127.0.0.1:{port}/health"), contextlib.ExitStack() as stack:

@@ -1,7 +1,7 @@
 """Instructions per request, counted by valgrind: a before/after figure a noisy machine cannot blur.
 
     python -m bench.instructions [--shape dify] [--requests 200] [--before CHECKOUT] [--bare [--json]]
-                                 [--settings JSON] [--cache-sim]
+                                 [--settings JSON] [--cache-sim] [--patch FILE]
 
 CPU time on a shared 2-core machine drifts by 20-40% between runs of the same build, which hides a
 change worth 5%. The instructions the proxy's code executes do not drift: this runs
@@ -19,6 +19,10 @@ change made the code do less, and by how much; the wall-clock figures stay ``ben
 (instructions + 10 per first-level miss + 100 per last-level miss, callgrind's own weighting): a
 change that does less but touches more memory shows there. Needs valgrind (``apt-get install
 valgrind``); a run takes about a minute per hundred requests (twice that with ``--cache-sim``).
+
+``--patch FILE`` counts a prototype without changing the proxy: ``bench.inprocess --patch`` runs
+the file before it builds the app (this checkout's count only; ``--before .`` counts the same
+checkout without it, for the prototype's ratio).
 """
 
 from __future__ import annotations
@@ -43,15 +47,19 @@ _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 _MISSES = re.compile(r"(I1|LLi|D1|LLd)\s+misses:\s*([\d,]+)")
 
 
-def count(source: Path, args: argparse.Namespace, requests: int, bodies_only: bool = False) -> int:
+def count(
+    source: Path, args: argparse.Namespace, requests: int, bodies_only: bool = False, patched: bool = False
+) -> int:
     """Instructions (or, with ``--cache-sim``, estimated cycles) callgrind counts in one run of
-    ``bench.inprocess`` from ``source`` (``bodies_only``: the driver making the bodies alone)."""
+    ``bench.inprocess`` from ``source`` (``bodies_only``: the driver making the bodies alone;
+    ``patched``: with ``--patch``)."""
     own_python = source / ".venv" / "bin" / "python"
     python = str(own_python) if own_python.exists() else sys.executable
     command = [python, "-m", "bench.inprocess", "--rounds", "1", "--requests", str(requests)]
     command += ["--shape", args.shape, "--settings", args.settings]
     command += (["--bare"] if args.bare else []) + (["--json"] if args.json else [])
     command += ["--bodies-only"] if bodies_only else []
+    command += ["--patch", str(args.patch.resolve())] if patched and args.patch is not None else []
     env = {**os.environ, "PYTHONPATH": str(source), "PYTHONHASHSEED": "0"}
     with tempfile.TemporaryDirectory() as tmp:
         valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out"]
@@ -67,17 +75,17 @@ def count(source: Path, args: argparse.Namespace, requests: int, bodies_only: bo
     return int(found.group(1)) + 10 * first_level + 100 * last_level
 
 
-def per_request(source: Path, args: argparse.Namespace, bodies_only: bool = False) -> float:
+def per_request(source: Path, args: argparse.Namespace, bodies_only: bool = False, patched: bool = False) -> float:
     with ThreadPoolExecutor(2) as pool:
-        small = pool.submit(count, source, args, BASELINE_REQUESTS, bodies_only)
-        large = pool.submit(count, source, args, BASELINE_REQUESTS + args.requests, bodies_only)
+        small = pool.submit(count, source, args, BASELINE_REQUESTS, bodies_only, patched)
+        large = pool.submit(count, source, args, BASELINE_REQUESTS + args.requests, bodies_only, patched)
         return (large.result() - small.result()) / args.requests
 
 
-def proxy_per_request(source: Path, args: argparse.Namespace, here: Path) -> float:
+def proxy_per_request(source: Path, args: argparse.Namespace, here: Path, patched: bool = False) -> float:
     """Per request, the driver's own work taken off (counted from ``source``'s driver where it can
     make the bodies alone, else from this checkout's: the same shapes unless they changed)."""
-    measured = per_request(source, args)
+    measured = per_request(source, args, patched=patched)
     if args.with_driver:
         return measured
     driver = source if "--bodies-only" in (source / "bench" / "inprocess.py").read_text() else here
@@ -94,11 +102,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--settings", default="{}", help="settings overrides (JSON), as bench.inprocess")
     parser.add_argument("--cache-sim", action="store_true", help="estimate cycles with callgrind's cache simulation")
     parser.add_argument("--with-driver", action="store_true", help="keep the driver's body making in the count")
+    parser.add_argument("--patch", type=Path, help="a prototype run before the app is built (this checkout only)")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind not found: apt-get install valgrind")
     here = Path(__file__).resolve().parent.parent
-    after = proxy_per_request(here, args, here)
+    after = proxy_per_request(here, args, here, patched=True)
     unit = "estimated cycles" if args.cache_sim else "instructions"
     stack = (" (bare + JSON)" if args.json else " (bare)") if args.bare else ""
     line = f"{args.shape}{stack}: {after / 1e6:.3f} M {unit} per request"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import xml.dom.minidom
 from collections import Counter
 from pathlib import Path
@@ -115,3 +116,33 @@ def test_inprocess_bodies_only_makes_the_rounds_bodies_and_sends_none(
     assert capsys.readouterr().out == ""
     bodies, path = maker(inprocess.parser().parse_args(["--shape", "dify", "--tokens", "300"]))
     assert path == "/v1/chat/completions" and json.loads(bodies(1)[0])["messages"][0]["role"] == "system"
+
+
+def test_inprocess_patch_runs_the_prototype_before_the_app_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--patch``: a prototype patches the proxy's functions, and the app built after it calls
+    the patched ones (what ``bench.instructions --patch`` counts)."""
+    import proxy.observability.digests as digests
+
+    calls = tmp_path / "calls"
+    prototype = tmp_path / "prototype.py"
+    prototype.write_text(
+        "import sys\n"
+        "from pathlib import Path\n"
+        "import proxy.observability.digests as digests\n"
+        "whole = digests.digest_prompt\n"
+        "def digest_prompt(*args, **kwargs):\n"
+        f"    with Path({str(calls)!r}).open('a') as out:\n"
+        "        out.write('.')\n"
+        "    return whole(*args, **kwargs)\n"
+        "for module in list(sys.modules.values()):\n"
+        "    if getattr(module, 'digest_prompt', None) is whole:\n"
+        "        module.digest_prompt = digest_prompt\n"
+    )
+    for module in list(sys.modules.values()):
+        if getattr(module, "digest_prompt", None) is digests.digest_prompt:
+            monkeypatch.setattr(module, "digest_prompt", digests.digest_prompt)  # put back afterwards
+    inprocess.main(["--requests", "3", "--rounds", "1", "--tokens", "300", "--patch", str(prototype)])
+    assert capsys.readouterr().out.startswith("CPU per request in process: min ")
+    assert len(calls.read_text()) >= 3
