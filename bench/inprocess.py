@@ -172,7 +172,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    arguments = parser()
+    args = arguments.parse_args(argv)
+    if args.json and not args.bare:
+        arguments.error("--json parses the body in the bare stack: give it with --bare")
     if args.bodies_only:
         make_bodies_only(args)
         return

@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--with-driver", action="store_true", help="keep the driver's body making in the count")
     parser.add_argument("--patch", type=Path, help="a prototype run before the app is built (this checkout only)")
     args = parser.parse_args(argv)
+    if args.json and not args.bare:
+        parser.error("--json parses the body in the bare stack: give it with --bare")
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind not found: apt-get install valgrind")
     here = Path(__file__).resolve().parent.parent

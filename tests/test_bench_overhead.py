@@ -146,3 +146,10 @@ def test_inprocess_patch_runs_the_prototype_before_the_app_is_built(
     inprocess.main(["--requests", "3", "--rounds", "1", "--tokens", "300", "--patch", str(prototype)])
     assert capsys.readouterr().out.startswith("CPU per request in process: min ")
     assert len(calls.read_text()) >= 3
+
+
+def test_json_without_the_bare_stack_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--json`` only changes the bare stack: given alone it would count the proxy unchanged."""
+    with pytest.raises(SystemExit):
+        inprocess.main(["--json"])
+    assert "--json parses the body in the bare stack: give it with --bare" in capsys.readouterr().err
