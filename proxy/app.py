@@ -30,7 +30,7 @@ from proxy.backends import (
 )
 from proxy.canon import Canonicalizer, PrefixTracker
 from proxy.capacity import resolve_shape
-from proxy.chat import CompactionService, TurnServices
+from proxy.chat import CompactionService, RequestSizes, TurnServices
 from proxy.config import Settings
 from proxy.http import (
     DirectRoutes,
@@ -226,6 +226,7 @@ def create_app(
         canonicalizer=canonicalizer,
         backends=upstream,
         token_counter=state.token_counter,
+        request_sizes=RequestSizes(),
     )
     state.cache_breaks = CacheBreakTracker(settings.cache_breaks, metrics)
     state.capture = CaptureWriter.from_settings(settings.capture)

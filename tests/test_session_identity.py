@@ -37,7 +37,7 @@ def test_the_reply_pair_is_the_same_from_a_fingerprint_already_taken() -> None:
         {"role": "user", "content": "Where is my order?"},
     ]
     reply = {"role": "assistant", "content": "On its way."}
-    pairs, last = conversation_fingerprints(messages)
+    pairs, last, _ = conversation_fingerprints(messages)
     assert len(pairs) == 3 and last == (messages[-1], message_fingerprint(messages[-1]))
     assert reply_fingerprint(messages, reply, last) == reply_fingerprint(messages, reply)
     # A known fingerprint of another message is not taken for the last one.

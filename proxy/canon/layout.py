@@ -25,7 +25,7 @@ from typing import Any
 import xxhash
 from cachetools import LRUCache
 
-from proxy.openai import dumps, link_hash, shared_dumps
+from proxy.openai import Continuations, dumps, link_hash, shared_dumps
 from proxy.recent import RecentSet, peek
 
 # (system message index, text part, line hash) of one moved line.
@@ -47,6 +47,9 @@ class ForwardedLayouts:
         # Openings (hashed, by app) of one-shot requests' user turns: a user turn that opens the way an
         # earlier one of the app did is a template (see relocation.TEMPLATE_OPENING_CHARS).
         self._openings: RecentSet[int] = RecentSet(max(1, max_entries // 16))
+        # Per tenant and conversation, the digests of the last request's messages (relocation's
+        # chains resume from them).
+        self.digested: Continuations[list[int]] = Continuations()
 
     def remember_prompt(self, key: int) -> None:
         self._prompts.add(key)

@@ -52,7 +52,7 @@ from proxy.canon.relocate import (
 from proxy.canon.textmemo import TextFacts, TextScope
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import FIRST_SIGHT_KINDS, DetectionCache, Detector, Span, detect_spans
-from proxy.openai import is_text_parts, same_text
+from proxy.openai import Resumption, is_text_parts, same_text
 
 # Mixed into a conversation's key (its stable system messages and first user turn), so that it never
 # equals the chain of a forwarded prompt.
@@ -101,6 +101,24 @@ def relocate(
     if system_count == 0:
         return Relocation([], 0)
     app_key = _app_key(namespace, body)
+    layouts = memories.layouts
+    if layouts is None:
+        return _relocate(messages, placement, memories, app_key, system_count, None)
+    layout = _Layout(layouts, chain_header(namespace, body), app_key)
+    layout.resume(namespace, messages)
+    relocation = _relocate(messages, placement, memories, app_key, system_count, layout)
+    layout.keep()
+    return relocation
+
+
+def _relocate(
+    messages: list[dict[str, Any]],
+    placement: Placement,
+    memories: Memories,
+    app_key: str,
+    system_count: int,
+    layout: _Layout | None,
+) -> Relocation:
     splits = [
         _split_message(messages[index], placement, memories, f"{app_key}\x00{index}", index)
         for index in range(system_count)
@@ -108,8 +126,6 @@ def relocate(
     actions = [Action("learned_volatile_lines", str(s.learned)) for s in splits if s is not None and s.learned]
     proposed = any(s is not None and s.moved for s in splits)
     candidates = any(s is not None and s.candidates for s in splits)
-    layouts = memories.layouts
-    layout = _Layout(layouts, chain_header(namespace, body), app_key) if layouts is not None else None
 
     if layout is not None and (candidates or layout.app_had_blocks()):
         if layout.continues(messages, system_count):
@@ -803,6 +819,31 @@ class _Layout:
         self._digests: dict[int, tuple[Any, int]] = {}
         # By the digest of the first message chained (0: none): the digests chained and the chain.
         self._chains: dict[int, tuple[list[int], list[int]]] = {}
+        self._entry: list[dict[str, Any]] = []
+        self._resumed: Resumption[list[int]] | None = None
+
+    def resume(self, namespace: str, messages: list[dict[str, Any]]) -> None:
+        """Take the digests of the messages this request shares with its conversation's last one
+        (``ForwardedLayouts.digested``): only what the conversation adds is serialized and hashed."""
+        self._entry = list(messages)
+        self._resumed = resumed = self._layouts.digested.resume(namespace, self._entry)
+        if resumed.state:
+            shared = self._entry[: resumed.shared]
+            digests = resumed.state[: resumed.shared]
+            self._digests.update(zip(map(id, shared), zip(shared, digests, strict=True), strict=True))
+
+    def keep(self) -> None:
+        """Keep the digests of the request's messages, as far as they were made, for the next one."""
+        if self._resumed is None:
+            return
+        digests: list[int] = []
+        known = self._digests.get
+        for message in self._entry:
+            found = known(id(message))
+            if found is None or found[0] is not message:
+                break
+            digests.append(found[1])
+        self._resumed.keep(self._entry[: len(digests)], digests)
 
     def _digest(self, message: Any) -> int:
         known = self._digests.get(id(message))

@@ -1,6 +1,7 @@
 """One conversation turn through the proxy: session, budget, summary (compaction), accounting."""
 
 from proxy.chat.budget import (
+    RequestSizes,
     budget_for,
     completion_allowance,
     context_limit,
@@ -14,6 +15,7 @@ from proxy.chat.turn import ChatTurn, TurnServices, budget_refused, routing_key
 __all__ = [
     "ChatTurn",
     "CompactionService",
+    "RequestSizes",
     "TurnServices",
     "budget_for",
     "budget_refused",

@@ -23,11 +23,13 @@ requests generate beyond ``completion_reserve_tokens``.
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.config import BudgetOverrides, BudgetSettings, Settings
 from proxy.openai import message_text, shared_dumps, utf8_size
+from proxy.openai.continuation import Continuations
 from proxy.sessions import UsageLimit, slot_tag
 from proxy.tokenization import CAUTIOUS_TOKENS_PER_BYTE, TokenCounter
 
@@ -97,13 +99,40 @@ def context_limit(budget: BudgetSettings, max_model_len: int | None, body: dict[
 EXACT_COUNT_MARGIN = 0.85
 
 
-def request_bytes(body: dict[str, Any]) -> int:
-    """UTF-8 size of everything a chat template renders from the request (text and tools)."""
-    size = sum(utf8_size(message_text(m)) + 8 for m in body.get("messages") or [])
+def request_bytes(body: dict[str, Any], sizes: RequestSizes | None = None, tenant: str = "") -> int:
+    """UTF-8 size of everything a chat template renders from the request (text and tools).
+    ``sizes``: the messages' sizes kept per conversation, where the request's are looked up."""
+    messages = body.get("messages") or []
+    size = sizes.of_messages(tenant, messages) if sizes is not None else message_ends(messages)[-1]
     tools = body.get("tools") or body.get("functions")
     if tools:
         size += len(shared_dumps(tools))  # not orjson.dumps: it refuses lone surrogates, which clients may send
     return size
+
+
+def message_ends(messages: list[Any], resumed: array[int] | None = None, shared: int = 0) -> array[int]:
+    """``ends[i]``: the size of ``messages[:i]`` as :func:`request_bytes` counts it; ``resumed``: the
+    ends of a list whose first ``shared`` messages equal these (:mod:`proxy.openai.continuation`)."""
+    ends = resumed[: shared + 1] if resumed is not None and shared else array("Q", [0])
+    total = ends[-1]
+    for message in messages[len(ends) - 1 :]:
+        total += utf8_size(message_text(message)) + 8
+        ends.append(total)
+    return ends
+
+
+class RequestSizes:
+    """The messages' part of :func:`request_bytes`, kept per tenant and conversation: a request
+    sizes only the messages it adds to its conversation's last one."""
+
+    def __init__(self) -> None:
+        self._sized: Continuations[array[int]] = Continuations()
+
+    def of_messages(self, tenant: str, messages: list[Any]) -> int:
+        resumed = self._sized.resume(tenant, messages)
+        ends = message_ends(messages, resumed.state, resumed.shared)
+        resumed.keep(messages, ends)
+        return ends[-1]
 
 
 def fast_estimate(size_bytes: int, tokens_per_byte: float | None) -> int:

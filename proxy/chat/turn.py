@@ -11,6 +11,7 @@ from proxy.canon import Canonicalizer, CanonResult
 from proxy.chat.budget import (
     EXACT_COUNT_SLACK,
     ContextCheck,
+    RequestSizes,
     budget_for,
     check_context,
     context_limit,
@@ -46,6 +47,7 @@ class TurnServices:
     canonicalizer: Canonicalizer
     backends: BackendPool
     token_counter: TokenCounter
+    request_sizes: RequestSizes
 
 
 def routing_key(
@@ -259,7 +261,9 @@ class ChatTurn:
         if self.anchored is None or not self.anchored.removed or self.limit is None or self.slides_window:
             return False
         tokens_per_byte = self.session.tokens_per_byte if self.session else None
-        whole = fast_estimate(request_bytes(self.canonical), tokens_per_byte)
+        whole = fast_estimate(
+            request_bytes(self.canonical, self.services.request_sizes, self.tenant.name), tokens_per_byte
+        )
         return whole <= self.limit * ratio
 
     @property
@@ -288,7 +292,7 @@ class ChatTurn:
 
     async def _check(self) -> ContextCheck:
         forwarded = self.forwarded
-        self.request_bytes = request_bytes(forwarded)
+        self.request_bytes = request_bytes(forwarded, self.services.request_sizes, self.tenant.name)
         tokens_per_byte = self.session.tokens_per_byte if self.session else None
         if self.budget.exact_counts_via_tokenize and near_limit(
             fast_estimate(self.request_bytes, tokens_per_byte), self.limit

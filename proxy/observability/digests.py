@@ -135,6 +135,8 @@ class PromptDigest:
     system_lines: tuple[tuple[int, ...], ...]
     # Index of the proxy's summary message, -1 without one.
     summary_at: int = -1
+    # :func:`chain`'s links, as far as they are made (a resumed digest starts with its prefix's).
+    links: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.digests)
@@ -152,15 +154,34 @@ class PromptDigest:
 
 
 def digest_prompt(
-    body: dict[str, Any], namespace: str = "", summary_at: int = -1, system_count: int | None = None
+    body: dict[str, Any],
+    namespace: str = "",
+    summary_at: int = -1,
+    system_count: int | None = None,
+    *,
+    previous: PromptDigest | None = None,
+    shared: int = 0,
 ) -> PromptDigest:
+    """``previous``: the digest of a prompt whose first ``shared`` messages equal this one's
+    (:mod:`proxy.openai.continuation`); their hashes, sizes and roles are taken from it, and its
+    system prompt's line hashes where those messages hold the whole of it."""
     messages: Sequence[Any] = body.get("messages") or []
     tools = body.get("tools") or body.get("functions") or []
     tools_raw = shared_dumps(tools) if tools else b""
-    digests: array[int] = array("Q")
-    ends: array[int] = array("Q", [len(tools_raw)])
-    roles = bytearray()
-    for message in messages:
+    if previous is not None and shared:
+        digests = previous.digests[:shared]
+        ends = previous.ends[: shared + 1]
+        # The tools' size comes first in every end: this prompt's, not the previous one's.
+        offset = len(tools_raw) - ends[0]
+        if offset:
+            ends = array("Q", (end + offset for end in ends))
+        roles = bytearray(previous.roles[:shared])
+    else:
+        shared = 0
+        digests = array("Q")
+        ends = array("Q", [len(tools_raw)])
+        roles = bytearray()
+    for message in messages[shared:]:
         digest, size = message_hash(message)
         digests.append(digest)
         ends.append(ends[-1] + size)
@@ -168,21 +189,34 @@ def digest_prompt(
         roles.append(ROLE_CODES.get(str(role), 0))
     if system_count is None:
         system_count = leading_system_count([m if isinstance(m, dict) else {} for m in messages])
-    system_lines = tuple(
-        _system_lines(digests[index], message)
-        for index, message in enumerate(messages[:system_count])
-        if isinstance(message, dict)
-    )
+    if previous is not None and system_count <= shared and system_count == previous.system_count:
+        system_lines = previous.system_lines
+    else:
+        system_lines = tuple(
+            _system_lines(digests[index], message)
+            for index, message in enumerate(messages[:system_count])
+            if isinstance(message, dict)
+        )
+    model = str(body.get("model", ""))
+    tools_digest = xxhash.xxh3_64_intdigest(tools_raw)
+    links = None
+    if (
+        previous is not None
+        and previous.links is not None
+        and (previous.namespace, previous.model, previous.tools) == (namespace, model, tools_digest)
+    ):
+        links = previous.links[: shared + 1]  # the same header, the same messages
     return PromptDigest(
         namespace=namespace,
-        model=str(body.get("model", "")),
-        tools=xxhash.xxh3_64_intdigest(tools_raw),
+        model=model,
+        tools=tools_digest,
         digests=digests,
         roles=bytes(roles),
         ends=ends,
         system_count=system_count,
         system_lines=system_lines,
         summary_at=summary_at,
+        links=links,
     )
 
 
@@ -195,8 +229,9 @@ def header_key(prompt: PromptDigest) -> int:
 
 
 def chain(prompt: PromptDigest) -> list[int]:
-    """``chain[k]`` names the header and ``messages[:k]``."""
-    links = [header_key(prompt)]
-    for digest in prompt.digests:
+    """``chain[k]`` names the header and ``messages[:k]`` (made once per prompt; not to be changed)."""
+    links = prompt.links if prompt.links is not None else [header_key(prompt)]
+    for digest in prompt.digests[len(links) - 1 :]:
         links.append(link_hash(links[-1], digest))
+    prompt.links = links
     return links

@@ -17,9 +17,10 @@ from cachetools import LRUCache
 from proxy.config import CacheBreakSettings
 from proxy.http import PendingCacheBreak
 from proxy.observability.breaks import CAUSES, NONE, BreakMemory, CacheBreak, Comparison
-from proxy.observability.digests import digest_prompt, message_hash
+from proxy.observability.digests import PromptDigest, digest_prompt, message_hash
 from proxy.observability.metrics import Metrics
 from proxy.openai import Usage
+from proxy.openai.continuation import Continuations
 from proxy.recent import peek
 
 HEADER = "x-prefix-proxy-cache-break"
@@ -59,6 +60,8 @@ class CacheBreakTracker:
         # Per tenant: another tenant's id is not found.
         self._answers: LRUCache[tuple[str, str], int] = LRUCache(max(1, settings.memory_prompts))
         self._metrics = metrics
+        # Per tenant and conversation, the last prompt digested: the next one hashes only what it adds.
+        self._digested: Continuations[PromptDigest] = Continuations()
         for cause in CAUSES:
             metrics.cache_break_tokens.labels(cause)
             metrics.cache_breaks.labels(cause)
@@ -78,7 +81,12 @@ class CacheBreakTracker:
         inserted right after them is history, not system prompt)."""
         if not self.enabled:
             return None
-        prompt = digest_prompt(forwarded, tenant, summary_at, system_count)
+        messages = forwarded.get("messages") or []
+        resumed = self._digested.resume(tenant, messages)
+        prompt = digest_prompt(
+            forwarded, tenant, summary_at, system_count, previous=resumed.state, shared=resumed.shared
+        )
+        resumed.keep(messages, prompt)
         moved = any(action.startswith("volatile_moved") for action in actions)
         key = f"{tenant}\x1f{conversation}" if conversation else None
         explanation, prompt_id = self.memory.observe(prompt, key, moved_volatile=moved, tokens_per_byte=tokens_per_byte)

@@ -4,6 +4,7 @@ A leaf: it imports nothing else from the proxy, so every part (and ``summarizer`
 """
 
 from proxy.openai.assistant import AssistantRecorder, ToolCall
+from proxy.openai.continuation import Continuations, Resumption
 from proxy.openai.jsoncanon import canonical_arguments, canonical_dumps, sort_keys_deep
 from proxy.openai.jsonio import (
     MAX_DEPTH,
@@ -34,6 +35,8 @@ __all__ = [
     "ONE_SHOT_BYTES",
     "STABLE_ROLES",
     "AssistantRecorder",
+    "Continuations",
+    "Resumption",
     "TooDeep",
     "ToolCall",
     "Usage",

@@ -26,7 +26,9 @@ apart from the first message in which they differ.
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -44,20 +46,47 @@ def pair_fingerprint(previous: int, current: int) -> int:
 MessageFingerprint = tuple[Mapping[str, Any], int]
 
 
-def conversation_fingerprints(messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], MessageFingerprint | None]:
-    """Pair fingerprints of the non-system messages, in order; and the last of those messages with
-    its own fingerprint (None without any)."""
-    previous = _START
-    pairs: list[int] = []
+@dataclass(slots=True, frozen=True)
+class Fingerprinted:
+    """:func:`conversation_fingerprints` of a message list, and where it stood after each of its
+    first ``i`` messages (``counts[i]`` pairs, ``previous[i]`` the last fingerprint): what a request
+    that re-sends those messages resumes from."""
+
+    pairs: list[int]
+    counts: array[int]
+    previous: array[int]
+
+
+def conversation_fingerprints(
+    messages: Sequence[Mapping[str, Any]], resumed: Fingerprinted | None = None, shared: int = 0
+) -> tuple[list[int], MessageFingerprint | None, Fingerprinted]:
+    """Pair fingerprints of the non-system messages, in order; the last of those messages with its
+    own fingerprint (None without any); and what a later request may resume from. ``resumed``:
+    that of a list whose first ``shared`` messages equal these (:mod:`proxy.openai.continuation`)."""
+    if resumed is not None and shared:
+        pairs = resumed.pairs[: resumed.counts[shared]]
+        counts = resumed.counts[: shared + 1]
+        previous_at = resumed.previous[: shared + 1]
+    else:
+        shared = 0
+        pairs, counts, previous_at = [], array("Q", [0]), array("Q", [_START])
+    previous = previous_at[-1]
     last: MessageFingerprint | None = None
-    for message in messages:
-        if message.get("role") in STABLE_ROLES:
-            continue
-        current = message_fingerprint(message)
-        pairs.append(pair_fingerprint(previous, current))
-        previous = current
-        last = (message, current)
-    return pairs, last
+    for message in messages[shared:]:
+        if message.get("role") not in STABLE_ROLES:
+            current = message_fingerprint(message)
+            pairs.append(pair_fingerprint(previous, current))
+            previous = current
+            last = (message, current)
+        counts.append(len(pairs))
+        previous_at.append(previous)
+    if last is None and pairs:
+        # The newest non-system message is in the resumed part: the same fingerprint, this request's message.
+        index = shared - 1
+        while messages[index].get("role") in STABLE_ROLES:
+            index -= 1
+        last = (messages[index], previous)
+    return pairs, last, Fingerprinted(pairs[:], counts, previous_at)
 
 
 def conversation_root(messages: Sequence[Mapping[str, Any]]) -> int | None:

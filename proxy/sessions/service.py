@@ -27,7 +27,9 @@ from proxy.config import SessionSettings
 from proxy.ids import unique_id
 from proxy.observability import Metrics
 from proxy.openai import Usage
+from proxy.openai.continuation import Continuations
 from proxy.sessions.identity import (
+    Fingerprinted,
     MessageFingerprint,
     conversation_fingerprints,
     explicit_session_id,
@@ -88,6 +90,8 @@ class SessionService:
         self._metrics = metrics
         self._down_until = 0.0
         self._degraded = False
+        # Per tenant and conversation, the last request's fingerprints: the next fingerprints only what it adds.
+        self._fingerprinted: Continuations[Fingerprinted] = Continuations()
         self._background: set[asyncio.Task[Any]] = set()
         # Tokens spent by requests admitted unreserved, per set of limits, until the store is back
         # (past MAX_PENDING_CHARGES, the set charged least recently goes first).
@@ -165,7 +169,9 @@ class SessionService:
 
         ``lanes``: a named request that does not extend the session's conversation is a side lane
         of it (:func:`_extends`); off for a session the proxy knows the request continues."""
-        fingerprints, last = conversation_fingerprints(messages)
+        resumed = self._fingerprinted.resume(tenant, messages)
+        fingerprints, last, state = conversation_fingerprints(messages, resumed.state, resumed.shared)
+        resumed.keep(messages, state)
         try:
             view = await self._find(self.store, self.call, tenant, fingerprints, explicit, lanes)
             if self.local is not None and view.record is not None:

@@ -1,0 +1,143 @@
+"""Work resumed where a conversation's last request stops repeating (proxy.openai.continuation):
+every part that resumes gives exactly what it gives from scratch, on conversations that grow,
+fork, slide and edit; tenants never resume from each other; the memory stays in its bound."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.chat.budget import RequestSizes, request_bytes
+from proxy.observability.digests import chain, digest_prompt
+from proxy.openai.continuation import Continuations, shared_prefix
+from proxy.sessions.identity import conversation_fingerprints
+
+
+def _conversation(seed: int, turns: int) -> list[dict[str, Any]]:
+    """A system prompt, then user turns, assistant replies with tool calls, and tool results."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": f"You are agent {seed}.\nBe brief."}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"question {seed}-{turn}: what now?"})
+        if turn % 2:
+            call = {
+                "id": f"call_{seed}_{turn}",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": f'{{"q": "{seed}-{turn}", "n": {turn}}}'},
+            }
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"result {turn}"})
+        messages.append({"role": "assistant", "content": f"answer {seed}-{turn}"})
+    return messages
+
+
+def test_shared_prefix_counts_the_leading_equal_messages() -> None:
+    a = _conversation(1, 4)
+    assert shared_prefix(a, copy.deepcopy(a)) == len(a)
+    assert shared_prefix(a, copy.deepcopy(a) + [{"role": "user", "content": "more"}]) == len(a)
+    edited = copy.deepcopy(a)
+    edited[3] = {**edited[3], "content": "edited"}
+    assert shared_prefix(a, edited) == 3
+    assert shared_prefix(a, []) == 0
+
+
+def test_a_conversation_resumes_from_its_last_request_and_no_other_tenants() -> None:
+    memory: Continuations[str] = Continuations()
+    first = _conversation(1, 3)
+    resumed = memory.resume("tenant-a", first)
+    assert (resumed.shared, resumed.state) == (0, None)
+    resumed.keep(first, "state of the first")
+    grown = copy.deepcopy(first) + [{"role": "user", "content": "and then?"}]
+    resumed = memory.resume("tenant-a", grown)
+    assert (resumed.shared, resumed.state) == (len(first), "state of the first")
+    # The same conversation sent by another tenant finds nothing.
+    assert memory.resume("tenant-b", grown).shared == 0
+
+
+def test_conversations_that_open_alike_both_resume() -> None:
+    memory: Continuations[int] = Continuations()
+    one = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello, one"}]
+    two = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello, two"}]
+    for number, messages in enumerate((one, two)):
+        memory.resume("t", messages).keep(messages, number)
+    assert memory.resume("t", [*one, {"role": "user", "content": "x"}]).state == 0
+    assert memory.resume("t", [*two, {"role": "user", "content": "x"}]).state == 1
+
+
+def test_the_memory_forgets_past_its_bound() -> None:
+    memory: Continuations[int] = Continuations(max_chars=10_000)
+    for number in range(100):
+        messages = [{"role": "user", "content": f"conversation {number} " + "x" * 500}]
+        memory.resume("t", messages).keep(messages, number)
+    assert 0 < len(memory) < 20
+    assert memory.resume("t", [{"role": "user", "content": "conversation 99 " + "x" * 500}]).state == 99
+    assert memory.resume("t", [{"role": "user", "content": "conversation 0 " + "x" * 500}]).state is None
+
+
+# A request of a conversation: its history so far, or a variation of it a client really sends.
+_steps = st.lists(
+    st.tuples(
+        st.sampled_from(["grow", "grow", "grow", "fork", "slide", "edit_system", "new"]), st.integers(0, 3)
+    ),
+    min_size=2,
+    max_size=12,
+)
+
+
+def _requests(steps: list[tuple[str, int]]) -> list[list[dict[str, Any]]]:
+    requests = []
+    seed, turns = 0, 1
+    for kind, amount in steps:
+        messages = _conversation(seed, turns)
+        if kind == "grow":
+            turns += amount + 1
+            messages = _conversation(seed, turns)
+        elif kind == "fork":
+            messages = messages[:-1] + [{"role": "assistant", "content": f"another answer {amount}"}]
+        elif kind == "slide":
+            messages = messages[:1] + messages[1 + 2 * amount :]
+        elif kind == "edit_system":
+            messages[0] = {"role": "system", "content": f"You are agent {seed}.\nToday is day {amount}."}
+        else:
+            seed += 1
+            turns = amount + 1
+            messages = _conversation(seed, turns)
+        # Parsed afresh, as every request is: equal values, never the same objects.
+        requests.append(copy.deepcopy(messages))
+    return requests
+
+
+@settings(max_examples=60, deadline=None)
+@given(_steps)
+def test_resumed_parts_equal_their_work_from_scratch(steps: list[tuple[str, int]]) -> None:
+    digested: Continuations[Any] = Continuations()
+    fingerprinted: Continuations[Any] = Continuations()
+    sizes = RequestSizes()
+    for number, messages in enumerate(_requests(steps)):
+        body: dict[str, Any] = {"model": "m", "messages": messages}
+        if number % 3 == 1:  # tools sent with some requests only: they size and head every digest
+            body["tools"] = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+        resumed = digested.resume("t", messages)
+        prompt = digest_prompt(body, "t", previous=resumed.state, shared=resumed.shared)
+        resumed.keep(messages, prompt)
+        fresh = digest_prompt(body, "t")
+        assert (prompt.digests, prompt.ends, prompt.roles, prompt.system_lines) == (
+            fresh.digests,
+            fresh.ends,
+            fresh.roles,
+            fresh.system_lines,
+        )
+        assert chain(prompt) == chain(fresh)
+
+        resumed = fingerprinted.resume("t", messages)
+        pairs, last, state = conversation_fingerprints(messages, resumed.state, resumed.shared)
+        resumed.keep(messages, state)
+        fresh_pairs, fresh_last, _ = conversation_fingerprints(messages)
+        assert pairs == fresh_pairs
+        assert (last[0] if last else None) is (fresh_last[0] if fresh_last else None)
+        assert (last[1] if last else None) == (fresh_last[1] if fresh_last else None)
+
+        assert request_bytes(body, sizes, "t") == request_bytes(body)
