@@ -10,6 +10,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.canon.toolcalls import anchors_of
 from proxy.chat.budget import RequestSizes, request_bytes
 from proxy.observability.digests import chain, digest_prompt
 from proxy.openai.continuation import Continuations, shared_prefix
@@ -114,6 +115,7 @@ def _requests(steps: list[tuple[str, int]]) -> list[list[dict[str, Any]]]:
 def test_resumed_parts_equal_their_work_from_scratch(steps: list[tuple[str, int]]) -> None:
     digested: Continuations[Any] = Continuations()
     fingerprinted: Continuations[Any] = Continuations()
+    anchored: Continuations[Any] = Continuations()
     sizes = RequestSizes()
     for number, messages in enumerate(_requests(steps)):
         body: dict[str, Any] = {"model": "m", "messages": messages}
@@ -141,3 +143,8 @@ def test_resumed_parts_equal_their_work_from_scratch(steps: list[tuple[str, int]
         assert (last[1] if last else None) == (fresh_last[1] if fresh_last else None)
 
         assert request_bytes(body, sizes, "t") == request_bytes(body)
+
+        resumed = anchored.resume("t", messages)
+        anchors = anchors_of(messages, resumed.state, resumed.shared)
+        resumed.keep(messages, anchors)
+        assert anchors == anchors_of(messages)

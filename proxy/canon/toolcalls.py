@@ -16,6 +16,7 @@ its tool results alike.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +24,8 @@ import xxhash
 from cachetools import LRUCache
 
 from proxy.canon.actions import Action
-from proxy.canon.layout import extend, prefix_chain
-from proxy.openai import canonical_arguments, message_text
+from proxy.canon.layout import extend
+from proxy.openai import Continuations, canonical_arguments, message_text
 from proxy.recent import peek
 
 
@@ -41,6 +42,9 @@ class ToolCallMemory:
     def __init__(self, max_entries: int = 200_000) -> None:
         self._entries: LRUCache[int, GeneratedCall] = LRUCache(max_entries)
         self._by_id: LRUCache[str, GeneratedCall] = LRUCache(max_entries)
+        # Per tenant and conversation, the anchors of the last request's messages (a pure function
+        # of each message): the next request anchors only the messages it adds.
+        self.anchored: Continuations[Anchors] = Continuations()
 
     def remember(self, key: int, call: GeneratedCall) -> None:
         self._entries[key] = call
@@ -74,19 +78,40 @@ def _anchor(message: dict[str, Any]) -> int:
     return xxhash.xxh3_64_intdigest(message_text(message).encode("utf-8", "surrogatepass"))
 
 
+@dataclass(frozen=True, slots=True)
+class Anchors:
+    """Each message's anchor (the hash of its text), and ``histories[i]``, the chain of the first
+    ``i`` anchors: what names the texts of ``messages[:i]``, ids and argument bytes left out."""
+
+    anchors: list[int]
+    histories: list[int]
+
+
+def anchors_of(messages: list[dict[str, Any]], resumed: Anchors | None = None, shared: int = 0) -> Anchors:
+    """The :class:`Anchors` of ``messages``; ``resumed``: those of a list whose first ``shared``
+    messages equal these (:mod:`proxy.openai.continuation`)."""
+    if resumed is None:
+        shared = 0
+    anchors = resumed.anchors[:shared] if resumed is not None else []
+    histories = resumed.histories[: shared + 1] if resumed is not None else [0]
+    for message in messages[shared:]:
+        anchor = _anchor(message)
+        anchors.append(anchor)
+        histories.append(extend(histories[-1], anchor))
+    return Anchors(anchors, histories)
+
+
 def iter_call_positions(
-    messages: list[dict[str, Any]], anchors: dict[int, int] | None = None
+    messages: list[dict[str, Any]], anchors: Sequence[int] | None = None
 ) -> list[tuple[int, int, int]]:
-    """(message index, anchor, ordinal) for every assistant message, in order; the user turns'
-    anchors, by index, into ``anchors`` where given."""
+    """(message index, anchor, ordinal) for every assistant message, in order (``anchors``: each
+    message's, where known)."""
     positions: list[tuple[int, int, int]] = []
     anchor, ordinal = 0, 0
     for index, message in enumerate(messages):
         role = message.get("role")
         if role == "user":
-            anchor, ordinal = _anchor(message), 0
-            if anchors is not None:
-                anchors[index] = anchor
+            anchor, ordinal = (anchors[index] if anchors is not None else _anchor(message)), 0
         elif role == "assistant":
             positions.append((index, anchor, ordinal))
             ordinal += 1
@@ -113,19 +138,15 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
     occurrences: Counter[int] = Counter()
     used: set[str] = set()
     restored = arguments_restored = 0
-    # histories[i] names the texts of messages[:i] (ids and argument bytes left out: they churn).
-    # Made when first needed: a client that keeps the backend's ids is answered by them alone.
-    histories: list[int] = []
-    # The user turns' anchors, which the call positions are read from: the history reuses them.
-    user_anchors: dict[int, int] = {}
+    if memory is not None:
+        resumed = memory.anchored.resume(namespace, messages)
+        known = anchors_of(messages, resumed.state, resumed.shared)
+        resumed.keep(messages, known)
+    else:
+        known = anchors_of(messages)
+    histories = known.histories
 
-    def history(index: int) -> int:
-        if not histories:
-            anchors = [user_anchors[i] if i in user_anchors else _anchor(m) for i, m in enumerate(messages)]
-            histories.extend(prefix_chain(0, anchors))
-        return histories[index]
-
-    for index, anchor, ordinal in iter_call_positions(messages, user_anchors):
+    for index, anchor, ordinal in iter_call_positions(messages, known.anchors):
         calls = messages[index].get("tool_calls")
         if not isinstance(calls, list) or not calls:
             continue
@@ -147,7 +168,7 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
             # (``forwarded_key``): restored only within the same conversation, never into another
             # that happens to ask the same thing (a client's own ids must stay its own).
             original = (
-                (memory.by_id(old_id) or memory.recall(key) or memory.recall(extend(history(index), key)))
+                (memory.by_id(old_id) or memory.recall(key) or memory.recall(extend(histories[index], key)))
                 if memory is not None
                 else None
             )
@@ -165,7 +186,7 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
             else:
                 arguments = function.get("arguments")
                 if memory is not None and isinstance(old_id, str) and isinstance(arguments, str):
-                    memory.remember(extend(history(index), key), GeneratedCall(id=old_id, arguments=arguments))
+                    memory.remember(extend(histories[index], key), GeneratedCall(id=old_id, arguments=arguments))
             if isinstance(old_id, str) and old_id != new_id:
                 renamed[old_id] = new_id
             if new_id != old_id:
