@@ -10,9 +10,12 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.canon.canonicalizer import Canonicalizer
 from proxy.canon.toolcalls import anchors_of
 from proxy.chat.budget import RequestSizes, request_bytes
+from proxy.config import CanonSettings
 from proxy.observability.digests import chain, digest_prompt
+from proxy.openai import ToolCall
 from proxy.openai.continuation import Continuations, shared_prefix
 from proxy.sessions.identity import conversation_fingerprints
 
@@ -148,3 +151,51 @@ def test_resumed_parts_equal_their_work_from_scratch(steps: list[tuple[str, int]
         anchors = anchors_of(messages, resumed.state, resumed.shared)
         resumed.keep(messages, anchors)
         assert anchors == anchors_of(messages)
+
+
+def _without_resumption(canonicalizer: Canonicalizer) -> Canonicalizer:
+    """The canonicalizer with memories that never keep a conversation: everything from scratch."""
+    canonicalizer.tool_memory.anchored = Continuations(max_chars=0)
+    assert canonicalizer.layouts is not None
+    canonicalizer.layouts.digested = Continuations(max_chars=0)
+    return canonicalizer
+
+
+def _agent_requests(conversations: int, turns: int) -> list[dict[str, Any]]:
+    """Agents whose system prompt carries a clock line that moves, whose client re-sends its tool
+    calls with fresh ids, and which sometimes regenerate a reply or slide their window."""
+    rules = "\n".join(f"Rule {n}: read before you edit, and say what you changed." for n in range(30))
+    requests = []
+    for seed in range(conversations):
+        for turn in range(1, turns):
+            clock = turn if seed % 2 else 0  # half of them with a clock that moves
+            system = f"You are agent {seed % 2}.\nCurrent time: 2026-12-0{clock % 9 + 1} 10:{clock:02d}\n{rules}"
+            history = _conversation(seed, turn)[1:]
+            for message in history:
+                for call in message.get("tool_calls") or ():
+                    call["id"] = f"call_fresh_{seed}_{turn}_{call['id']}"  # a client that makes new ids
+            if turn % 4 == 3:
+                history = history[4:]  # a window that slid
+            if turn % 5 == 4:
+                history[-1] = {"role": "assistant", "content": f"regenerated {turn}"}
+            body: dict[str, Any] = {"model": "m", "messages": [{"role": "system", "content": system}, *history]}
+            if turn % 3 == 0:  # the tools sent with some turns only: another header for the chains
+                body["tools"] = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+            requests.append(body)
+    return requests
+
+
+def test_canonicalization_resumed_forwards_what_it_forwards_from_scratch() -> None:
+    resumed, fresh = Canonicalizer(CanonSettings()), _without_resumption(Canonicalizer(CanonSettings()))
+    for body in _agent_requests(conversations=4, turns=10):
+        ours, theirs = resumed.apply(copy.deepcopy(body), "t"), fresh.apply(copy.deepcopy(body), "t")
+        assert ours.body == theirs.body
+        assert [str(a) for a in ours.actions] == [str(a) for a in theirs.actions]
+        assert (ours.prefix_hash, ours.stable_count) == (theirs.prefix_hash, theirs.stable_count)
+        calls = [ToolCall(id=f"gen_{len(body['messages'])}", name="lookup", arguments='{"q": 1}')]
+        resumed.record_reply(ours.body, "t", calls)
+        fresh.record_reply(theirs.body, "t", calls)
+    assert len(resumed.tool_memory.anchored) > 0 and len(fresh.tool_memory.anchored) == 0
+    # The layouts remembered (chains of the prompts forwarded) are the same ones, in the same order.
+    assert resumed.layouts is not None and fresh.layouts is not None
+    assert list(resumed.layouts._prompts._members) == list(fresh.layouts._prompts._members)

@@ -20,6 +20,7 @@ conversations share an entry only when their histories are the same.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -36,6 +37,16 @@ Block = tuple[MovedLine, ...]
 BLOCKS_PER_POSITION = 16
 
 
+@dataclass(frozen=True, slots=True)
+class Digested:
+    """What a conversation's next request resumes from (``ForwardedLayouts.digested``): the
+    digests of the last request's messages, and its chains under its header."""
+
+    digests: list[int]
+    header: int
+    chains: dict[int, tuple[list[int], list[int]]]
+
+
 class ForwardedLayouts:
     """Bounded memories (least recently used out) of forwarded prompts and inserted blocks."""
 
@@ -49,7 +60,7 @@ class ForwardedLayouts:
         self._openings: RecentSet[int] = RecentSet(max(1, max_entries // 16))
         # Per tenant and conversation, the digests of the last request's messages (relocation's
         # chains resume from them).
-        self.digested: Continuations[list[int]] = Continuations()
+        self.digested: Continuations[Digested] = Continuations()
 
     def remember_prompt(self, key: int) -> None:
         self._prompts.add(key)

@@ -29,6 +29,7 @@ from proxy.canon.actions import Action
 from proxy.canon.fingerprint import leading_system_count
 from proxy.canon.layout import (
     Block,
+    Digested,
     ForwardedLayouts,
     MovedLine,
     chain_header,
@@ -820,20 +821,26 @@ class _Layout:
         # By the digest of the first message chained (0: none): the digests chained and the chain.
         self._chains: dict[int, tuple[list[int], list[int]]] = {}
         self._entry: list[dict[str, Any]] = []
-        self._resumed: Resumption[list[int]] | None = None
+        self._resumed: Resumption[Digested] | None = None
 
     def resume(self, namespace: str, messages: list[dict[str, Any]]) -> None:
         """Take the digests of the messages this request shares with its conversation's last one
-        (``ForwardedLayouts.digested``): only what the conversation adds is serialized and hashed."""
+        (``ForwardedLayouts.digested``), and that request's chains under the same header: only
+        what the conversation adds is serialized, hashed and chained."""
         self._entry = list(messages)
         self._resumed = resumed = self._layouts.digested.resume(namespace, self._entry)
-        if resumed.state:
-            shared = self._entry[: resumed.shared]
-            digests = resumed.state[: resumed.shared]
-            self._digests.update(zip(map(id, shared), zip(shared, digests, strict=True), strict=True))
+        if resumed.state is None:
+            return
+        shared = self._entry[: resumed.shared]
+        digests = resumed.state.digests[: resumed.shared]
+        self._digests.update(zip(map(id, shared), zip(shared, digests, strict=True), strict=True))
+        if resumed.state.header == self._header:
+            # A chain is a function of the header and its digests: each is taken as far as its
+            # digests are this request's (``_prefix_chain`` compares them), never changed in place.
+            self._chains.update(resumed.state.chains)
 
     def keep(self) -> None:
-        """Keep the digests of the request's messages, as far as they were made, for the next one."""
+        """Keep the digests of the request's messages, as far as they were made, and its chains."""
         if self._resumed is None:
             return
         digests: list[int] = []
@@ -843,7 +850,7 @@ class _Layout:
             if found is None or found[0] is not message:
                 break
             digests.append(found[1])
-        self._resumed.keep(self._entry[: len(digests)], digests)
+        self._resumed.keep(self._entry[: len(digests)], Digested(digests, self._header, self._chains))
 
     def _digest(self, message: Any) -> int:
         known = self._digests.get(id(message))
