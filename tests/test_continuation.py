@@ -16,7 +16,7 @@ from proxy.chat.budget import RequestSizes, request_bytes
 from proxy.config import CanonSettings
 from proxy.observability.digests import chain, digest_prompt
 from proxy.openai import ToolCall
-from proxy.openai.continuation import Continuations, shared_prefix
+from proxy.openai.continuation import MIN_MESSAGES, Continuations, shared_prefix
 from proxy.sessions.identity import conversation_fingerprints
 
 
@@ -62,8 +62,9 @@ def test_a_conversation_resumes_from_its_last_request_and_no_other_tenants() -> 
 
 def test_conversations_that_open_alike_both_resume() -> None:
     memory: Continuations[int] = Continuations()
-    one = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello, one"}]
-    two = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello, two"}]
+    opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    one = [*opening, {"role": "assistant", "content": "hello, one"}, {"role": "user", "content": "1"}]
+    two = [*opening, {"role": "assistant", "content": "hello, two"}, {"role": "user", "content": "2"}]
     for number, messages in enumerate((one, two)):
         memory.resume("t", messages).keep(messages, number)
     assert memory.resume("t", [*one, {"role": "user", "content": "x"}]).state == 0
@@ -72,12 +73,22 @@ def test_conversations_that_open_alike_both_resume() -> None:
 
 def test_the_memory_forgets_past_its_bound() -> None:
     memory: Continuations[int] = Continuations(max_chars=10_000)
+    def conversation(number: int) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": f"conversation {number} " + "x" * 500}] * MIN_MESSAGES
+
     for number in range(100):
-        messages = [{"role": "user", "content": f"conversation {number} " + "x" * 500}]
-        memory.resume("t", messages).keep(messages, number)
+        memory.resume("t", conversation(number)).keep(conversation(number), number)
     assert 0 < len(memory) < 20
-    assert memory.resume("t", [{"role": "user", "content": "conversation 99 " + "x" * 500}]).state == 99
-    assert memory.resume("t", [{"role": "user", "content": "conversation 0 " + "x" * 500}]).state is None
+    assert memory.resume("t", conversation(99)).state == 99
+    assert memory.resume("t", conversation(0)).state is None
+
+
+def test_a_short_list_is_worked_out_whole() -> None:
+    memory: Continuations[int] = Continuations()
+    short = _conversation(1, 1)[: MIN_MESSAGES - 1]
+    memory.resume("t", short).keep(short, 1)
+    assert len(memory) == 0
+    assert memory.resume("t", short).shared == 0
 
 
 # A request of a conversation: its history so far, or a variation of it a client really sends.

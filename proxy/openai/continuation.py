@@ -41,6 +41,9 @@ OPENING_CHARS = 256
 # both resume, without a scan of many.
 CANDIDATES = 2
 DEFAULT_MAX_CHARS = 16 << 20
+# Shorter lists are worked out whole: a system prompt and a question (an app's one-shot request)
+# have no history to resume, and looking one up would cost more than it could save.
+MIN_MESSAGES = 4
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +69,8 @@ class Resumption(Generic[State]):
         self.state: State | None = kept.state if kept is not None and shared else None
 
     def keep(self, messages: Sequence[Any], state: State) -> None:
+        if self._key is None:
+            return  # too short to keep (``MIN_MESSAGES``)
         self._memory._keep(self._key, self._kept if self.shared else None, self.shared, messages, state)
 
 
@@ -77,6 +82,8 @@ class Continuations(Generic[State]):
         self._kept: LRUCache[Hashable, tuple[_Kept[State], ...]] = LRUCache(max_chars, getsizeof=_chars_of)
 
     def resume(self, scope: Hashable, messages: Sequence[Any]) -> Resumption[State]:
+        if len(messages) < MIN_MESSAGES:
+            return Resumption(self, None, None, 0)
         key = (scope, _opening(messages))
         best: _Kept[State] | None = None
         shared = 0
