@@ -210,3 +210,18 @@ def test_canonicalization_resumed_forwards_what_it_forwards_from_scratch() -> No
     # The layouts remembered (chains of the prompts forwarded) are the same ones, in the same order.
     assert resumed.layouts is not None and fresh.layouts is not None
     assert list(resumed.layouts._prompts._members) == list(fresh.layouts._prompts._members)
+
+
+def test_anything_a_client_sends_is_looked_up_without_error() -> None:
+    """The nesting check looks before validation: roles and contents of any JSON type."""
+    memory: Continuations[None] = Continuations()
+    for messages in (
+        [{"role": ["user"], "content": "x"}] * MIN_MESSAGES,
+        [{"role": {"a": 1}, "content": [1, 2]}] * MIN_MESSAGES,
+        [1, "two", None, [3]],
+        [{"role": "user", "content": [{"text": ["not text"]}]}] * MIN_MESSAGES,
+        [{"role": "user", "content": {"a": [1, {"b": None}]}}] * MIN_MESSAGES,
+    ):
+        resumed = memory.resume("t", messages)
+        resumed.keep(messages, None)
+        assert memory.resume("t", list(messages)).shared == len(messages)

@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from proxy.http.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
-from proxy.openai import MAX_DEPTH, TooDeep, check_depth, check_depth_once, loads, reuse_texts
+from proxy.openai import MAX_DEPTH, Continuations, TooDeep, check_depth, check_depth_once, loads, reuse_texts
 
 VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # A message's fields checked beyond its role and content.
@@ -70,10 +70,8 @@ def parse_json_object(raw: bytes, namespace: str | None = None) -> dict[str, Any
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
         body = loads(raw)
-        tools = body.get("tools") if namespace is not None and isinstance(body, dict) else None
-        if isinstance(tools, list):
-            check_depth({key: value for key, value in body.items() if key != "tools"}, MAX_DEPTH)
-            check_depth_once(tools, namespace or "", MAX_DEPTH - 1)  # a level below the body's
+        if namespace is not None and isinstance(body, dict):
+            _check_nesting(body, namespace)
         else:
             check_depth(body, MAX_DEPTH)
     except TooDeep:
@@ -85,6 +83,30 @@ def parse_json_object(raw: bytes, namespace: str | None = None) -> dict[str, Any
     if namespace is not None:
         reuse_texts(body, namespace)
     return body
+
+
+# Per tenant and conversation, the last message list found within the nesting bound: a message
+# nests as deep as an equal one, so the next request walks only the messages it adds.
+_NESTED: Continuations[None] = Continuations()
+
+
+def _check_nesting(body: dict[str, Any], namespace: str) -> None:
+    """``check_depth(body, MAX_DEPTH)``, leaving out what the tenant sent within the bound before:
+    its tool list (``check_depth_once``) and the messages its conversation's last request sent."""
+    rest = body
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        rest = {key: value for key, value in body.items() if key != "tools"}
+        check_depth_once(tools, namespace, MAX_DEPTH - 1)  # a level below the body's
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        check_depth(rest, MAX_DEPTH)
+        return
+    resumed = _NESTED.resume(namespace, messages)
+    if resumed.shared:
+        rest = {**rest, "messages": messages[resumed.shared :]}
+    check_depth(rest, MAX_DEPTH)
+    resumed.keep(messages, None)
 
 
 def is_text(value: Any) -> bool:
@@ -115,13 +137,21 @@ def _optional(value: Any, kind: type | tuple[type, ...], param: str, what: str) 
         raise InvalidRequest(f"{param} must be {what}", param=param)
 
 
-def validate_chat_request(body: dict[str, Any]) -> None:
-    """Reject what no backend could answer, with the offending parameter named."""
+# Per tenant and conversation, the last chat message list that passed validation: the next
+# request validates only the messages it adds.
+_VALIDATED: Continuations[None] = Continuations()
+
+
+def validate_chat_request(body: dict[str, Any], namespace: str | None = None) -> None:
+    """Reject what no backend could answer, with the offending parameter named. ``namespace``: the
+    tenant, whose conversation's messages validated before are not validated again."""
     require_model(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    for index, message in enumerate(messages):
+    resumed = _VALIDATED.resume(namespace, messages) if namespace is not None else None
+    for index in range(resumed.shared if resumed is not None else 0, len(messages)):
+        message = messages[index]
         if not _valid_message(message):
             _validate_message(message, f"messages[{index}]")
     for key in ("tools", "functions"):
@@ -139,6 +169,8 @@ def validate_chat_request(body: dict[str, Any]) -> None:
         # bool is an int to Python; to JSON (and to the budget arithmetic) it is not a number.
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise InvalidRequest(f"'{key}' must be an integer", param=key)
+    if resumed is not None:
+        resumed.keep(messages, None)
 
 
 def _valid_message(message: Any) -> bool:

@@ -135,10 +135,13 @@ def shared_prefix(kept: Sequence[Any], messages: Sequence[Any]) -> int:
 def _opening(messages: Sequence[Any]) -> Hashable:
     """Role and start of the first message that is not a system message (a system prompt may vary
     between turns, a Dify clock; what opens the conversation is re-sent as it was)."""
+    # Anything may be here: a part can look before the request is validated.
     for message in messages:
         if not isinstance(message, dict):
             return None
         role = message.get("role")
+        if not isinstance(role, str):
+            return None
         if role in STABLE_ROLES:
             continue
         content = message.get("content")

@@ -25,7 +25,7 @@ from typing import Any
 
 from proxy.canon import ToolOrders, canonicalize_tool_fields
 from proxy.http import ANTHROPIC, InvalidRequest, SSERelay, is_text, require_model, with_data_fields
-from proxy.openai import STABLE_ROLES, AssistantRecorder, ToolCall, Usage, sort_keys_deep, token_count
+from proxy.openai import STABLE_ROLES, AssistantRecorder, Continuations, ToolCall, Usage, sort_keys_deep, token_count
 from proxy.protocols.align import align
 from proxy.protocols.base import (
     Diagnosis,
@@ -46,8 +46,14 @@ BLOCK_KEY = "_block"
 # -- validation ------------------------------------------------------------------------------
 
 
-def validate_request(body: dict[str, Any], *, count_tokens: bool = False) -> None:
-    """Types of everything the proxy reads (400 naming the parameter); the rest is vLLM's to judge."""
+# Per tenant and conversation, the last message list that passed validation: the next request
+# validates only the messages it adds.
+_VALIDATED: Continuations[None] = Continuations()
+
+
+def validate_request(body: dict[str, Any], *, count_tokens: bool = False, namespace: str | None = None) -> None:
+    """Types of everything the proxy reads (400 naming the parameter); the rest is vLLM's to judge.
+    ``namespace``: the tenant, whose conversation's messages validated before are not validated again."""
     require_model(body)
     max_tokens = body.get("max_tokens")
     if not count_tokens and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
@@ -55,7 +61,9 @@ def validate_request(body: dict[str, Any], *, count_tokens: bool = False) -> Non
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    for index, message in enumerate(messages):
+    resumed = _VALIDATED.resume(namespace, messages) if namespace is not None else None
+    for index in range(resumed.shared if resumed is not None else 0, len(messages)):
+        message = messages[index]
         param = f"messages[{index}]"
         if not isinstance(message, dict):
             raise InvalidRequest(f"{param} must be an object", param=param)
@@ -85,6 +93,8 @@ def validate_request(body: dict[str, Any], *, count_tokens: bool = False) -> Non
             raise InvalidRequest(f"'{key}' must be {what}", param=key)
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise InvalidRequest("'stream' must be a boolean", param="stream")
+    if resumed is not None:
+        resumed.keep(messages, None)
 
 
 def _validate_content(content: Any, param: str) -> None:
@@ -715,8 +725,8 @@ class AnthropicMessages(GenerationProtocol):
     relay_class = AnthropicRelay
     answer_list = "content"
 
-    def validate(self, body: dict[str, Any]) -> None:
-        validate_request(body)
+    def validate(self, body: dict[str, Any], namespace: str | None = None) -> None:
+        validate_request(body, namespace=namespace)
 
     def view(self, body: dict[str, Any], tool_orders: ToolOrders | None, namespace: str) -> AnthropicView:
         return AnthropicView.of(body, tool_orders, namespace)

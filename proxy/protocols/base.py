@@ -85,8 +85,9 @@ class GenerationProtocol:
     #: the list a successful whole answer holds (its choices, content blocks, output items)
     answer_list: ClassVar[str]
 
-    def validate(self, body: dict[str, Any]) -> None:
-        """Refuse (InvalidRequest) what the backend would refuse, before anything is derived from it."""
+    def validate(self, body: dict[str, Any], namespace: str | None = None) -> None:
+        """Refuse (InvalidRequest) what the backend would refuse, before anything is derived from it.
+        ``namespace``: the tenant, whose conversation's messages checked before need no check again."""
         raise NotImplementedError
 
     def view(self, body: dict[str, Any], tool_orders: ToolOrders | None, namespace: str) -> ProtocolView:

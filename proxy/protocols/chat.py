@@ -50,8 +50,8 @@ class ChatCompletions(GenerationProtocol):
     path = "/chat/completions"
     answer_list = "choices"
 
-    def validate(self, body: dict[str, Any]) -> None:
-        validate_chat_request(body)
+    def validate(self, body: dict[str, Any], namespace: str | None = None) -> None:
+        validate_chat_request(body, namespace)
 
     def view(self, body: dict[str, Any], tool_orders: ToolOrders | None, namespace: str) -> ChatView:
         # The chat engine canonicalizes tools itself (the view is the request).

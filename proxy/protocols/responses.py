@@ -528,7 +528,7 @@ class Responses(GenerationProtocol):
     relay_class = ResponsesRelay
     answer_list = "output"
 
-    def validate(self, body: dict[str, Any]) -> None:
+    def validate(self, body: dict[str, Any], namespace: str | None = None) -> None:
         validate_request(body)
 
     def view(self, body: dict[str, Any], tool_orders: ToolOrders | None, namespace: str) -> ResponsesView:

@@ -90,10 +90,10 @@ async def read_messages(
     body = _expanded(state, ctx, tenant, MESSAGES, body, wire.expand_messages)
     param = wire.compaction_param(body)
     if param is None:
-        MESSAGES.validate(body)
+        MESSAGES.validate(body, tenant.name)
         return body
     body = {key: value for key, value in body.items() if key != "compaction"}
-    MESSAGES.validate(body)
+    MESSAGES.validate(body, tenant.name)
     text, usage = await _summarize(state, request, ctx, tenant, MESSAGES, body, wire.compaction_instruction(param))
     token = _seal(state, tenant, text, usage)
     return _compaction_message(state, ctx, body, text, token, usage)

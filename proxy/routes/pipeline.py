@@ -62,7 +62,7 @@ async def read_request(
 ) -> dict[str, Any]:
     """The client's body as a JSON object the protocol accepts (InvalidRequest otherwise)."""
     body = parse_json_object(await read_body(request, state.settings.max_body_bytes), tenant.name)
-    protocol.validate(body)
+    protocol.validate(body, tenant.name)
     return body
 
 
