@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from fastapi import FastAPI
@@ -43,6 +44,7 @@ from proxy.http import (
     serve_direct,
 )
 from proxy.observability import CacheBreakTracker, CaptureWriter, Metrics, start_tracing
+from proxy.openai import Continuations
 from proxy.reload import on_sighup
 from proxy.replicas import build_shared
 from proxy.routes import admin, chat, compaction, health, messages, passthrough, responses, unrewritten
@@ -187,7 +189,11 @@ def create_app(
     metrics = Metrics(settings.metrics_max_label_values, tenants=[t.name for t in settings.tenants])
     upstream = build_backends(settings, metrics, transport)
     store, redis_store = build_store(settings)
-    sessions = SessionService(store, settings.sessions, metrics)
+    # The forwarded messages of each tenant's conversations, last request each, with what the
+    # session's fingerprints, the budget's sizes and the miss explanation's digests derived from
+    # them: the next request of a conversation works out only what it adds (proxy.openai.continuation).
+    conversations: Continuations[Any] = Continuations()
+    sessions = SessionService(store, settings.sessions, metrics, forwarded=conversations)
     if settings.routing.echo_headers:
         upstream.echo_from(echoed_headers(settings.routing.echo_headers, sessions))
     tenant_lookup = None
@@ -226,9 +232,9 @@ def create_app(
         canonicalizer=canonicalizer,
         backends=upstream,
         token_counter=state.token_counter,
-        request_sizes=RequestSizes(),
+        request_sizes=RequestSizes(conversations),
     )
-    state.cache_breaks = CacheBreakTracker(settings.cache_breaks, metrics)
+    state.cache_breaks = CacheBreakTracker(settings.cache_breaks, metrics, forwarded=conversations)
     state.capture = CaptureWriter.from_settings(settings.capture)
     state.tracing = start_tracing(settings.tracing)
     kv_bytes_per_token = (

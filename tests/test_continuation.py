@@ -124,19 +124,20 @@ def _requests(steps: list[tuple[str, int]]) -> list[list[dict[str, Any]]]:
     return requests
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(_steps)
 def test_resumed_parts_equal_their_work_from_scratch(steps: list[tuple[str, int]]) -> None:
-    digested: Continuations[Any] = Continuations()
-    fingerprinted: Continuations[Any] = Continuations()
+    # One memory for the parts that read the forwarded messages, as the proxy has it; the budget's
+    # sizes sometimes read another list (a summary put in), as where a summary is applied.
+    forwarded: Continuations[Any] = Continuations()
     anchored: Continuations[Any] = Continuations()
-    sizes = RequestSizes()
+    sizes = RequestSizes(forwarded)
     for number, messages in enumerate(_requests(steps)):
         body: dict[str, Any] = {"model": "m", "messages": messages}
         if number % 3 == 1:  # tools sent with some requests only: they size and head every digest
             body["tools"] = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 
-        resumed = digested.resume("t", messages)
+        resumed = forwarded.resume("t", messages, "digests")
         prompt = digest_prompt(body, "t", previous=resumed.state, shared=resumed.shared)
         resumed.keep(messages, prompt)
         fresh = digest_prompt(body, "t")
@@ -148,7 +149,7 @@ def test_resumed_parts_equal_their_work_from_scratch(steps: list[tuple[str, int]
         )
         assert chain(prompt) == chain(fresh)
 
-        resumed = fingerprinted.resume("t", messages)
+        resumed = forwarded.resume("t", messages, "fingerprints")
         pairs, last, state = conversation_fingerprints(messages, resumed.state, resumed.shared)
         resumed.keep(messages, state)
         fresh_pairs, fresh_last, _ = conversation_fingerprints(messages)
@@ -156,7 +157,11 @@ def test_resumed_parts_equal_their_work_from_scratch(steps: list[tuple[str, int]
         assert (last[0] if last else None) is (fresh_last[0] if fresh_last else None)
         assert (last[1] if last else None) == (fresh_last[1] if fresh_last else None)
 
-        assert request_bytes(body, sizes, "t") == request_bytes(body)
+        sized = body
+        if number % 4 == 2:
+            summary = {"role": "user", "content": f"Summary of the conversation so far ({number})."}
+            sized = {**body, "messages": [*messages[:1], summary, *messages[3:]]}
+        assert request_bytes(sized, sizes, "t") == request_bytes(sized)
 
         resumed = anchored.resume("t", messages)
         anchors = anchors_of(messages, resumed.state, resumed.shared)

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.config import BudgetOverrides, BudgetSettings, Settings
-from proxy.openai import message_text, shared_dumps, utf8_size
-from proxy.openai.continuation import Continuations
+from proxy.openai import Continuations, message_text, shared_dumps, utf8_size
 from proxy.sessions import UsageLimit, slot_tag
 from proxy.tokenization import CAUTIOUS_TOKENS_PER_BYTE, TokenCounter
 
@@ -125,11 +124,12 @@ class RequestSizes:
     """The messages' part of :func:`request_bytes`, kept per tenant and conversation: a request
     sizes only the messages it adds to its conversation's last one."""
 
-    def __init__(self) -> None:
-        self._sized: Continuations[array[int]] = Continuations()
+    def __init__(self, forwarded: Continuations[Any] | None = None) -> None:
+        # ``forwarded``: the memory shared with the other parts that read these messages.
+        self._forwarded: Continuations[Any] = forwarded if forwarded is not None else Continuations()
 
     def of_messages(self, tenant: str, messages: list[Any]) -> int:
-        resumed = self._sized.resume(tenant, messages)
+        resumed = self._forwarded.resume(tenant, messages, "sizes")
         ends = message_ends(messages, resumed.state, resumed.shared)
         resumed.keep(messages, ends)
         return ends[-1]

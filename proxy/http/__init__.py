@@ -2,6 +2,7 @@
 and the relay of the answer back (streamed unbuffered, or whole)."""
 
 from proxy.http.body import (
+    CHECKED_MESSAGES,
     MAX_MODEL_CHARS,
     is_text,
     parse_json_object,
@@ -48,6 +49,7 @@ from proxy.http.streaming import RelayResponse, StreamEnd
 
 __all__ = [
     "ANTHROPIC",
+    "CHECKED_MESSAGES",
     "MAX_MODEL_CHARS",
     "OPENAI",
     "PATH_SAFE",

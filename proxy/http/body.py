@@ -85,9 +85,10 @@ def parse_json_object(raw: bytes, namespace: str | None = None) -> dict[str, Any
     return body
 
 
-# Per tenant and conversation, the last message list found within the nesting bound: a message
-# nests as deep as an equal one, so the next request walks only the messages it adds.
-_NESTED: Continuations[None] = Continuations()
+# Per tenant and conversation, the client's last message list, as far as it passed the checks here
+# (within the nesting bound; the protocol's validation): a message nests as deep as an equal one and
+# is as valid, so the next request checks only the messages it adds.
+CHECKED_MESSAGES: Continuations[None] = Continuations()
 
 
 def _check_nesting(body: dict[str, Any], namespace: str) -> None:
@@ -102,7 +103,7 @@ def _check_nesting(body: dict[str, Any], namespace: str) -> None:
     if not isinstance(messages, list):
         check_depth(rest, MAX_DEPTH)
         return
-    resumed = _NESTED.resume(namespace, messages)
+    resumed = CHECKED_MESSAGES.resume(namespace, messages, "nesting")
     if resumed.shared:
         rest = {**rest, "messages": messages[resumed.shared :]}
     check_depth(rest, MAX_DEPTH)
@@ -137,11 +138,6 @@ def _optional(value: Any, kind: type | tuple[type, ...], param: str, what: str) 
         raise InvalidRequest(f"{param} must be {what}", param=param)
 
 
-# Per tenant and conversation, the last chat message list that passed validation: the next
-# request validates only the messages it adds.
-_VALIDATED: Continuations[None] = Continuations()
-
-
 def validate_chat_request(body: dict[str, Any], namespace: str | None = None) -> None:
     """Reject what no backend could answer, with the offending parameter named. ``namespace``: the
     tenant, whose conversation's messages validated before are not validated again."""
@@ -149,7 +145,7 @@ def validate_chat_request(body: dict[str, Any], namespace: str | None = None) ->
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    resumed = _VALIDATED.resume(namespace, messages) if namespace is not None else None
+    resumed = CHECKED_MESSAGES.resume(namespace, messages, "validation") if namespace is not None else None
     for index in range(resumed.shared if resumed is not None else 0, len(messages)):
         message = messages[index]
         if not _valid_message(message):

@@ -17,10 +17,9 @@ from cachetools import LRUCache
 from proxy.config import CacheBreakSettings
 from proxy.http import PendingCacheBreak
 from proxy.observability.breaks import CAUSES, NONE, BreakMemory, CacheBreak, Comparison
-from proxy.observability.digests import PromptDigest, digest_prompt, message_hash
+from proxy.observability.digests import digest_prompt, message_hash
 from proxy.observability.metrics import Metrics
-from proxy.openai import Usage
-from proxy.openai.continuation import Continuations
+from proxy.openai import Continuations, Usage
 from proxy.recent import peek
 
 HEADER = "x-prefix-proxy-cache-break"
@@ -52,7 +51,9 @@ class PendingBreak:
 
 
 class CacheBreakTracker:
-    def __init__(self, settings: CacheBreakSettings, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: CacheBreakSettings, metrics: Metrics, *, forwarded: Continuations[Any] | None = None
+    ) -> None:
         self.enabled = settings.enabled
         self.memory = BreakMemory(settings.memory_prompts, settings.block_size)
         # (tenant, the backend's answer id) -> the prompt it answered: what a client's cache
@@ -60,8 +61,9 @@ class CacheBreakTracker:
         # Per tenant: another tenant's id is not found.
         self._answers: LRUCache[tuple[str, str], int] = LRUCache(max(1, settings.memory_prompts))
         self._metrics = metrics
-        # Per tenant and conversation, the last prompt digested: the next one hashes only what it adds.
-        self._digested: Continuations[PromptDigest] = Continuations()
+        # Per tenant and conversation, the last prompt digested: the next one hashes only what it adds
+        # (``forwarded``: the memory shared with the other parts that read these messages).
+        self._forwarded: Continuations[Any] = forwarded if forwarded is not None else Continuations()
         for cause in CAUSES:
             metrics.cache_break_tokens.labels(cause)
             metrics.cache_breaks.labels(cause)
@@ -82,7 +84,7 @@ class CacheBreakTracker:
         if not self.enabled:
             return None
         messages = forwarded.get("messages") or []
-        resumed = self._digested.resume(tenant, messages)
+        resumed = self._forwarded.resume(tenant, messages, "digests")
         prompt = digest_prompt(
             forwarded, tenant, summary_at, system_count, previous=resumed.state, shared=resumed.shared
         )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from operator import ne
 from typing import Any, Generic, TypeVar
 
 from cachetools import LRUCache
@@ -46,52 +47,70 @@ DEFAULT_MAX_CHARS = 16 << 20
 MIN_MESSAGES = 4
 
 
-@dataclass(slots=True, frozen=True)
-class _Kept(Generic[State]):
-    """One message list a part read, and what it derived from it. ``chars[i]``: the rough size of
-    ``messages[:i]``, what the memory counts (carried over for a prefix, measured for the rest)."""
+@dataclass(slots=True)
+class _Kept:
+    """One message list, and what parts derived from it (``states``, by part, filled in as each
+    keeps its own). ``chars[i]``: the rough size of ``messages[:i]``, what the memory counts.
+    ``base``: the list this one continued, equal in its first ``base_shared`` messages, with what
+    the parts that have not kept theirs here yet derived from it (one level: a list that becomes
+    a base gives up its own)."""
 
     messages: list[Any]
     chars: list[int]
-    state: State
+    states: dict[str, Any]
+    base: _Kept | None = None
+    base_shared: int = 0
 
 
 class Resumption(Generic[State]):
-    """One request's look into a part's memory: ``shared`` leading messages equal those of the
-    kept list ``state`` was derived from (0 and None: nothing to resume). :meth:`keep` records the
-    request's own list and state for the next request of the conversation."""
+    """One request's look into the memory for one part: ``shared`` leading messages equal those of
+    the list ``state`` was derived from (0 and None: nothing to resume). :meth:`keep` records the
+    request's list and the part's state for the next request of the conversation."""
 
-    __slots__ = ("_kept", "_key", "_memory", "shared", "state")
+    __slots__ = ("_kept", "_key", "_matched", "_memory", "_part", "shared", "state")
 
-    def __init__(self, memory: Continuations[State], key: Hashable, kept: _Kept[State] | None, shared: int) -> None:
-        self._memory, self._key, self._kept = memory, key, kept
-        self.shared = shared
-        self.state: State | None = kept.state if kept is not None and shared else None
+    def __init__(
+        self, memory: Continuations[State], key: Hashable, part: str, kept: _Kept | None = None, matched: int = 0
+    ) -> None:
+        self._memory, self._key, self._part, self._kept, self._matched = memory, key, part, kept, matched
+        self.shared, self.state = 0, None
+        if kept is None or not matched:
+            return
+        if part in kept.states:
+            self.shared, self.state = matched, kept.states[part]
+        elif kept.base is not None and part in kept.base.states and kept.base_shared:
+            # Another part read this very list first in this request: this part resumes from the
+            # list before it, as far as the two agree.
+            self.shared, self.state = min(matched, kept.base_shared), kept.base.states[part]
 
     def keep(self, messages: Sequence[Any], state: State) -> None:
         if self._key is None:
             return  # too short to keep (``MIN_MESSAGES``)
-        self._memory._keep(self._key, self._kept if self.shared else None, self.shared, messages, state)
+        self._memory._keep(self._key, self._part, self._kept, self._matched, messages, state)
 
 
 class Continuations(Generic[State]):
-    """A part's memory of the last message list it read per conversation and scope (a tenant: no
-    conversation resumes from another tenant's), bounded by ``max_chars``."""
+    """The memory of the last message lists read per conversation and scope (a tenant: no
+    conversation resumes from another tenant's), with what each part derived from them; bounded
+    by ``max_chars``. Parts that read the same list in a request share one memory: the first
+    compares it with the conversation's last one, the others find it equal to what the first kept."""
 
     def __init__(self, max_chars: int = DEFAULT_MAX_CHARS) -> None:
-        self._kept: LRUCache[Hashable, tuple[_Kept[State], ...]] = LRUCache(max_chars, getsizeof=_chars_of)
+        self._kept: LRUCache[Hashable, tuple[_Kept, ...]] = LRUCache(max_chars, getsizeof=_chars_of)
 
-    def resume(self, scope: Hashable, messages: Sequence[Any]) -> Resumption[State]:
+    def resume(self, scope: Hashable, messages: Sequence[Any], part: str = "") -> Resumption[State]:
         if len(messages) < MIN_MESSAGES:
-            return Resumption(self, None, None, 0)
+            return Resumption(self, None, part)
         key = (scope, _opening(messages))
-        best: _Kept[State] | None = None
-        shared = 0
+        best: _Kept | None = None
+        matched = 0
         for kept in self._kept.get(key, ()):
             count = shared_prefix(kept.messages, messages)
-            if count > shared:
-                best, shared = kept, count
-        return Resumption(self, key, best, shared)
+            if count > matched:
+                best, matched = kept, count
+            if count == len(kept.messages):
+                break  # the list continues this one whole: the most a candidate can give
+        return Resumption(self, key, part, best, matched)
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -99,37 +118,45 @@ class Continuations(Generic[State]):
     def _keep(
         self,
         key: Hashable,
-        previous: _Kept[State] | None,
-        shared: int,
+        part: str,
+        previous: _Kept | None,
+        matched: int,
         messages: Sequence[Any],
         state: State,
     ) -> None:
-        shared = min(shared, len(messages))  # a part may keep less than it read
-        chars = previous.chars[: shared + 1] if previous is not None else [0]
+        if previous is not None and matched == len(previous.messages) == len(messages):
+            previous.states[part] = state  # the same list: one more part's state on it
+            self._kept[key] = self._kept.get(key, (previous,))  # used most recently
+            return
+        matched = min(matched, len(messages))  # a part may keep less than it read
+        chars = previous.chars[: matched + 1] if previous is not None and matched else [0]
         total = chars[-1]
-        for message in messages[shared:] if previous is not None else messages:
+        for message in messages[len(chars) - 1 :]:
             total += _rough_chars(message)
             chars.append(total)
-        kept = _Kept(list(messages), chars, state)
         if total + 1 > self._kept.maxsize:
             return  # larger than the whole memory: nothing to keep it for
-        # The list this one continues whole is replaced; one it forked from stays (a conversation
-        # that opened the same way, or the branch a regenerated reply left).
-        extended = previous if previous is not None and shared == len(previous.messages) else None
+        base = previous if previous is not None and matched else None
+        if base is not None:
+            base.base = None  # one level
+        kept = _Kept(list(messages), chars, {part: state}, base, matched if base is not None else 0)
+        # The list this one continues whole is replaced (it stays as the base); one it forked
+        # from stays a candidate (a conversation that opened the same way, or the branch a
+        # regenerated reply left).
+        extended = previous if previous is not None and matched == len(previous.messages) else None
         others = tuple(k for k in self._kept.get(key, ()) if k is not extended)
         self._kept[key] = (kept, *others[: CANDIDATES - 1])
 
 
 def shared_prefix(kept: Sequence[Any], messages: Sequence[Any]) -> int:
-    """How many leading messages the two lists have equal. The whole of the shorter first (a
-    conversation that grew: one comparison), else message by message."""
-    length = min(len(kept), len(messages))
-    if kept[:length] == messages[:length]:
-        return length
-    for index in range(length):
-        if kept[index] != messages[index]:
-            return index
-    return length
+    """How many leading messages the two lists have equal: one pass of comparisons in C (a
+    conversation's list most often differs from its last one only at its end, where Claude Code
+    moves its cache marks)."""
+    unequal = list(map(ne, kept, messages))
+    try:
+        return unequal.index(True)
+    except ValueError:
+        return len(unequal)
 
 
 def _opening(messages: Sequence[Any]) -> Hashable:
@@ -165,5 +192,6 @@ def _rough_chars(message: Any) -> int:
         return 1024
 
 
-def _chars_of(kept: tuple[_Kept[Any], ...]) -> int:
-    return sum(k.chars[-1] for k in kept) + 1
+def _chars_of(kept: tuple[_Kept, ...]) -> int:
+    # A list that became a base is counted with the list that continued it.
+    return sum(k.chars[-1] + (k.base.chars[-1] if k.base is not None else 0) for k in kept) + 1

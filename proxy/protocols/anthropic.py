@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.canon import ToolOrders, canonicalize_tool_fields
-from proxy.http import ANTHROPIC, InvalidRequest, SSERelay, is_text, require_model, with_data_fields
-from proxy.openai import STABLE_ROLES, AssistantRecorder, Continuations, ToolCall, Usage, sort_keys_deep, token_count
+from proxy.http import ANTHROPIC, CHECKED_MESSAGES, InvalidRequest, SSERelay, is_text, require_model, with_data_fields
+from proxy.openai import STABLE_ROLES, AssistantRecorder, ToolCall, Usage, sort_keys_deep, token_count
 from proxy.protocols.align import align
 from proxy.protocols.base import (
     Diagnosis,
@@ -46,11 +46,6 @@ BLOCK_KEY = "_block"
 # -- validation ------------------------------------------------------------------------------
 
 
-# Per tenant and conversation, the last message list that passed validation: the next request
-# validates only the messages it adds.
-_VALIDATED: Continuations[None] = Continuations()
-
-
 def validate_request(body: dict[str, Any], *, count_tokens: bool = False, namespace: str | None = None) -> None:
     """Types of everything the proxy reads (400 naming the parameter); the rest is vLLM's to judge.
     ``namespace``: the tenant, whose conversation's messages validated before are not validated again."""
@@ -61,7 +56,7 @@ def validate_request(body: dict[str, Any], *, count_tokens: bool = False, namesp
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    resumed = _VALIDATED.resume(namespace, messages) if namespace is not None else None
+    resumed = CHECKED_MESSAGES.resume(namespace, messages, "validation") if namespace is not None else None
     for index in range(resumed.shared if resumed is not None else 0, len(messages)):
         message = messages[index]
         param = f"messages[{index}]"

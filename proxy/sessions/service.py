@@ -26,10 +26,8 @@ from cachetools import LRUCache
 from proxy.config import SessionSettings
 from proxy.ids import unique_id
 from proxy.observability import Metrics
-from proxy.openai import Usage
-from proxy.openai.continuation import Continuations
+from proxy.openai import Continuations, Usage
 from proxy.sessions.identity import (
-    Fingerprinted,
     MessageFingerprint,
     conversation_fingerprints,
     explicit_session_id,
@@ -84,14 +82,22 @@ class SessionView:
 
 
 class SessionService:
-    def __init__(self, store: SessionStore, settings: SessionSettings, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        store: SessionStore,
+        settings: SessionSettings,
+        metrics: Metrics,
+        *,
+        forwarded: Continuations[Any] | None = None,
+    ) -> None:
         self.store = store
         self._settings = settings
         self._metrics = metrics
         self._down_until = 0.0
         self._degraded = False
-        # Per tenant and conversation, the last request's fingerprints: the next fingerprints only what it adds.
-        self._fingerprinted: Continuations[Fingerprinted] = Continuations()
+        # Per tenant and conversation, the last request's fingerprints: the next fingerprints only
+        # what it adds (``forwarded``: the memory shared with the other parts that read these messages).
+        self._forwarded: Continuations[Any] = forwarded if forwarded is not None else Continuations()
         self._background: set[asyncio.Task[Any]] = set()
         # Tokens spent by requests admitted unreserved, per set of limits, until the store is back
         # (past MAX_PENDING_CHARGES, the set charged least recently goes first).
@@ -169,7 +175,7 @@ class SessionService:
 
         ``lanes``: a named request that does not extend the session's conversation is a side lane
         of it (:func:`_extends`); off for a session the proxy knows the request continues."""
-        resumed = self._fingerprinted.resume(tenant, messages)
+        resumed = self._forwarded.resume(tenant, messages, "fingerprints")
         fingerprints, last, state = conversation_fingerprints(messages, resumed.state, resumed.shared)
         resumed.keep(messages, state)
         try:
