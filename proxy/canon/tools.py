@@ -148,8 +148,18 @@ def _rewritten(orders: ToolOrders | None, namespace: str, body: dict[str, Any], 
     canonical_value, canonical_digest = _canonical_form(raw)
     if orders is None:
         return _thawed(canonical_value) if sent != canonical_digest else None
-    reference = orders.reference(_field_key(namespace, body, field, value), raw, sent, canonical_digest)
+    model = str(body.get("model", ""))
+    # The key is a function of the bytes sent (hashed as ``sent``): a re-sent list is not walked for it again.
+    found = (namespace, model, field, sent)
+    key = _FIELD_KEYS.get(found)
+    if key is None:
+        key = _FIELD_KEYS[found] = _field_key(namespace, model, field, value)
+    reference = orders.reference(key, raw, sent, canonical_digest)
     return None if reference is None else _parsed(reference)
+
+
+# Field keys by (tenant, model, field, hash of the value's bytes): an app's tools, re-sent on every request.
+_FIELD_KEYS: LRUCache[tuple[str, str, str, int], int] = LRUCache(4096)
 
 
 def _thawed(value: Any) -> Any:
@@ -163,11 +173,11 @@ def _parsed(raw: bytes) -> Any:
     return orjson.loads(raw)
 
 
-def _field_key(namespace: str, body: dict[str, Any], field: str, value: Any) -> int:
+def _field_key(namespace: str, model: str, field: str, value: Any) -> int:
     """An app's field: tenant, model, field, the shape of its entries and the names it carries."""
     names = sorted(_tool_name(t) for t in value) if isinstance(value, list) else []
     shape = sorted(value[0]) if isinstance(value, list) and isinstance(value[0], dict) else []
-    parts = [namespace, str(body.get("model", "")), field, *shape, "\x01", *names]
+    parts = [namespace, model, field, *shape, "\x01", *names]
     return xxhash.xxh3_64_intdigest("\x00".join(parts).encode("utf-8", "surrogatepass"))
 
 
