@@ -19,7 +19,9 @@ apart. A part resumes only what those cannot change, or what only a report reads
 hashes, sizes and verdicts, never text; the body sent upstream is always made from the request.
 
 Bounded: the memory counts the characters of the messages it keeps (text, or the JSON of what is
-not text) and forgets the conversations used least recently first.
+not text, and a fixed share for each message's objects) and forgets the conversations used least
+recently first: ``DEFAULT_MAX_CHARS`` each (the lists of a few hundred agent conversations). The
+texts themselves are the request's: the memories of one request's lists share them.
 """
 
 from __future__ import annotations
@@ -180,16 +182,21 @@ def _opening(messages: Sequence[Any]) -> Hashable:
     return None
 
 
+# What a kept message costs beyond its characters (a dict, its keys, a list slot), counted as
+# characters: many short messages weigh what their objects weigh.
+MESSAGE_OVERHEAD = 256
+
+
 def _rough_chars(message: Any) -> int:
-    """About how many characters a message holds: its text, or the JSON of anything else."""
+    """About how much a message holds: its text, or the JSON of anything else, and its objects."""
     if isinstance(message, dict):
         content = message.get("content")
         if isinstance(content, str) and "tool_calls" not in message:
-            return len(content) + 16
+            return len(content) + MESSAGE_OVERHEAD
     try:
-        return len(dumps(message))
+        return len(dumps(message)) + MESSAGE_OVERHEAD
     except TypeError:
-        return 1024
+        return 4 * MESSAGE_OVERHEAD
 
 
 def _chars_of(kept: tuple[_Kept, ...]) -> int:
