@@ -309,8 +309,14 @@ def _blocks_expanded(message: dict[str, Any], handoffs: dict[int, Any]) -> dict[
 
 
 def _holds_compaction(message: Any) -> bool:
+    # Asked of every message of every Messages request: a plain loop, no call per block.
     content = message.get("content") if isinstance(message, dict) else None
-    return isinstance(content, list) and any(_is(block, COMPACTION) for block in content)
+    if not isinstance(content, list):
+        return False
+    for block in content:
+        if isinstance(block, dict) and block.get("type") == COMPACTION:
+            return True
+    return False
 
 
 def compaction_param(body: dict[str, Any]) -> dict[str, Any] | None:
