@@ -99,10 +99,12 @@ class Continuations(Generic[State]):
 
     def __init__(self, max_chars: int = DEFAULT_MAX_CHARS) -> None:
         self._kept: LRUCache[Hashable, tuple[_Kept, ...]] = LRUCache(max_chars, getsizeof=_chars_of)
+        # What a list too short to keep finds (nothing; keeping it keeps nothing): one for all.
+        self._short: Resumption[State] = Resumption(self, None, "")
 
     def resume(self, scope: Hashable, messages: Sequence[Any], part: str = "") -> Resumption[State]:
         if len(messages) < MIN_MESSAGES:
-            return Resumption(self, None, part)
+            return self._short
         key = (scope, _opening(messages))
         best: _Kept | None = None
         matched = 0
