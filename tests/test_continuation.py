@@ -40,7 +40,7 @@ def _conversation(seed: int, turns: int) -> list[dict[str, Any]]:
 def test_shared_prefix_counts_the_leading_equal_messages() -> None:
     a = _conversation(1, 4)
     assert shared_prefix(a, copy.deepcopy(a)) == len(a)
-    assert shared_prefix(a, copy.deepcopy(a) + [{"role": "user", "content": "more"}]) == len(a)
+    assert shared_prefix(a, [*copy.deepcopy(a), {"role": "user", "content": "more"}]) == len(a)
     edited = copy.deepcopy(a)
     edited[3] = {**edited[3], "content": "edited"}
     assert shared_prefix(a, edited) == 3
@@ -53,7 +53,7 @@ def test_a_conversation_resumes_from_its_last_request_and_no_other_tenants() -> 
     resumed = memory.resume("tenant-a", first)
     assert (resumed.shared, resumed.state) == (0, None)
     resumed.keep(first, "state of the first")
-    grown = copy.deepcopy(first) + [{"role": "user", "content": "and then?"}]
+    grown = [*copy.deepcopy(first), {"role": "user", "content": "and then?"}]
     resumed = memory.resume("tenant-a", grown)
     assert (resumed.shared, resumed.state) == (len(first), "state of the first")
     # The same conversation sent by another tenant finds nothing.
@@ -73,6 +73,7 @@ def test_conversations_that_open_alike_both_resume() -> None:
 
 def test_the_memory_forgets_past_its_bound() -> None:
     memory: Continuations[int] = Continuations(max_chars=10_000)
+
     def conversation(number: int) -> list[dict[str, Any]]:
         return [{"role": "user", "content": f"conversation {number} " + "x" * 500}] * MIN_MESSAGES
 
@@ -93,9 +94,7 @@ def test_a_short_list_is_worked_out_whole() -> None:
 
 # A request of a conversation: its history so far, or a variation of it a client really sends.
 _steps = st.lists(
-    st.tuples(
-        st.sampled_from(["grow", "grow", "grow", "fork", "slide", "edit_system", "new"]), st.integers(0, 3)
-    ),
+    st.tuples(st.sampled_from(["grow", "grow", "grow", "fork", "slide", "edit_system", "new"]), st.integers(0, 3)),
     min_size=2,
     max_size=12,
 )
@@ -110,7 +109,7 @@ def _requests(steps: list[tuple[str, int]]) -> list[list[dict[str, Any]]]:
             turns += amount + 1
             messages = _conversation(seed, turns)
         elif kind == "fork":
-            messages = messages[:-1] + [{"role": "assistant", "content": f"another answer {amount}"}]
+            messages = [*messages[:-1], {"role": "assistant", "content": f"another answer {amount}"}]
         elif kind == "slide":
             messages = messages[:1] + messages[1 + 2 * amount :]
         elif kind == "edit_system":
@@ -230,3 +229,11 @@ def test_anything_a_client_sends_is_looked_up_without_error() -> None:
         resumed = memory.resume("t", messages)
         resumed.keep(messages, None)
         assert memory.resume("t", list(messages)).shared == len(messages)
+
+
+def test_the_memories_stay_at_their_bound_however_many_conversations_pass(capsys: Any) -> None:
+    from bench import continuation_rss
+
+    continuation_rss.main(["--conversations", "2500"])
+    kept = int(capsys.readouterr().out.rsplit(":", 1)[1].replace(",", ""))
+    assert 500 < kept < 2500  # the bound, not the conversations sent, decides
