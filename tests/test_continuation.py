@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -237,3 +238,22 @@ def test_the_memories_stay_at_their_bound_however_many_conversations_pass(capsys
     continuation_rss.main(["--conversations", "2500"])
     kept = int(capsys.readouterr().out.rsplit(":", 1)[1].replace(",", ""))
     assert 500 < kept < 2500  # the bound, not the conversations sent, decides
+
+
+def test_a_list_validated_as_chat_is_validated_again_as_anthropic() -> None:
+    """One tenant's memory of checked messages serves both protocols: what one protocol found
+    valid must not pass the other's check (a "tool" role is chat's, not Anthropic's)."""
+    from proxy.http import InvalidRequest
+    from proxy.http.body import validate_chat_request
+    from proxy.protocols.anthropic import validate_request
+
+    messages = [
+        {"role": "user", "content": "look it up"},
+        {"role": "assistant", "content": "calling"},
+        {"role": "tool", "content": "result"},
+        {"role": "user", "content": "and now?"},
+    ]
+    validate_chat_request({"model": "m", "messages": copy.deepcopy(messages)}, "t")
+    validate_chat_request({"model": "m", "messages": copy.deepcopy(messages)}, "t")
+    with pytest.raises(InvalidRequest):
+        validate_request({"model": "m", "max_tokens": 8, "messages": copy.deepcopy(messages)}, namespace="t")

@@ -86,8 +86,9 @@ def parse_json_object(raw: bytes, namespace: str | None = None) -> dict[str, Any
 
 
 # Per tenant and conversation, the client's last message list, as far as it passed the checks here
-# (within the nesting bound; the protocol's validation): a message nests as deep as an equal one and
-# is as valid, so the next request checks only the messages it adds.
+# (within the nesting bound; each protocol's validation, a part of its own: a list valid as chat's
+# need not be valid as Anthropic's): a message nests as deep as an equal one and is as valid, so the
+# next request checks only the messages it adds.
 CHECKED_MESSAGES: Continuations[None] = Continuations()
 
 
@@ -145,7 +146,7 @@ def validate_chat_request(body: dict[str, Any], namespace: str | None = None) ->
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    resumed = CHECKED_MESSAGES.resume(namespace, messages, "validation") if namespace is not None else None
+    resumed = CHECKED_MESSAGES.resume(namespace, messages, "chat validation") if namespace is not None else None
     for index in range(resumed.shared if resumed is not None else 0, len(messages)):
         message = messages[index]
         if not _valid_message(message):

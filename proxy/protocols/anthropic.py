@@ -56,7 +56,7 @@ def validate_request(body: dict[str, Any], *, count_tokens: bool = False, namesp
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    resumed = CHECKED_MESSAGES.resume(namespace, messages, "validation") if namespace is not None else None
+    resumed = CHECKED_MESSAGES.resume(namespace, messages, "anthropic validation") if namespace is not None else None
     for index in range(resumed.shared if resumed is not None else 0, len(messages)):
         message = messages[index]
         param = f"messages[{index}]"
