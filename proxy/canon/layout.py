@@ -19,7 +19,6 @@ conversations share an entry only when their histories are the same.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,11 +104,3 @@ def message_digest(message: Any) -> int:
 
 def extend(chain: int, digest: int) -> int:
     return link_hash(chain, digest)
-
-
-def prefix_chain(header: int, digests: Sequence[int]) -> list[int]:
-    """``chain[k]`` names ``messages[:k]`` (``chain[0]`` is the header alone)."""
-    chain = [header]
-    for digest in digests:
-        chain.append(extend(chain[-1], digest))
-    return chain

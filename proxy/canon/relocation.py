@@ -53,7 +53,7 @@ from proxy.canon.relocate import (
 from proxy.canon.textmemo import TextFacts, TextScope
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import FIRST_SIGHT_KINDS, DetectionCache, Detector, Span, detect_spans
-from proxy.openai import Resumption, is_text_parts, same_text
+from proxy.openai import Resumption, extend_links, is_text_parts, same_text
 
 # Mixed into a conversation's key (its stable system messages and first user turn), so that it never
 # equals the chain of a forwarded prompt.
@@ -861,7 +861,7 @@ class _Layout:
         return digest
 
     def _prefix_chain(self, messages: list[dict[str, Any]]) -> list[int]:
-        """``prefix_chain(header, digests of messages)``, sharing the work with earlier calls."""
+        """``chain[k]`` names the header and ``messages[:k]``, sharing the work with earlier calls."""
         digests = [self._digest(m) for m in messages]
         start = digests[0] if digests else 0
         chained, chain = self._chains.get(start, ([], [self._header]))
@@ -870,9 +870,7 @@ class _Layout:
             if old != new:
                 break
             common += 1
-        chain = chain[: common + 1]
-        for digest in digests[common:]:
-            chain.append(extend(chain[-1], digest))
+        chain = extend_links(chain[: common + 1], digests[common:])
         self._chains[start] = (digests, chain)
         return list(chain)
 

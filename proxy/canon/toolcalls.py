@@ -25,7 +25,7 @@ from cachetools import LRUCache
 
 from proxy.canon.actions import Action
 from proxy.canon.layout import extend
-from proxy.openai import Continuations, canonical_arguments, message_text
+from proxy.openai import Continuations, canonical_arguments, extend_links, message_text
 from proxy.recent import peek
 
 
@@ -93,12 +93,9 @@ def anchors_of(messages: list[dict[str, Any]], resumed: Anchors | None = None, s
     if resumed is None:
         shared = 0
     anchors = resumed.anchors[:shared] if resumed is not None else []
+    anchors.extend(map(_anchor, messages[shared:]))
     histories = resumed.histories[: shared + 1] if resumed is not None else [0]
-    for message in messages[shared:]:
-        anchor = _anchor(message)
-        anchors.append(anchor)
-        histories.append(extend(histories[-1], anchor))
-    return Anchors(anchors, histories)
+    return Anchors(anchors, extend_links(histories, anchors[len(histories) - 1 :]))
 
 
 def iter_call_positions(

@@ -25,7 +25,7 @@ import xxhash
 from cachetools import FIFOCache
 
 from proxy.canon import leading_system_count
-from proxy.openai import ONE_SHOT_BYTES, dumps, link_hash, role_prefix, shared_dumps
+from proxy.openai import ONE_SHOT_BYTES, dumps, extend_links, role_prefix, shared_dumps
 
 ROLE_CODES = {"system": 1, "developer": 1, "user": 2, "assistant": 3, "tool": 4, "function": 4}
 SYSTEM, USER, ASSISTANT = 1, 2, 3
@@ -231,7 +231,5 @@ def header_key(prompt: PromptDigest) -> int:
 def chain(prompt: PromptDigest) -> list[int]:
     """``chain[k]`` names the header and ``messages[:k]`` (made once per prompt; not to be changed)."""
     links = prompt.links if prompt.links is not None else [header_key(prompt)]
-    for digest in prompt.digests[len(links) - 1 :]:
-        links.append(link_hash(links[-1], digest))
-    prompt.links = links
-    return links
+    prompt.links = extend_links(links, prompt.digests[len(links) - 1 :])
+    return prompt.links

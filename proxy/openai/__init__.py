@@ -20,6 +20,7 @@ from proxy.openai.jsonio import (
 from proxy.openai.messages import (
     ONE_SHOT_BYTES,
     STABLE_ROLES,
+    extend_links,
     is_text_parts,
     link_hash,
     message_fingerprint,
@@ -46,6 +47,7 @@ __all__ = [
     "check_depth_once",
     "dumps",
     "dumps_body",
+    "extend_links",
     "is_text_parts",
     "link_hash",
     "loads",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeGuard
 
 import xxhash
@@ -90,6 +90,16 @@ def link_hash(previous: int, current: int) -> int:
     ``struct`` call, not two ``int.to_bytes`` and a concatenation: chains run over every message
     of a history on every request)."""
     return xxhash.xxh3_64_intdigest(_PAIR.pack(previous, current))
+
+
+def extend_links(links: list[int], digests: Iterable[int]) -> list[int]:
+    """``links`` with one :func:`link_hash` more per digest, each on the last (in place, returned):
+    ``links[k]`` names what ``links[0]`` names and the first ``k`` digests."""
+    last = links[-1]
+    for digest in digests:
+        last = link_hash(last, digest)
+        links.append(last)
+    return links
 
 
 def utf8_size(text: str) -> int:
