@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import resource
 
-from proxy.openai.continuation import Continuations
+from proxy.openai import Continuations
 
 MEMORIES = 4
 
