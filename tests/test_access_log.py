@@ -148,3 +148,27 @@ def test_a_failing_log_stream_is_reported_not_raised_into_the_request(
     proxy_logging.close()
     log_request(answered_context(), 1.25)  # does not raise
     assert "--- Logging error ---" in capsys.readouterr().err
+
+
+def test_the_proxys_own_handler_alone_gets_the_line_without_a_record(
+    proxy_logging: io.StringIO, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the proxy's handler is the only one the line reaches, it is written without a
+    LogRecord (what the records cost is most of an access line's): the same line; any filter or
+    other handler configured puts it back through logging."""
+    root = logging.getLogger("prefix_proxy")
+    root.handlers[:] = [h for h in root.handlers if isinstance(h, JsonLinesHandler)]
+    made: list[logging.LogRecord] = []
+    make_record = logging.Logger.makeRecord
+
+    def counted(self: logging.Logger, *args: object, **kwargs: object) -> logging.LogRecord:
+        made.append(make_record(self, *args, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    monkeypatch.setattr(logging.Logger, "makeRecord", counted)
+    log_request(answered_context(), 1.25)
+    assert made == []
+    root.handlers[0].addFilter(lambda record: True)
+    log_request(answered_context(), 1.25)
+    assert len(made) == 1
+    assert [without_ts(line) for line in proxy_logging.getvalue().splitlines()] == [ANSWERED_LINE] * 2

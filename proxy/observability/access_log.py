@@ -33,26 +33,23 @@ class JsonFormatter(logging.Formatter):
         # The formatted second, reused by every line logged within it (strftime per line is measurable).
         self._second: tuple[int, str] = (-1, "")
 
-    def _timestamp(self, record: logging.LogRecord) -> str:
-        created = record.created
+    def _timestamp(self, created: float) -> str:
         second = int(created)
         if second != self._second[0]:
             self._second = (second, time.strftime("%Y-%m-%dT%H:%M:%S", self.converter(created)))
         return f"{self._second[1]}.{int((created - second) * 1000):03d}Z"
 
     def format(self, record: logging.LogRecord) -> str:
-        payload: dict[str, Any] = {
-            "ts": self._timestamp(record),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-        }
         fields = getattr(record, "fields", None)
-        if isinstance(fields, dict):
-            payload.update(fields)
-        else:
-            payload["message"] = record.getMessage()
+        if not isinstance(fields, dict):
+            fields = {"message": record.getMessage()}
         if record.exc_info and record.levelno >= logging.ERROR:
-            payload["exception"] = self.formatException(record.exc_info)
+            fields = {**fields, "exception": self.formatException(record.exc_info)}
+        return self.line(record.created, record.levelname, record.name, fields)
+
+    def line(self, created: float, level: str, logger: str, fields: dict[str, Any]) -> str:
+        """The line of a record made at ``created`` (``time.time()``) carrying ``fields``."""
+        payload = {"ts": self._timestamp(created), "level": level.lower(), "logger": logger, **fields}
         return dumps(payload, default=str).decode()
 
 
@@ -110,6 +107,55 @@ def log_request(ctx: RequestContext, overhead_ms: float, extra: dict[str, Any] |
         fields["messages"] = ctx.logged_messages
     if extra:
         fields.update(extra)
-    # The record made directly: Logger.info would walk the stack for a caller no access line shows.
-    record = _access.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields})
-    _access.handle(record)
+    sink = _sole_sink()
+    if sink is not None:
+        _write(sink, fields)
+        return
+    _access.handle(_record(fields))
+
+
+def _record(fields: dict[str, Any]) -> logging.LogRecord:
+    # Made directly: Logger.info would walk the stack for a caller no access line shows.
+    return _access.makeRecord(ACCESS_LOGGER, logging.INFO, __file__, 0, "request", (), None, extra={"fields": fields})
+
+
+def _sole_sink() -> JsonLinesHandler | None:
+    """The proxy's own handler, where it alone gets the access line as it is (no filter on the
+    access logger or the handler, no other handler on the way up, the proxy's formatter): then
+    the line is written to it without a ``LogRecord``, the same line (making a record and passing
+    it through logging's layers costs more than the line itself). Looked up on every line, so
+    whatever is configured later takes effect at once; None: the line goes through logging."""
+    if _access.filters:
+        return None
+    sink: JsonLinesHandler | None = None
+    logger: logging.Logger | None = _access
+    while logger is not None:
+        for handler in logger.handlers:
+            if (
+                sink is not None
+                or type(handler) is not JsonLinesHandler
+                or handler.filters
+                or handler.level > logging.INFO
+                or type(handler.formatter) is not JsonFormatter
+            ):
+                return None
+            sink = handler
+        if not logger.propagate:
+            break
+        logger = logger.parent
+    return sink
+
+
+def _write(handler: JsonLinesHandler, fields: dict[str, Any]) -> None:
+    """What ``handler.handle`` does with the record of ``fields``, without the record."""
+    formatter: JsonFormatter = handler.formatter  # type: ignore[assignment]
+    handler.acquire()
+    try:
+        handler.stream.write(formatter.line(time.time(), "INFO", ACCESS_LOGGER, fields) + handler.terminator)
+        handler.flush()
+    except RecursionError:
+        raise
+    except Exception:
+        handler.handleError(_record(fields))  # reported on stderr as logging reports it; not raised
+    finally:
+        handler.release()
