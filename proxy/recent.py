@@ -1,10 +1,16 @@
-"""The proxy's bounded memories, all of them cachetools' caches, used one way.
+"""The proxy's bounded memories, cachetools' caches used one way, and three kept in C.
 
 A memory that forgets its least recently used entries is a :class:`cachetools.LRUCache`: writing
 an entry is a use, and so is reading it with ``cache[key]`` or ``cache.get``. A memory whose order
 is the order entries were last *written* reads them with :func:`peek`, which is no use. Entries
 that expire are in a :class:`cachetools.TTLCache` (one lifetime) or :class:`cachetools.TLRUCache`
 (each its own); entries written once and never refreshed, in a :class:`cachetools.FIFOCache`.
+
+The memories a request asks once per message of its history (a forwarded prompt's chain links,
+the blocks inserted at a position), :class:`RecentSet`, :class:`RecentMap` and
+:class:`LastWritten`, are the same policies over an :class:`~collections.OrderedDict`, whose
+operations run in C: a cachetools read or write is two to four Python calls, and a Claude Code
+request made about sixty of them (5% of its CPU in the proxy).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from typing import Generic, TypeVar
 
-from cachetools import Cache, LRUCache
+from cachetools import Cache
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -33,7 +39,8 @@ class RecentSet(Generic[T]):
     """At most ``max_entries`` members; adding one more drops the least recently used."""
 
     def __init__(self, max_entries: int) -> None:
-        self._members: LRUCache[T, None] = LRUCache(max_entries)
+        self._members: OrderedDict[T, None] = OrderedDict()
+        self._max = max(1, max_entries)
 
     def __contains__(self, item: object) -> bool:
         return item in self._members
@@ -43,19 +50,61 @@ class RecentSet(Generic[T]):
 
     def add(self, item: T) -> bool:
         """Add or refresh ``item``; True when it was already a member."""
-        present = item in self._members
-        self._members[item] = None
-        return present
+        members = self._members
+        if item in members:
+            members.move_to_end(item)
+            return True
+        members[item] = None
+        if len(members) > self._max:
+            members.popitem(last=False)
+        return False
 
     def touch(self, item: T) -> bool:
         """Refresh ``item`` if it is a member; True when it is."""
-        if item not in self._members:
+        try:
+            self._members.move_to_end(item)
+        except KeyError:
             return False
-        self._members[item] = None
         return True
 
     def discard(self, item: T) -> None:
         self._members.pop(item, None)
+
+
+class RecentMap(Generic[K, V]):
+    """At most ``max_entries`` entries; writing one more drops the least recently used. Reading
+    with :meth:`get` is a use; :meth:`peek` is not."""
+
+    def __init__(self, max_entries: int) -> None:
+        self._entries: OrderedDict[K, V] = OrderedDict()
+        self._max = max(1, max_entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: K, default: V) -> V:
+        entries = self._entries
+        found = entries.get(key, _MISSING)
+        if found is _MISSING:
+            return default
+        entries.move_to_end(key)
+        return found  # type: ignore[return-value]
+
+    def peek(self, key: K) -> V | None:
+        return self._entries.get(key)
+
+    def __setitem__(self, key: K, value: V) -> None:
+        entries = self._entries
+        entries[key] = value
+        entries.move_to_end(key)
+        if len(entries) > self._max:
+            entries.popitem(last=False)
+
+
+_MISSING = object()
 
 
 class LastWritten(Generic[K, V]):

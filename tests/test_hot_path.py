@@ -32,7 +32,7 @@ from proxy.observability import digests
 from proxy.observability.digests import content_text
 from proxy.openai import canonical_arguments, jsonio, link_hash, message_fingerprint, message_text
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, check_depth, dumps, loads
-from proxy.recent import LastWritten, RecentSet, peek
+from proxy.recent import LastWritten, RecentMap, RecentSet, peek
 from proxy.routes.forward import AfterSending
 from testbed.serving import LiveServer, json_post_scope
 from tests.redis_server import SHARED_URL
@@ -154,6 +154,21 @@ def test_recent_set_drops_the_least_recently_used() -> None:
     assert recent.add("a") is True
     recent.discard("a")
     assert "a" not in recent and len(recent) == 1
+
+
+def test_recent_map_drops_the_least_recently_used_and_peek_is_no_use() -> None:
+    recent: RecentMap[str, int] = RecentMap(2)
+    recent["a"] = 1
+    recent["b"] = 2
+    assert recent.peek("a") == 1  # not a use: "a" stays the oldest
+    recent["c"] = 3
+    assert "a" not in recent and recent.get("a", 0) == 0
+    assert recent.get("b", 0) == 2  # a use: "c" is now the oldest
+    recent["d"] = 4
+    assert "c" not in recent and recent.peek("b") == 2 and recent.peek("d") == 4 and len(recent) == 2
+    recent["b"] = 5  # a write is a use too
+    recent["e"] = 6
+    assert "d" not in recent and recent.get("b", 0) == 5
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])

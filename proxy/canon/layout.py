@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
-from cachetools import LRUCache
 
 from proxy.openai import Continuations, dumps, link_hash, shared_dumps
-from proxy.recent import RecentSet, peek
+from proxy.recent import RecentMap, RecentSet
 
 # (system message index, text part, line hash) of one moved line.
 MovedLine = tuple[int, int, int]
@@ -51,7 +50,7 @@ class ForwardedLayouts:
 
     def __init__(self, max_entries: int = 200_000) -> None:
         self._prompts: RecentSet[int] = RecentSet(max_entries)
-        self._blocks: LRUCache[int, tuple[Block, ...]] = LRUCache(max(1, max_entries // 4))
+        self._blocks: RecentMap[int, tuple[Block, ...]] = RecentMap(max(1, max_entries // 4))
         # Apps (hashed) that have had a block inserted: only their requests look for one.
         self._apps: RecentSet[int] = RecentSet(max(1, max_entries // 16))
         # Openings (hashed, by app) of one-shot requests' user turns: a user turn that opens the way an
@@ -68,7 +67,7 @@ class ForwardedLayouts:
         return self._prompts.touch(key)
 
     def remember_block(self, position: int, block: Block, app: int) -> None:
-        known = peek(self._blocks, position) or ()
+        known = self._blocks.peek(position) or ()
         self._blocks[position] = (block, *(b for b in known if b != block))[:BLOCKS_PER_POSITION]
         self._apps.add(app)
 
