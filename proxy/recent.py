@@ -85,13 +85,12 @@ class RecentMap(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: K, default: V) -> V:
+    def get(self, key: K) -> V | None:
         entries = self._entries
-        found = entries.get(key, _MISSING)
-        if found is _MISSING:
-            return default
-        entries.move_to_end(key)
-        return found  # type: ignore[return-value]
+        found = entries.get(key)
+        if found is not None:
+            entries.move_to_end(key)
+        return found
 
     def peek(self, key: K) -> V | None:
         return self._entries.get(key)
@@ -102,9 +101,6 @@ class RecentMap(Generic[K, V]):
         entries.move_to_end(key)
         if len(entries) > self._max:
             entries.popitem(last=False)
-
-
-_MISSING = object()
 
 
 class LastWritten(Generic[K, V]):

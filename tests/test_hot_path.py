@@ -162,13 +162,13 @@ def test_recent_map_drops_the_least_recently_used_and_peek_is_no_use() -> None:
     recent["b"] = 2
     assert recent.peek("a") == 1  # not a use: "a" stays the oldest
     recent["c"] = 3
-    assert "a" not in recent and recent.get("a", 0) == 0
-    assert recent.get("b", 0) == 2  # a use: "c" is now the oldest
+    assert "a" not in recent and recent.get("a") is None
+    assert recent.get("b") == 2  # a use: "c" is now the oldest
     recent["d"] = 4
     assert "c" not in recent and recent.peek("b") == 2 and recent.peek("d") == 4 and len(recent) == 2
     recent["b"] = 5  # a write is a use too
     recent["e"] = 6
-    assert "d" not in recent and recent.get("b", 0) == 5
+    assert "d" not in recent and recent.get("b") == 5
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
@@ -478,3 +478,38 @@ def test_the_message_shortcut_agrees_with_the_full_check(message: dict[str, Any]
 )
 def test_the_tool_shortcut_agrees_with_the_full_check(tool: Any) -> None:
     assert _valid_tool(tool) == _verdict(_validate_tool, tool, "tools[0]")
+
+
+ROLES = st.one_of(st.sampled_from(["system", "user", "developer"]), st.integers(0, 2), st.booleans(), st.floats(0, 2))
+
+
+@given(
+    asked=st.lists(
+        st.tuples(
+            ROLES,
+            st.sampled_from(["role", "content"]),
+            st.one_of(st.none(), st.just([]), st.just([{"function": {"name": "f", "arguments": "{}"}}])),
+        ),
+        min_size=2,
+        max_size=5,
+    )
+)
+def test_a_long_texts_digests_kept_by_the_string_equal_the_digests_made_afresh(
+    asked: list[tuple[Any, str, Any]],
+) -> None:
+    """The layout's message digest and the miss explanation's message hash keep a long text's
+    result by the string's identity: asked again with the same string under another role (``1``,
+    ``1.0`` and ``True`` are equal, their JSON is not), key order or tool calls, each still equals
+    its definition (orjson's bytes hashed; the role's prefix and the UTF-8 text hashed)."""
+    from proxy.canon.layout import message_digest
+    from proxy.openai import LONG_TEXT_CHARS, role_prefix
+
+    text = "第一行\n" + "x" * LONG_TEXT_CHARS
+    raw = text.encode()
+    for role, first, calls in asked:
+        message = {"role": role, "content": text} if first == "role" else {"content": text, "role": role}
+        if calls is not None:
+            message["tool_calls"] = calls
+        assert message_digest(message) == xxhash.xxh3_64_intdigest(dumps(message))
+        if not calls:
+            assert digests.message_hash(message) == (xxhash.xxh3_64_intdigest(role_prefix(role) + raw), len(raw))

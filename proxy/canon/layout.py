@@ -24,7 +24,7 @@ from typing import Any
 
 import xxhash
 
-from proxy.openai import Continuations, dumps, link_hash, shared_dumps
+from proxy.openai import LONG_TEXT_CHARS, Continuations, dumps, link_hash, shared_dumps
 from proxy.recent import RecentMap, RecentSet
 
 # (system message index, text part, line hash) of one moved line.
@@ -73,7 +73,7 @@ class ForwardedLayouts:
 
     def blocks_at(self, position: int) -> tuple[Block, ...]:
         """The blocks inserted at this position, most recent first."""
-        return self._blocks.get(position, ())
+        return self._blocks.get(position) or ()
 
     def app_had_blocks(self, app: int) -> bool:
         return app in self._apps
@@ -97,7 +97,24 @@ def chain_header(namespace: str, body: dict[str, Any]) -> int:
     return digest.intdigest()
 
 
+# A message of a role and a long text is serialized and hashed once per text string
+# (``LONG_TEXT_CHARS``). By the text's id, the text held (so the id stays its own): (text, keys and role, digest).
+_LONG_TEXT_DIGESTS: RecentMap[int, tuple[str, tuple[Any, ...], int]] = RecentMap(256)
+
+
 def message_digest(message: Any) -> int:
+    """xxh3 of the message's JSON (orjson's bytes)."""
+    if type(message) is dict and len(message) == 2:
+        text, role = message.get("content"), message.get("role")
+        if type(text) is str and len(text) >= LONG_TEXT_CHARS and type(role) is str:
+            # The keys in their order and the role (a string: 1 == 1.0 == True) fix the rest of the JSON.
+            rest = (*message, role)
+            known = _LONG_TEXT_DIGESTS.get(id(text))
+            if known is not None and known[0] is text and known[1] == rest:
+                return known[2]
+            digest = xxhash.xxh3_64_intdigest(dumps(message))
+            _LONG_TEXT_DIGESTS[id(text)] = (text, rest, digest)
+            return digest
     return xxhash.xxh3_64_intdigest(dumps(message))
 
 

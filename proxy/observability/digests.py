@@ -25,7 +25,8 @@ import xxhash
 from cachetools import FIFOCache
 
 from proxy.canon import leading_system_count
-from proxy.openai import ONE_SHOT_BYTES, dumps, extend_links, role_prefix, shared_dumps
+from proxy.openai import LONG_TEXT_CHARS, ONE_SHOT_BYTES, dumps, extend_links, role_prefix, shared_dumps
+from proxy.recent import RecentMap
 
 ROLE_CODES = {"system": 1, "developer": 1, "user": 2, "assistant": 3, "tool": 4, "function": 4}
 SYSTEM, USER, ASSISTANT = 1, 2, 3
@@ -77,16 +78,32 @@ def _argument_string(arguments: str) -> bytes:
         return dumps(value)
 
 
+# A long text's message is hashed once per text string (``LONG_TEXT_CHARS``): by the text's id,
+# the text held (so the id stays its own), with its role's prefix.
+_LONG_TEXTS: RecentMap[int, tuple[str, bytes, tuple[int, int]]] = RecentMap(256)
+
+
 def message_hash(message: Any) -> tuple[int, int]:
     """(hash, rendered bytes) of one message. On every request, for every message: kept lean."""
     if not isinstance(message, dict):
         raw = dumps(message)
         return xxhash.xxh3_64_intdigest(raw), len(raw)
     content = message.get("content")
+    calls = message.get("tool_calls")
+    if type(content) is str and len(content) >= LONG_TEXT_CHARS and (not calls or not isinstance(calls, list)):
+        prefix = role_prefix(message.get("role"))
+        known = _LONG_TEXTS.get(id(content))
+        if known is not None and known[0] is content and known[1] == prefix:
+            return known[2]
+        digest = xxhash.xxh3_64(prefix)
+        text = _utf8(content)
+        digest.update(text)
+        found = digest.intdigest(), len(text)
+        _LONG_TEXTS[id(content)] = (content, prefix, found)
+        return found
     text = _utf8(content if isinstance(content, str) else content_text(content))
     prefix = role_prefix(message.get("role"))
     size = len(text)
-    calls = message.get("tool_calls")
     if (not calls or not isinstance(calls, list)) and size < ONE_SHOT_BYTES:
         return xxhash.xxh3_64_intdigest(prefix + text), size
     # Streamed, not ``prefix + text``: a long message is not copied once more to be hashed.

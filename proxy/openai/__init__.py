@@ -18,6 +18,7 @@ from proxy.openai.jsonio import (
     shared_json,
 )
 from proxy.openai.messages import (
+    LONG_TEXT_CHARS,
     ONE_SHOT_BYTES,
     STABLE_ROLES,
     extend_links,
@@ -32,6 +33,7 @@ from proxy.openai.recurring import reuse_texts, same_text
 from proxy.openai.usage import Usage, token_count
 
 __all__ = [
+    "LONG_TEXT_CHARS",
     "MAX_DEPTH",
     "ONE_SHOT_BYTES",
     "STABLE_ROLES",

@@ -49,6 +49,10 @@ _ROLE_PREFIX: dict[str, bytes] = {}
 # Shorter texts are hashed in one call with their role's bytes prepended (cheaper than a streaming
 # hasher for the many short turns of a history); longer ones streamed, not copied once more.
 ONE_SHOT_BYTES = 4096
+# A message holding a text this long (a system prompt) has what is derived from it (its digests)
+# kept by the text string's identity: relocation hands back the same stable text string on every
+# request, and a prompt re-sent unchanged arrives as the string kept (``recurring``).
+LONG_TEXT_CHARS = 4096
 
 
 def role_prefix(role: Any) -> bytes:
