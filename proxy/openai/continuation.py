@@ -26,12 +26,11 @@ texts themselves are the request's: the memories of one request's lists share th
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from operator import ne
 from typing import Any, Generic, TypeVar
-
-from cachetools import LRUCache
 
 from proxy.openai.jsonio import dumps
 from proxy.openai.messages import STABLE_ROLES
@@ -98,7 +97,13 @@ class Continuations(Generic[State]):
     compares it with the conversation's last one, the others find it equal to what the first kept."""
 
     def __init__(self, max_chars: int = DEFAULT_MAX_CHARS) -> None:
-        self._kept: LRUCache[Hashable, tuple[_Kept, ...]] = LRUCache(max_chars, getsizeof=_chars_of)
+        # Least recently used first; each entry's size (``_chars_of``) kept beside it. An
+        # OrderedDict, not a cachetools LRUCache: it is read and written several times a request,
+        # and a sized LRUCache write is a few Python calls and a size computed again.
+        self._kept: OrderedDict[Hashable, tuple[_Kept, ...]] = OrderedDict()
+        self._sizes: dict[Hashable, int] = {}
+        self._chars = 0
+        self._max_chars = max(1, max_chars)
         # What a list too short to keep finds (nothing; keeping it keeps nothing): one for all.
         self._short: Resumption[State] = Resumption(self, None, "")
 
@@ -108,7 +113,7 @@ class Continuations(Generic[State]):
         key = (scope, _opening(messages))
         best: _Kept | None = None
         matched = 0
-        for kept in self._kept.get(key, ()):
+        for kept in self._used(key):
             count = shared_prefix(kept.messages, messages)
             if count > matched:
                 best, matched = kept, count
@@ -130,7 +135,10 @@ class Continuations(Generic[State]):
     ) -> None:
         if previous is not None and matched == len(previous.messages) == len(messages):
             previous.states[part] = state  # the same list: one more part's state on it
-            self._kept[key] = self._kept.get(key, (previous,))  # used most recently
+            if key in self._kept:
+                self._kept.move_to_end(key)  # used most recently
+            else:
+                self._put(key, (previous,))
             return
         matched = min(matched, len(messages))  # a part may keep less than it read
         chars = previous.chars[: matched + 1] if previous is not None and matched else [0]
@@ -138,7 +146,7 @@ class Continuations(Generic[State]):
         for message in messages[len(chars) - 1 :]:
             total += _rough_chars(message)
             chars.append(total)
-        if total + 1 > self._kept.maxsize:
+        if total + 1 > self._max_chars:
             return  # larger than the whole memory: nothing to keep it for
         base = previous if previous is not None and matched else None
         if base is not None:
@@ -149,7 +157,27 @@ class Continuations(Generic[State]):
         # regenerated reply left).
         extended = previous if previous is not None and matched == len(previous.messages) else None
         others = tuple(k for k in self._kept.get(key, ()) if k is not extended)
-        self._kept[key] = (kept, *others[: CANDIDATES - 1])
+        self._put(key, (kept, *others[: CANDIDATES - 1]))
+
+    def _used(self, key: Hashable) -> tuple[_Kept, ...]:
+        found = self._kept.get(key)
+        if found is None:
+            return ()
+        self._kept.move_to_end(key)
+        return found
+
+    def _put(self, key: Hashable, value: tuple[_Kept, ...]) -> None:
+        """Keep ``value`` under ``key`` as the most recently used; forget the least recently used
+        past ``max_chars``."""
+        kept, sizes = self._kept, self._sizes
+        size = _chars_of(value)
+        self._chars += size - sizes.get(key, 0)
+        kept[key] = value
+        kept.move_to_end(key)
+        sizes[key] = size
+        while self._chars > self._max_chars and kept:
+            oldest, _ = kept.popitem(last=False)
+            self._chars -= sizes.pop(oldest)
 
 
 def shared_prefix(kept: Sequence[Any], messages: Sequence[Any]) -> int:
