@@ -71,9 +71,8 @@ class RecentSet(Generic[T]):
         self._members.pop(item, None)
 
 
-class RecentMap(Generic[K, V]):
-    """At most ``max_entries`` entries; writing one more drops the least recently used. Reading
-    with :meth:`get` is a use; :meth:`peek` is not."""
+class _Ordered(Generic[K, V]):
+    """At most ``max_entries`` entries in an OrderedDict, the first the next to go."""
 
     def __init__(self, max_entries: int) -> None:
         self._entries: OrderedDict[K, V] = OrderedDict()
@@ -85,15 +84,21 @@ class RecentMap(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def peek(self, key: K) -> V | None:
+        """The entry, its place in the order kept."""
+        return self._entries.get(key)
+
+
+class RecentMap(_Ordered[K, V]):
+    """At most ``max_entries`` entries; writing one more drops the least recently used. Reading
+    with :meth:`get` is a use; :meth:`peek` is not."""
+
     def get(self, key: K) -> V | None:
         entries = self._entries
         found = entries.get(key)
         if found is not None:
             entries.move_to_end(key)
         return found
-
-    def peek(self, key: K) -> V | None:
-        return self._entries.get(key)
 
     def __setitem__(self, key: K, value: V) -> None:
         entries = self._entries
@@ -103,29 +108,18 @@ class RecentMap(Generic[K, V]):
             entries.popitem(last=False)
 
 
-class LastWritten(Generic[K, V]):
+class LastWritten(_Ordered[K, V]):
     """A memory of at most ``max_entries`` that forgets the entry written longest ago, read without
     counting a use (as :func:`peek` reads a cache), kept in an :class:`~collections.OrderedDict`: its
     writes run in C, for a memory written once per message of a history on every request (a
     :class:`cachetools.LRUCache` write is a few Python calls)."""
 
-    def __init__(self, max_entries: int) -> None:
-        self._entries: OrderedDict[K, V] = OrderedDict()
-        self._max = max(1, max_entries)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: K) -> V | None:
-        return self._entries.get(key)
+    get = _Ordered.peek
 
     def write(self, keys: Iterable[K], value: V) -> None:
         """Write ``value`` under every key: each becomes the most recently written."""
         entries = self._entries
-        for key in keys:
+        for key in keys:  # inline, not a call per key: once per message of a history
             entries[key] = value
             entries.move_to_end(key)
         while len(entries) > self._max:
