@@ -513,3 +513,19 @@ def test_a_long_texts_digests_kept_by_the_string_equal_the_digests_made_afresh(
         assert message_digest(message) == xxhash.xxh3_64_intdigest(dumps(message))
         if not calls:
             assert digests.message_hash(message) == (xxhash.xxh3_64_intdigest(role_prefix(role) + raw), len(raw))
+
+
+def test_by_text_finds_a_value_by_the_strings_identity_within_a_bound_of_characters() -> None:
+    from proxy.openai import ByText
+
+    memo: ByText[int] = ByText(max_chars=100)
+    first, second = "a" * 40, "b" * 40
+    memo.put(first, "system", 1)
+    assert memo.get(first, "system") == 1
+    assert memo.get("".join(["a"] * 40), "system") is None  # an equal string, not this one
+    assert memo.get(first, "user") is None  # what else the value depends on differs
+    memo.put(second, "system", 2)
+    memo.put("c" * 40, "system", 3)  # 120 characters held would be past the bound: the oldest goes
+    assert memo.get(first, "system") is None and memo.get(second, "system") == 2
+    memo.put("d" * 100, "system", 4)  # as large as the whole bound: not kept, nothing forgotten for it
+    assert memo.get("d" * 100, "system") is None and memo.get(second, "system") == 2

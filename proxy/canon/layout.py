@@ -24,7 +24,7 @@ from typing import Any
 
 import xxhash
 
-from proxy.openai import LONG_TEXT_CHARS, Continuations, dumps, link_hash, shared_dumps
+from proxy.openai import LONG_TEXT_CHARS, ByText, Continuations, dumps, link_hash, shared_dumps
 from proxy.recent import RecentMap, RecentSet
 
 # (system message index, text part, line hash) of one moved line.
@@ -98,8 +98,8 @@ def chain_header(namespace: str, body: dict[str, Any]) -> int:
 
 
 # A message of a role and a long text is serialized and hashed once per text string
-# (``LONG_TEXT_CHARS``). By the text's id, the text held (so the id stays its own): (text, keys and role, digest).
-_LONG_TEXT_DIGESTS: RecentMap[int, tuple[str, tuple[Any, ...], int]] = RecentMap(256)
+# (``LONG_TEXT_CHARS``), with the keys in their order and the role.
+_LONG_TEXT_DIGESTS: ByText[int] = ByText()
 
 
 def message_digest(message: Any) -> int:
@@ -109,12 +109,11 @@ def message_digest(message: Any) -> int:
         if type(text) is str and len(text) >= LONG_TEXT_CHARS and type(role) is str:
             # The keys in their order and the role (a string: 1 == 1.0 == True) fix the rest of the JSON.
             rest = (*message, role)
-            known = _LONG_TEXT_DIGESTS.get(id(text))
-            if known is not None and known[0] is text and known[1] == rest:
-                return known[2]
-            digest = xxhash.xxh3_64_intdigest(dumps(message))
-            _LONG_TEXT_DIGESTS[id(text)] = (text, rest, digest)
-            return digest
+            known = _LONG_TEXT_DIGESTS.get(text, rest)
+            if known is None:
+                known = xxhash.xxh3_64_intdigest(dumps(message))
+                _LONG_TEXT_DIGESTS.put(text, rest, known)
+            return known
     return xxhash.xxh3_64_intdigest(dumps(message))
 
 

@@ -25,8 +25,7 @@ import xxhash
 from cachetools import FIFOCache
 
 from proxy.canon import leading_system_count
-from proxy.openai import LONG_TEXT_CHARS, ONE_SHOT_BYTES, dumps, extend_links, role_prefix, shared_dumps
-from proxy.recent import RecentMap
+from proxy.openai import LONG_TEXT_CHARS, ONE_SHOT_BYTES, ByText, dumps, extend_links, role_prefix, shared_dumps
 
 ROLE_CODES = {"system": 1, "developer": 1, "user": 2, "assistant": 3, "tool": 4, "function": 4}
 SYSTEM, USER, ASSISTANT = 1, 2, 3
@@ -78,9 +77,8 @@ def _argument_string(arguments: str) -> bytes:
         return dumps(value)
 
 
-# A long text's message is hashed once per text string (``LONG_TEXT_CHARS``): by the text's id,
-# the text held (so the id stays its own), with its role's prefix.
-_LONG_TEXTS: RecentMap[int, tuple[str, bytes, tuple[int, int]]] = RecentMap(256)
+# A long text's message is hashed once per text string (``LONG_TEXT_CHARS``), with its role's prefix.
+_LONG_TEXTS: ByText[tuple[int, int]] = ByText()
 
 
 def message_hash(message: Any) -> tuple[int, int]:
@@ -92,14 +90,13 @@ def message_hash(message: Any) -> tuple[int, int]:
     calls = message.get("tool_calls")
     if type(content) is str and len(content) >= LONG_TEXT_CHARS and (not calls or not isinstance(calls, list)):
         prefix = role_prefix(message.get("role"))
-        known = _LONG_TEXTS.get(id(content))
-        if known is not None and known[0] is content and known[1] == prefix:
-            return known[2]
-        digest = xxhash.xxh3_64(prefix)
-        text = _utf8(content)
-        digest.update(text)
-        found = digest.intdigest(), len(text)
-        _LONG_TEXTS[id(content)] = (content, prefix, found)
+        found = _LONG_TEXTS.get(content, prefix)
+        if found is None:
+            digest = xxhash.xxh3_64(prefix)
+            text = _utf8(content)
+            digest.update(text)
+            found = digest.intdigest(), len(text)
+            _LONG_TEXTS.put(content, prefix, found)
         return found
     text = _utf8(content if isinstance(content, str) else content_text(content))
     prefix = role_prefix(message.get("role"))

@@ -29,7 +29,7 @@ from proxy.openai.messages import (
     role_prefix,
     utf8_size,
 )
-from proxy.openai.recurring import reuse_texts, same_text
+from proxy.openai.recurring import ByText, reuse_texts, same_text
 from proxy.openai.usage import Usage, token_count
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "ONE_SHOT_BYTES",
     "STABLE_ROLES",
     "AssistantRecorder",
+    "ByText",
     "Continuations",
     "Resumption",
     "TooDeep",

@@ -21,9 +21,12 @@ short ones little: both are left alone.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Hashable
+from typing import Any, Generic, TypeVar
 
 from cachetools import LRUCache
+
+V = TypeVar("V")
 
 # Shorter texts cost little to convert; ASCII ones nothing.
 MIN_CHARS = 1024
@@ -75,6 +78,33 @@ def _reuse_in(container: dict[str, Any], key: str, namespace: str) -> None:
         for part in value:
             if type(part) is dict and type(text := part.get("text")) is str:
                 part["text"] = same_text(text, namespace)
+
+
+class ByText(Generic[V]):
+    """What a step derived from a long text string (its message's digest), found again by the
+    string's identity: the stable text relocation hands back (``same_text``) and a prompt re-sent
+    unchanged (``reuse_texts``) are the same string on every request, so the step runs once per
+    string. Each entry holds its string (its id stays its own while kept) and what else the value
+    depends on (``extra``, compared with ``==``); bounded by the characters held, least recently
+    used out. Kept per process, as the strings are: a string is one tenant's (``reuse_texts`` and
+    ``same_text`` keep them per tenant)."""
+
+    def __init__(self, max_chars: int = MAX_CHARS) -> None:
+        self._memo: LRUCache[int, tuple[str, Hashable, V]] = LRUCache(max_chars, getsizeof=_text_chars)
+
+    def get(self, text: str, extra: Hashable) -> V | None:
+        known = self._memo.get(id(text))
+        if known is None or known[0] is not text or known[1] != extra:
+            return None
+        return known[2]
+
+    def put(self, text: str, extra: Hashable, value: V) -> None:
+        if len(text) < self._memo.maxsize:
+            self._memo[id(text)] = (text, extra, value)
+
+
+def _text_chars(entry: tuple[str, Hashable, Any]) -> int:
+    return len(entry[0]) + 1
 
 
 def forget() -> None:
