@@ -518,10 +518,14 @@ class TestConcurrencyAndTiming:
         config = FakeBackendConfig(prefill_seconds_per_token=0.0005)
         async with make_client(config) as c:
             messages = [{"role": "system", "content": "context " * 400}, {"role": "user", "content": "Hi"}]
-            await achat_ok(c, messages)
-            await achat_ok(c, messages)
-            first, second = (await c.get("/fake/requests")).json()
-        assert first["ttft_s"] >= 0.2 and second["ttft_s"] < first["ttft_s"] / 5
+            for _ in range(4):
+                await achat_ok(c, messages)
+            first, *again = (await c.get("/fake/requests")).json()
+        assert first["ttft_s"] >= 0.2
+        assert all(r["cached_tokens"] >= r["prompt_tokens"] - 16 for r in again)
+        # The fastest of three: one request stalled by the machine (a collection of a whole test
+        # session's heap, another process) is not what the claim is about.
+        assert min(r["ttft_s"] for r in again) < first["ttft_s"] / 5
 
     async def test_long_prompt_is_cheap(self, client: httpx.AsyncClient) -> None:
         messages = [{"role": "user", "content": "lorem ipsum dolor sit amet " * 1600}]  # ~8k tokens
