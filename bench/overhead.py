@@ -117,8 +117,10 @@ class CpuReading:
     ticks: int
 
     def __sub__(self, before: CpuReading) -> float:
-        if self.threads and before.threads.keys() <= self.threads.keys():
-            return (sum(self.threads.values()) - sum(before.threads.values())) / 1e9
+        now = self.threads
+        # Every thread still there, its count not gone back (not a new thread under an old id).
+        if now and all(now.get(thread, -1) >= count for thread, count in before.threads.items()):
+            return (sum(now.values()) - sum(before.threads.values())) / 1e9
         return (self.ticks - before.ticks) / CLOCK_TICKS
 
 
