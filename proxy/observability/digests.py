@@ -88,26 +88,26 @@ def message_hash(message: Any) -> tuple[int, int]:
         return xxhash.xxh3_64_intdigest(raw), len(raw)
     content = message.get("content")
     calls = message.get("tool_calls")
-    if type(content) is str and len(content) >= LONG_TEXT_CHARS and (not calls or not isinstance(calls, list)):
-        prefix = role_prefix(message.get("role"))
-        found = _LONG_TEXTS.get(content, prefix)
-        if found is None:
-            digest = xxhash.xxh3_64(prefix)
-            text = _utf8(content)
-            digest.update(text)
-            found = digest.intdigest(), len(text)
-            _LONG_TEXTS.put(content, prefix, found)
-        return found
-    text = _utf8(content if isinstance(content, str) else content_text(content))
+    plain = not calls or not isinstance(calls, list)
     prefix = role_prefix(message.get("role"))
+    # Kept by the string (``_LONG_TEXTS``): a system prompt relocation hands back, or re-sent unchanged.
+    long_text = content if plain and type(content) is str and len(content) >= LONG_TEXT_CHARS else None
+    if long_text is not None:
+        found = _LONG_TEXTS.get(long_text, prefix)
+        if found is not None:
+            return found
+    text = _utf8(content if isinstance(content, str) else content_text(content))
     size = len(text)
-    if (not calls or not isinstance(calls, list)) and size < ONE_SHOT_BYTES:
+    if plain and size < ONE_SHOT_BYTES:
         return xxhash.xxh3_64_intdigest(prefix + text), size
     # Streamed, not ``prefix + text``: a long message is not copied once more to be hashed.
     digest = xxhash.xxh3_64(prefix)
     digest.update(text)
     if not calls or not isinstance(calls, list):
-        return digest.intdigest(), size
+        found = digest.intdigest(), size
+        if long_text is not None:
+            _LONG_TEXTS.put(long_text, prefix, found)
+        return found
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict):
