@@ -107,8 +107,9 @@ def tree_pids(pid: int) -> list[int]:
 class CpuReading:
     """CPU time of a process and its descendants at one moment; two readings subtract to the
     seconds between them. Counted by the kernel in nanoseconds per thread
-    (``/proc/<pid>/task/<tid>/schedstat``) where it keeps the count and no thread of the first
-    reading has ended by the second (an ended thread's count goes with it); otherwise in user and
+    (``/proc/<pid>/task/<tid>/schedstat``) where it keeps the count and every thread of the first
+    reading is in the second with a count no lower (an ended thread's count goes with it; a new
+    thread may take an old id); otherwise in user and
     system clock ticks (1/100 s: over 300 requests, half of vLLM Router's CPU per request on the
     real-prompt rows). Read between measurements, when the servers are idle (a running thread's
     count is brought up to date at its next switch)."""
