@@ -7,6 +7,16 @@ upstream that merges slashes or resolves dot segments, so they must reach the pi
 The server decodes the path once (``%63hat`` is ``chat``); a separator the client encoded (``%2F``,
 ``%5C``), and what is still percent-encoded after that decoding (a separator, a dot or a percent
 that a server decoding twice would read as one), is refused rather than guessed at.
+
+One path: what is left must read as one path to every router on the way. The decoded path may hold
+only RFC 3986 path characters (ASCII letters, digits, ``-._~!$&'()*+,=:@`` and ``/``): a control
+character, whitespace, ``;`` (a path parameter to some servers), ``?``/``#`` (a query or fragment to
+one that decodes first), ``%`` (a second decoding), or any non-ASCII character (look-alike slashes, a
+server that folds Unicode) is refused with 400 before any routing decision. The case that made it a
+rule: Starlette's route patterns end in ``$``, which in Python also matches before a final newline, so
+vLLM serves ``/sleep\n`` (sent as ``/sleep%0A``) as ``/sleep`` while an exact comparison saw another
+route. A path of these characters means the same to the proxy's rules and to the engine's router
+(``tests/test_path_reading.py`` drives both with generated paths).
 """
 
 from __future__ import annotations
@@ -21,13 +31,13 @@ from proxy.http.errors import UnroutablePath
 # RFC 3986 path characters other than unreserved ones, kept as they are when re-encoding.
 PATH_SAFE = "/:@!$&'()*+,;="
 
-# After the server's own decoding: an encoded '/', '\', '.' or '%' is an attempt at a second one.
-_ENCODED_SEPARATOR = re.compile(r"%(?:2[fFeE5]|5[cC])")
+# The characters a canonical path may hold (RFC 3986 ``pchar`` and ``/``, without ``;`` and ``%``).
+_PATH_CHARACTERS = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,=:@/]*")
 
 
 class InvalidPath(ValueError):
-    """A path that names no route in any spelling: dot segments above the root, or separators
-    encoded twice."""
+    """A path that names no route in any spelling: dot segments above the root, separators encoded
+    twice, or a character outside a path's own (which some router on the way reads as another path)."""
 
 
 def invalid_path() -> UnroutablePath:
@@ -38,8 +48,8 @@ def invalid_path() -> UnroutablePath:
 def canonical_path(path: str) -> str:
     """``path`` with repeated and trailing slashes dropped and dot segments resolved (RFC 3986
     section 5.2.4): ``//v1/./a//b/`` is ``/v1/a/b``. Raises :class:`InvalidPath`."""
-    if "\\" in path or _ENCODED_SEPARATOR.search(path):
-        raise InvalidPath("the path has an encoded or backslash separator")
+    if _PATH_CHARACTERS.fullmatch(path) is None:
+        raise InvalidPath("the path has a character outside a path's own (a control character, space, ';', '%', ...)")
     if "//" not in path and "/." not in path and (len(path) < 2 or path[-1] != "/") and path[:1] == "/":
         return path  # the common case: already canonical
     segments: list[str] = []

@@ -15,6 +15,7 @@ import fnmatch
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Literal
 from urllib.parse import quote
 
 import httpx
@@ -122,6 +123,25 @@ def route_label(path: str, admin: bool) -> str:
     return "admin_passthrough" if admin else KNOWN_ROUTES.get(path, "other")
 
 
+RouteDecision = Literal["admin", "forward", "not_found", "ungoverned"]
+
+
+def route_decision(state: ProxyState, path: str, *, owned_spelling: bool = False) -> RouteDecision:
+    """What the pass-through does with a canonical ``path``: forward it for the admin (``admin``) or
+    for a tenant (``forward``), or refuse it (404: ``not_found``, ``ungoverned``). One function for
+    the route and for the property test that holds it to a Starlette router's reading."""
+    settings = state.settings.routes
+    admin = matches(path, settings.admin_routes)
+    folded = path.lower()
+    reserved = owned_spelling or any(folded == r or folded.startswith(r + "/") for r in RESERVED)
+    allowed = settings.allowed_routes is None or admin or matches(path, settings.allowed_routes)
+    if reserved or not settings.passthrough or not allowed or matches(path, settings.denied_routes):
+        return "not_found"
+    if not admin and _ungoverned(state, path):
+        return "ungoverned"
+    return "admin" if admin else "forward"
+
+
 async def passthrough(request: Request) -> Response:
     state = get_state(request)
     path: str | None
@@ -131,8 +151,12 @@ async def passthrough(request: Request) -> Response:
         path = canonical_path(request.scope["path"])
     except InvalidPath:
         path = None
-    settings = state.settings.routes
-    admin = path is not None and matches(path, settings.admin_routes)
+    decision = (
+        route_decision(state, path, owned_spelling=request.scope.get(OWNED_SPELLING, False))
+        if path is not None
+        else "not_found"
+    )
+    admin = decision == "admin"
     ctx = new_context(request, route_label(path or "", admin))
     ctx.deadline = ctx.started + state.settings.request_timeout_s
     if state.tracing is not None:
@@ -140,14 +164,9 @@ async def passthrough(request: Request) -> Response:
     try:
         if path is None:
             raise invalid_path()
-        folded = path.lower()
-        reserved = request.scope.get(OWNED_SPELLING, False) or any(
-            folded == r or folded.startswith(r + "/") for r in RESERVED
-        )
-        allowed = settings.allowed_routes is None or admin or matches(path, settings.allowed_routes)
-        if reserved or not settings.passthrough or not allowed or matches(path, settings.denied_routes):
+        if decision == "not_found":
             raise NotFound(f"no route {path}")
-        if not admin and _ungoverned(state, path):
+        if decision == "ungoverned":
             raise NotFound(
                 f"{path} generates outside the proxy's pipeline (no budget, no cache salt): use "
                 "/v1/chat/completions or /v1/completions, or list it in routes.allowed_routes"
