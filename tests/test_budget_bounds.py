@@ -16,6 +16,7 @@ import pytest
 
 from proxy.chat.budget import completion_allowance, completions_requested, prompt_ceiling
 from proxy.config import BudgetSettings
+from proxy.http import reading
 from tests.helpers import LiveServer, ProxyProcess, steady_window_s
 from tests.test_redis_e2e import redis_env
 
@@ -34,7 +35,8 @@ def test_a_reservation_counts_every_completion() -> None:
     budget = BudgetSettings()
     assert completions_requested({"n": 8}) == 8
     assert completions_requested({"n": 2, "best_of": 5}) == 5
-    assert completions_requested({"n": True, "best_of": "9"}) == 1  # not counts: the backend refuses them
+    # Counts as the engine reads them (proxy.http.reading): true is 1, "9" is 9.
+    assert completions_requested(reading.CHAT.read({"n": True, "best_of": "9"})) == 9
     assert completion_allowance({"n": 8, "max_tokens": 100}, budget) == 800
     assert completion_allowance({"n": 3}, budget) == 3 * budget.completion_reserve_tokens
     # The prompt ceiling bounds any tokenizer: at least one byte per token of text.

@@ -11,13 +11,14 @@ is forwarded, for the engine to judge: the proxy is never stricter than it.
 Usage budget (per session and per tenant, over a fixed time window): a request
 is admitted only if its reservation fits under every limit: the most its prompt
 can be (:func:`prompt_ceiling`, or the backend's exact count near the limit)
-plus, for each completion it asks for (``n``, ``best_of``), ``max_tokens`` (or
-``completion_reserve_tokens`` without it). The reservation is corrected to the
-real usage when the request ends. Admission is atomic, so concurrent requests
-never reserve past a limit, on any number of replicas. A request whose
-reservation is a true upper bound cannot spend more than it reserved, so with
-``max_tokens`` set the limit is never exceeded; without it, by at most what
-requests generate beyond ``completion_reserve_tokens``.
+plus, for each completion it asks for (``n``, ``best_of``, read as the engine
+reads them: ``proxy.http.reading``), ``max_tokens``, or without it what the engine
+may generate (to the end of the model's context; ``completion_reserve_tokens``
+only where the context is unknown). The reservation is corrected to the real
+usage when the request ends. Admission is atomic, so concurrent requests never
+reserve past a limit, on any number of replicas. A request whose reservation is
+a true upper bound cannot spend more than it reserved, so the limit is never
+exceeded while the model's context is known.
 """
 
 from __future__ import annotations
@@ -219,13 +220,31 @@ def completions_requested(body: dict[str, Any]) -> int:
     return count
 
 
-def completion_allowance(body: dict[str, Any], budget: BudgetSettings) -> int:
-    """Completion tokens a reservation holds: per completion, ``max_tokens`` (or
-    ``completion_reserve_tokens`` without it), for every completion requested."""
+def completion_allowance(
+    body: dict[str, Any],
+    budget: BudgetSettings,
+    engine_context: int | None = None,
+    *,
+    engine_default: int | None = None,
+) -> int:
+    """Completion tokens a reservation holds: per completion, ``max_tokens``; without it what the
+    engine generates then: ``engine_default`` where its protocol has one (vLLM's completions: 16),
+    else up to the end of the context (``engine_context``, the model's ``max_model_len``), and
+    ``completion_reserve_tokens`` only where the context is unknown; for every completion requested."""
     completion = requested_completion_tokens(body)
+    if completion is None:
+        completion = engine_default if engine_default is not None else engine_context
     per_choice = completion if completion is not None else budget.completion_reserve_tokens
     return per_choice * completions_requested(body)
 
 
-def reservation_amount(prompt_tokens: int, body: dict[str, Any], budget: BudgetSettings) -> int:
-    return prompt_tokens + completion_allowance(body, budget)
+def reservation_amount(
+    prompt_tokens: int, body: dict[str, Any], budget: BudgetSettings, engine_context: int | None = None
+) -> int:
+    """The most a request can spend: its prompt and every completion's allowance; with the engine's
+    context known, at most the context per completion (a completion's prompt and answer fit in it:
+    the prompt plus ``n`` answers of at most the context less the prompt is at most ``n`` contexts)."""
+    amount = prompt_tokens + completion_allowance(body, budget, engine_context)
+    if engine_context:
+        amount = min(amount, engine_context * completions_requested(body))
+    return amount

@@ -88,6 +88,9 @@ class ChatTurn:
     summary: SummaryState = field(default_factory=SummaryState)
     anchored: Anchored | None = None
     limit: int | None = None
+    # The model's context at the engine (max_model_len), where known: what a request without
+    # max_tokens may generate up to.
+    engine_context: int | None = None
     request_bytes: int = 0
     reservation: Reservation | None = None
     # The usage limits of a request admitted without a reservation (the store was down).
@@ -208,7 +211,8 @@ class ChatTurn:
         if session is not None and session.record is not None:
             turn.summary = SummaryState.from_json(session.record.summary)
         turn._anchor()
-        turn.limit = context_limit(budget, await services.models.max_model_len(model), canonical)
+        turn.engine_context = await services.models.max_model_len(model)
+        turn.limit = context_limit(budget, turn.engine_context, canonical)
         if turn._defers_summary():
             turn.summary_deferred = True
             turn._anchor()
@@ -319,14 +323,14 @@ class ChatTurn:
         self.prompt_estimate = prompt_estimate
         forwarded = self.forwarded
         ceiling = prompt_ceiling(self.request_bytes, len(forwarded["messages"])) + self.history_tokens
-        amount = reservation_amount(max(ceiling, prompt_estimate), forwarded, self.budget)
+        amount = reservation_amount(max(ceiling, prompt_estimate), forwarded, self.budget, self.engine_context)
         try:
             reservation = await self.services.sessions.reserve(limits, amount, self.budget.window_s)
             if not reservation.admitted:
                 exact = await self.services.models.count_prompt_tokens(forwarded, self.upstream_auth_headers())
                 if exact is not None:
                     exact_amount = reservation_amount(
-                        exact + EXACT_COUNT_SLACK + self.history_tokens, forwarded, self.budget
+                        exact + EXACT_COUNT_SLACK + self.history_tokens, forwarded, self.budget, self.engine_context
                     )
                     if exact_amount < amount:
                         reservation = await self.services.sessions.reserve(limits, exact_amount, self.budget.window_s)

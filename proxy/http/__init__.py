@@ -1,6 +1,7 @@
 """The HTTP edge: request context and body, the forwarding of a request upstream (failover, errors),
 and the relay of the answer back (streamed unbuffered, or whole)."""
 
+from proxy.http import reading
 from proxy.http.body import (
     CHECKED_MESSAGES,
     MAX_MODEL_CHARS,
@@ -100,6 +101,7 @@ __all__ = [
     "overhead_header",
     "parse_json_object",
     "read_body",
+    "reading",
     "require_model",
     "serve_direct",
     "validate_chat_request",

@@ -13,6 +13,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
+from proxy.http import reading
 from proxy.http.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from proxy.openai import MAX_DEPTH, Continuations, TooDeep, check_depth, check_depth_once, loads, reuse_texts
 
@@ -142,6 +143,7 @@ def _optional(value: Any, kind: type | tuple[type, ...], param: str, what: str) 
 def validate_chat_request(body: dict[str, Any], namespace: str | None = None) -> None:
     """Reject what no backend could answer, with the offending parameter named. ``namespace``: the
     tenant, whose conversation's messages validated before are not validated again."""
+    reading.CHAT.read(body)
     require_model(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -269,6 +271,7 @@ def _validate_tool(tool: Any, param: str) -> None:
 
 
 def validate_completion_request(body: dict[str, Any]) -> None:
+    reading.COMPLETIONS.read(body)
     require_model(body)
     if "prompt" not in body:
         raise InvalidRequest("'prompt' is required", param="prompt")

@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.canon import ToolOrders, canonicalize_tool_fields
-from proxy.http import ANTHROPIC, CHECKED_MESSAGES, InvalidRequest, SSERelay, is_text, require_model, with_data_fields
+from proxy.http import (
+    ANTHROPIC,
+    CHECKED_MESSAGES,
+    InvalidRequest,
+    SSERelay,
+    is_text,
+    reading,
+    require_model,
+    with_data_fields,
+)
 from proxy.openai import STABLE_ROLES, AssistantRecorder, ToolCall, Usage, sort_keys_deep, token_count
 from proxy.protocols.align import align
 from proxy.protocols.base import (
@@ -49,6 +58,7 @@ BLOCK_KEY = "_block"
 def validate_request(body: dict[str, Any], *, count_tokens: bool = False, namespace: str | None = None) -> None:
     """Types of everything the proxy reads (400 naming the parameter); the rest is vLLM's to judge.
     ``namespace``: the tenant, whose conversation's messages validated before are not validated again."""
+    reading.MESSAGES.read(body)
     require_model(body)
     max_tokens = body.get("max_tokens")
     if not count_tokens and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):

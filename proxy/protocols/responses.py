@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.canon import ToolOrders, canonicalize_tool_fields
-from proxy.http import InvalidRequest, SSERelay, is_text, require_model, with_data_fields
+from proxy.http import InvalidRequest, SSERelay, is_text, reading, require_model, with_data_fields
 from proxy.openai import STABLE_ROLES, AssistantRecorder, ToolCall, Usage, sort_keys_deep, token_count
 from proxy.protocols.align import align
 from proxy.protocols.base import GenerationProtocol, event_payloads, summary_options, texts, tool_views
@@ -43,6 +43,7 @@ TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "re
 
 def validate_request(body: dict[str, Any]) -> None:
     """Types of everything the proxy reads (400 naming the parameter); the rest is vLLM's to judge."""
+    reading.RESPONSES.read(body)
     require_model(body)
     value = body.get("input")
     if not isinstance(value, str | list):

@@ -55,6 +55,7 @@ async def completions(state: ProxyState, request: Request, ctx: RequestContext, 
 
 
 COMPLETIONS = Wire("/completions", answer_list="choices")
+VLLM_COMPLETIONS_MAX_TOKENS = 16
 EMBEDDINGS = Wire("/embeddings")
 MODELS = Wire("/models")
 
@@ -84,7 +85,8 @@ class CompletionBudget:
         prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
         # The prompt as JSON: at least one byte per token for text, and for token ids alike.
         ceiling = prompt_ceiling(len(dumps(prompt)) if prompt is not None else 0, prompts)
-        completion = completion_allowance(body, budget) * prompts
+        # Without max_tokens vLLM's completions generate 16 tokens (its CompletionRequest's default).
+        completion = completion_allowance(body, budget, engine_default=VLLM_COMPLETIONS_MAX_TOKENS) * prompts
         return cls(state, tenant.name, budget, limits, ceiling, ceiling + completion)
 
     async def reserve(self) -> None:

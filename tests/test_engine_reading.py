@@ -1,0 +1,163 @@
+"""One reading: the numbers and flags the proxy budgets on are the ones the engine reads.
+
+The backend is the vLLM-faithful fake, which parses bodies with pydantic as vLLM does (``"8"``,
+``8.0`` and ``true`` are integers to it) and, without ``max_tokens``, generates to the end of its
+context. Spending is measured from the answers' own ``usage``, never from the proxy's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.chat.budget import completion_allowance, completions_requested, reservation_amount
+from proxy.config import BudgetSettings
+from proxy.http import InvalidRequest, reading
+from testbed.fakevllm import FakeBackendConfig
+from testbed.fakevllm import create_app as create_fake_app
+from tests.helpers import LiveServer, steady_window_s
+
+MODEL = "fake-model"
+LIMIT = 5_000
+CONTEXT = 1_024
+LONG_REPLY = "The drill needs a masonry bit, a steady hand and patience with the wall. " * 120
+KEY = "sk-acme"
+
+
+# -- the reading itself ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "read"), [("8", 8), (8.0, 8), (True, 1), (" 8 ", 8), ("1_000", 1000), (8, 8), (None, None)]
+)
+def test_numbers_are_read_as_vllm_reads_them(value: Any, read: Any) -> None:
+    body = {"model": "m", "n": value, "max_tokens": value}
+    reading.CHAT.read(body)
+    assert body["n"] == read and body["max_tokens"] == read
+    assert type(body["n"]) is type(read)  # what goes upstream is the integer
+
+
+@pytest.mark.parametrize("value", [8.5, "eight", "1e3", [8], {"n": 8}])
+def test_what_vllm_refuses_is_a_400_naming_the_parameter(value: Any) -> None:
+    with pytest.raises(InvalidRequest) as refused:
+        reading.CHAT.read({"model": "m", "n": value})
+    assert refused.value.param == "n"
+
+
+@pytest.mark.parametrize(("value", "read"), [("false", False), ("true", True), (0, False), ("1", True)])
+def test_the_stream_flag_is_read_as_vllm_reads_it(value: Any, read: bool) -> None:
+    assert reading.RESPONSES.read({"stream": value})["stream"] is read
+    assert reading.MESSAGES.read({"stream": value})["stream"] is read
+
+
+def test_a_reservation_without_max_tokens_covers_the_context() -> None:
+    budget = BudgetSettings()
+    body = reading.CHAT.read({"n": "3"})
+    assert completions_requested(body) == 3
+    # Without max_tokens the engine may generate to the end of the context, for each completion.
+    assert completion_allowance(body, budget, 4096) == 3 * 4096
+    # A completion's prompt and answer fit in the context: n contexts at most.
+    assert reservation_amount(1000, body, budget, 4096) == 3 * 4096
+    assert reservation_amount(100, {"max_tokens": 10}, budget, 4096) == 110
+    # The context unknown: the configured reserve.
+    assert completion_allowance({}, budget) == budget.completion_reserve_tokens
+
+
+# -- end to end: 0 tokens over the budget, single and at 20 concurrent ----------------------------
+
+
+@pytest.fixture(scope="module")
+def small_backend() -> Iterator[LiveServer]:
+    """A fake vLLM with a 1,024-token context: a request without max_tokens generates to its end."""
+    server = LiveServer(create_fake_app(FakeBackendConfig(max_model_len=CONTEXT))).start()
+    yield server
+    server.stop()
+
+
+def _proxy(make_proxy: Callable[..., LiveServer], backend: LiveServer) -> LiveServer:
+    tenants = [
+        {"name": "acme", "api_key": KEY, "budget": {"tenant_tokens_per_window": LIMIT, "window_s": steady_window_s()}}
+    ]
+    return make_proxy(upstream=backend.url + "/v1", tenants=tenants)
+
+
+def _question(i: int) -> str:
+    return f"Question {i}: how do I drill into a brick wall without cracking it?"
+
+
+def _chat(i: int, fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    messages = [{"role": "user", "content": _question(i)}]
+    return "/v1/chat/completions", {"model": MODEL, "messages": messages, **fields}
+
+
+def _completions(i: int, fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    return "/v1/completions", {"model": MODEL, "prompt": _question(i), **fields}
+
+
+def _responses(i: int, fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    fields = {("max_output_tokens" if k == "max_tokens" else k): v for k, v in fields.items() if k != "n"}
+    return "/v1/responses", {"model": MODEL, "input": _question(i), "store": False, **fields}
+
+
+def _messages(i: int, fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    fields = {k: v for k, v in fields.items() if k != "n"}
+    fields.setdefault("max_tokens", "900")  # required by the protocol: a string instead of absent
+    return "/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": _question(i)}], **fields}
+
+
+PROTOCOLS = {"chat": _chat, "completions": _completions, "responses": _responses, "messages": _messages}
+VARIANTS = {
+    "n as a string": {"n": "8", "max_tokens": 300},
+    "n as a float": {"n": 8.0, "max_tokens": 300},
+    "max_tokens as a string": {"max_tokens": "900"},
+    "max_tokens as a float": {"max_tokens": 900.0},
+    "no max_tokens": {},
+}
+
+
+def _spent(answer: dict[str, Any]) -> int:
+    usage = answer.get("usage") or {}
+    if "total_tokens" in usage:
+        return int(usage["total_tokens"])
+    return int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
+
+
+def _send(server: LiveServer, request: tuple[str, dict[str, Any]]) -> tuple[int, int]:
+    path, body = request
+    body = {**body, "fake_options": {"reply": LONG_REPLY}}
+    response = httpx.post(
+        server.url + path, json=body, headers={"authorization": f"Bearer {KEY}", "x-api-key": KEY}, timeout=120
+    )
+    return response.status_code, _spent(response.json()) if response.status_code == 200 else 0
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_request_spends_past_the_budget(
+    make_proxy: Callable[..., LiveServer], small_backend: LiveServer, protocol: str, variant: str
+) -> None:
+    make = PROTOCOLS[protocol]
+    # One at a time until the budget refuses.
+    server = _proxy(make_proxy, small_backend)
+    spent, statuses = 0, []
+    for i in range(12):
+        status, tokens = _send(server, make(i, dict(VARIANTS[variant])))
+        statuses.append(status)
+        spent += tokens
+        if status == 429:
+            break
+    assert set(statuses) <= {200, 429}, statuses
+    assert spent <= LIMIT, f"{protocol}, {variant}: {spent} of {LIMIT} spent one at a time ({statuses})"
+    # Twenty at once, on a fresh budget.
+    server = _proxy(make_proxy, small_backend)
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(lambda i: _send(server, make(i, dict(VARIANTS[variant]))), range(20)))
+    statuses = [status for status, _ in results]
+    spent = sum(tokens for _, tokens in results)
+    assert set(statuses) <= {200, 429}, statuses
+    assert spent <= LIMIT, f"{protocol}, {variant}: {spent} of {LIMIT} spent by 20 at once ({statuses})"
+    assert 200 in statuses or variant.startswith("n as")  # the budget admits what fits
