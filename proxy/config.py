@@ -5,13 +5,19 @@ is reported as one line naming its source (:mod:`proxy.config_sources`)."""
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import ipaddress
 import json
 import os
+import re
+import socket
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 from urllib.parse import urlsplit
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -21,15 +27,26 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     InitSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
-from proxy.config_sources import ConfigError, Sources, effective, explain, read_config_file
+from proxy.config_sources import (
+    SETTING_CONFLICT,
+    ConfigError,
+    Sources,
+    effective,
+    explain,
+    explain_settings_error,
+    read_config_file,
+)
 
 ENV_PREFIX = "PREFIX_PROXY_"
 CONFIG_FILE_ENV = f"{ENV_PREFIX}CONFIG"
@@ -48,6 +65,103 @@ def _mode_from_yaml(value: Any) -> Any:
 
 
 ModeSetting = Annotated[CanonMode, BeforeValidator(_mode_from_yaml)]
+
+
+# -- values checked as settings load: `check-config` and `serve` run the same checks, before any
+# socket is bound, so a value that could only fail at start-up (or at the first request) fails here,
+# in one line naming its source (proxy.config_sources.explain).
+
+# A share of a budget or a threshold: 0 would never trigger, above 1 never be reached.
+Ratio = Annotated[float, Field(gt=0, le=1)]
+
+
+def conflict(loc: tuple[str | int, ...], message: str) -> PydanticCustomError:
+    """A problem found by looking at several settings together, told at the setting ``loc`` (relative
+    to the model whose validator raises it)."""
+    return PydanticCustomError(SETTING_CONFLICT, "{message}", {"message": message, "loc": loc})
+
+
+def _port(value: int) -> int:
+    if not 1 <= value <= 65535:
+        raise ValueError("a port is a number from 1 to 65535")
+    return value
+
+
+Port = Annotated[int, AfterValidator(_port)]
+
+# Addresses every machine can listen on: not probed.
+ALWAYS_BINDABLE = frozenset({"0.0.0.0", "127.0.0.1"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
+
+
+def _listen_host(value: str) -> str:
+    """An address this machine can listen on: an IP address of one of its interfaces, a wildcard
+    (0.0.0.0, ::) or a name that resolves to one. Probed by binding port 0 (any free port), as the
+    server would bind its own port."""
+    hint = "listen on 0.0.0.0 (every interface) or 127.0.0.1 (this machine only)"
+    if not value or value != value.strip():
+        raise ValueError(f"not an address: {hint}")
+    if value in ALWAYS_BINDABLE:
+        return value
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if re.fullmatch(r"[0-9.]+", value) or ":" in value:
+            raise ValueError(f"not an IP address (an IPv4 address is four numbers from 0 to 255): {hint}") from None
+    try:
+        found = socket.getaddrinfo(value, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError):
+        raise ValueError(f"no address has this name here: {hint}") from None
+    reason = ""
+    for family, kind, protocol, _, address in found:
+        try:
+            with socket.socket(family, kind, protocol) as probe:
+                probe.bind(address)
+            return value
+        except OSError as error:
+            reason = error.strerror or str(error)
+    raise ValueError(f"not an address of this machine ({reason}): {hint}")
+
+
+ListenHost = Annotated[str, AfterValidator(_listen_host)]
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
+def _lower(value: Any) -> Any:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
+def sentinel_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[ipv6]:port`` of a Redis sentinel."""
+    text = address.strip()
+    host, _, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # an IPv6 address needs brackets, or its last group reads as the port
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"a sentinel address is host:port or [ipv6]:port (Sentinel listens on 26379 by default), not {address!r}"
+        )
+    return host, int(port)
+
+
+OTEL_INSTALL_HINT = "pip install 'prefix-proxy[otel]'"
+# What each tracing exporter imports (proxy.observability.tracing.build_exporter).
+OTEL_EXPORTER_MODULES = {
+    "otlp-http": "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "otlp-grpc": "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+    "console": "opentelemetry.sdk.trace.export",
+}
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 class Section(BaseModel):
@@ -79,6 +193,29 @@ class VolatileRule(Section):
     start_marker: str | None = None
     end_marker: str | None = None
 
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        """Compiled as the detector compiles it (proxy.canon.volatile.regex_detector)."""
+        if value is not None:
+            try:
+                re.compile(value, re.MULTILINE)
+            except re.error as error:
+                raise ValueError(f"not a regular expression: {error.msg} at position {error.pos}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _marks_something(self) -> VolatileRule:
+        if bool(self.start_marker) != bool(self.end_marker):
+            given, missing = ("start_marker", "end_marker") if self.start_marker else ("end_marker", "start_marker")
+            raise conflict((missing,), f"rule {self.name!r} has a {given} but no {missing}: a marker rule needs both")
+        if not self.pattern and not self.start_marker:
+            raise ValueError(
+                f"rule {self.name!r} has neither a pattern nor start_marker and end_marker, so it marks nothing: "
+                "give a pattern (a regular expression) or both markers"
+            )
+        return self
+
 
 class CanonSettings(Section):
     mode: ModeSetting = "relocate"
@@ -96,8 +233,8 @@ class CanonSettings(Section):
     # A moved block that is only a template around the user's message (Dify's {{#sys.query#}}) is
     # re-created in front of earlier user messages, so each turn extends the previous one.
     restore_query_blocks: bool = True
-    learned_apps_max: int = 1024
-    learned_history: int = 8
+    learned_apps_max: int = Field(1024, ge=0)
+    learned_history: int = Field(8, ge=0)
     # Lines of system prompts whose analysis is kept (what a prompt seen before costs: a lookup);
     # 0: every prompt is read line by line each time. Only saves work; the outcome is the same.
     text_memory_lines: int = Field(100_000, ge=0)
@@ -121,11 +258,11 @@ class BudgetSettings(Section):
     """Token budgets. Unset limits mean unlimited; see docs/sessions.md for the semantics."""
 
     # Context budget per request; default: the model's max_model_len minus the request's max_tokens.
-    context_limit_tokens: int | None = None
+    context_limit_tokens: int | None = Field(None, gt=0)
     # Fraction of the context budget at which a session becomes due for compaction.
-    soft_ratio: float = Field(0.75, gt=0, le=1)
-    session_tokens_per_window: int | None = None
-    tenant_tokens_per_window: int | None = None
+    soft_ratio: Ratio = 0.75
+    session_tokens_per_window: int | None = Field(None, gt=0)
+    tenant_tokens_per_window: int | None = Field(None, gt=0)
     window_s: int = Field(3600, gt=0)
     # Completion tokens reserved for a request without max_tokens while it is in flight.
     completion_reserve_tokens: int = Field(512, ge=0)
@@ -134,12 +271,14 @@ class BudgetSettings(Section):
 
 
 class BudgetOverrides(Section):
-    context_limit_tokens: int | None = None
-    soft_ratio: float | None = None
-    session_tokens_per_window: int | None = None
-    tenant_tokens_per_window: int | None = None
-    window_s: int | None = None
-    completion_reserve_tokens: int | None = None
+    """A tenant's or a model's budget: what it sets replaces the global value, within the same bounds."""
+
+    context_limit_tokens: int | None = Field(None, gt=0)
+    soft_ratio: Ratio | None = None
+    session_tokens_per_window: int | None = Field(None, gt=0)
+    tenant_tokens_per_window: int | None = Field(None, gt=0)
+    window_s: int | None = Field(None, gt=0)
+    completion_reserve_tokens: int | None = Field(None, ge=0)
     exact_counts_via_tokenize: bool | None = None
 
     def apply_to(self, base: BudgetSettings) -> BudgetSettings:
@@ -147,7 +286,7 @@ class BudgetOverrides(Section):
 
 
 class TenantSettings(Section):
-    name: str
+    name: str = Field(min_length=1)
     api_key: SecretStr
     upstream_api_key: SecretStr | None = None
     budget: BudgetOverrides = Field(default_factory=BudgetOverrides)
@@ -174,7 +313,7 @@ class SessionSettings(Section):
     use_prompt_cache_key: bool = True
     use_user: bool = False
     # How long a Redis failure keeps the proxy in pass-through before it tries Redis again.
-    retry_after_failure_s: float = 1.0
+    retry_after_failure_s: float = Field(1.0, ge=0)
     # The deadline of every socket operation on the store (a Redis that stalls is taken for down
     # within it); a whole store call, connecting and one retry included, gets four of it.
     operation_timeout_s: float = Field(0.5, gt=0)
@@ -183,12 +322,34 @@ class SessionSettings(Section):
     local_copy_sessions: int = Field(10_000, ge=0)
     # Look up API keys in Redis too (hash <prefix>tenant:<sha256(key)> with name, budget JSON).
     tenants_in_redis: bool = False
-    # /readyz fails while the configured Redis store is down (the proxy then forwards requests
-    # as they are, without sessions); true keeps such a replica ready.
-    ready_when_store_down: bool = False
+    # Replaced by readiness.require_store (its opposite), which the default now leaves false:
+    # still read, so that configs that set it load (check-config notes it).
+    ready_when_store_down: bool | None = None
 
     _split_sentinels = field_validator("redis_sentinels", mode="before")(_string_list)
     _split_headers = field_validator("headers", mode="before")(_string_list)
+
+    @field_validator("redis_sentinels")
+    @classmethod
+    def _sentinel_addresses(cls, value: list[str]) -> list[str]:
+        for address in value:
+            sentinel_address(address)
+        return value
+
+    @model_validator(mode="after")
+    def _one_topology(self) -> SessionSettings:
+        if self.redis_cluster and self.redis_sentinels:
+            raise conflict(
+                ("redis_cluster",),
+                "redis_cluster and redis_sentinels exclude each other (a Redis Cluster has no sentinels): set one",
+            )
+        if self.redis_sentinels and self.redis_url.startswith("unix:"):
+            raise conflict(
+                ("redis_url",),
+                "a unix:// URL cannot be combined with redis_sentinels (the sentinels name the master's host): "
+                "write redis://[:PASSWORD@]ANYHOST/DB",
+            )
+        return self
 
     @field_validator("redis_url")
     @classmethod
@@ -335,6 +496,22 @@ class CaptureSettings(Section):
     max_bytes: int = Field(256 * 1024 * 1024, gt=0)
     backups: int = Field(3, ge=0)
 
+    @field_validator("path")
+    @classmethod
+    def _in_a_folder(cls, value: str | None) -> str | None:
+        """The file holds prompts: written only where the operator made room for it (a mistyped
+        folder is not created)."""
+        if not value:
+            return value
+        path = Path(value).expanduser()
+        if path.is_dir():
+            raise ValueError("is a folder: give the path of a file in it, e.g. FOLDER/capture.jsonl")
+        if not path.parent.is_dir():
+            raise ValueError(
+                f"the folder {str(path.parent)!r} does not exist: create it, or give a file in one that does"
+            )
+        return value
+
 
 # vLLM 0.32 routes that change or expose the engine (vllm/entrypoints/serve/dev, rl, lora, profile,
 # elastic_ep, fault_tolerance): an operator's, never a tenant's.
@@ -427,6 +604,29 @@ class TracingSettings(Section):
     # The share of traces recorded (by trace id); a client's traceparent decides for its trace.
     sample_ratio: float = Field(1.0, ge=0, le=1)
 
+    @model_validator(mode="after")
+    def _installed(self) -> TracingSettings:
+        """What start-up imports (proxy.observability.tracing), imported now."""
+        if not self.enabled:
+            return self
+        if not _importable("opentelemetry.sdk.trace"):
+            raise conflict(
+                ("enabled",), f"OpenTelemetry is not installed: {OTEL_INSTALL_HINT}, or set tracing.enabled false"
+            )
+        if not _importable(OTEL_EXPORTER_MODULES[self.exporter]):
+            raise conflict(("exporter",), f"the {self.exporter} exporter is not installed: {OTEL_INSTALL_HINT}")
+        return self
+
+
+class ReadinessSettings(Section):
+    """What ``/readyz`` needs besides a backend that serves the API (docs/deploy.md, "Readiness")."""
+
+    # false: a replica whose session store (Redis) is down stays ready (200, "degraded" in the body,
+    # prefix_proxy_readiness{state="degraded"}): it serves without sessions meanwhile, and a store
+    # outage does not take every replica out of the load balancer at once. true: 503 until the store
+    # answers, for a fleet that would rather refuse traffic than serve it without sessions and budgets.
+    require_store: bool = False
+
 
 class Settings(BaseSettings):
     """Everything the proxy reads at start-up."""
@@ -442,12 +642,12 @@ class Settings(BaseSettings):
     upstream_api_key: SecretStr | None = None
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
-    host: str = "127.0.0.1"
-    port: int = 8080
-    max_body_bytes: int = 32 * 1024 * 1024
-    connect_timeout_s: float = 5.0
+    host: ListenHost = "127.0.0.1"
+    port: Port = 8080
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
     # Per read: the longest the upstream may stay silent (a long prefill included).
-    upstream_timeout_s: float = 600.0
+    upstream_timeout_s: float = Field(600.0, gt=0)
     # Overall deadline of one request, from its arrival to the last byte of the answer (a stream
     # included): past it the client gets 504, or an error event once a stream has started. Per-read
     # timeouts alone let an upstream that drips a byte at a time hold a request forever.
@@ -466,7 +666,7 @@ class Settings(BaseSettings):
     # The largest single SSE event accepted from the upstream (vLLM's are a token or a tool call's
     # arguments); a larger one ends the stream with an error event instead of growing the buffer.
     max_sse_event_bytes: int = Field(8 * 1024 * 1024, gt=0)
-    max_connections: int = 1000
+    max_connections: int = Field(1000, gt=0)
     # How long an idle connection to a backend is kept for reuse. Below the backend's own keep-alive
     # timeout (uvicorn's, and so vLLM's, is 5 s): otherwise a request can be written on a connection
     # the backend is closing at that moment, a 502 the proxy cannot retry (the request may have
@@ -477,15 +677,15 @@ class Settings(BaseSettings):
     # less CPU per request than httpx's own. Still accepted so existing configs load; check-config
     # notes it when it is set.
     upstream_transport: Literal["aiohttp", "httpx"] = "aiohttp"
-    log_level: str = "info"
+    log_level: Annotated[LogLevel, BeforeValidator(_lower)] = "info"
     log_prompts: bool = False
-    metrics_max_label_values: int = 64
+    metrics_max_label_values: int = Field(64, gt=0)
     # /metrics names tenants and backends and counts every tenant's traffic: keep it from clients
     # with a bearer token of its own (Prometheus: authorization.credentials), a listen address of
     # its own (metrics_port; then the API port answers /metrics with 404), or both.
     metrics_api_key: SecretStr | None = None
-    metrics_host: str | None = None  # default: ``host``
-    metrics_port: int | None = None
+    metrics_host: ListenHost | None = None  # default: ``host``
+    metrics_port: Port | None = None
     canon: CanonSettings = Field(default_factory=CanonSettings)
     sessions: SessionSettings = Field(default_factory=SessionSettings)
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
@@ -503,19 +703,23 @@ class Settings(BaseSettings):
     # prefix cache once (docs/sessions.md).
     cache_salt_secret: SecretStr | None = None
     admin_api_key: SecretStr | None = None
-    max_model_len_cache_s: float = 300.0
+    max_model_len_cache_s: float = Field(300.0, ge=0)
     # The served model's KV shape, for the session KV-bytes gauge: a preset name or a config.json path.
     kv_model: str | None = None
     kv_config_json: str | None = None
     kv_dtype: str = "fp16"
-    sessions_active_window_s: float = 900.0
+    sessions_active_window_s: float = Field(900.0, gt=0)
     cache_breaks: CacheBreakSettings = Field(default_factory=CacheBreakSettings)
     capture: CaptureSettings = Field(default_factory=CaptureSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    readiness: ReadinessSettings = Field(default_factory=ReadinessSettings)
 
     # The config file's settings, read once by load_settings() and set on a subclass; otherwise the
     # file the PREFIX_PROXY_CONFIG environment variable names is read here.
     file_data: ClassVar[dict[str, Any] | None] = None
+    # Settings a flag replaced, not read from the environment or the file (set on a subclass):
+    # ``--upstream`` stands for both upstream and upstreams.
+    replaced_by_flags: ClassVar[frozenset[str]] = frozenset()
 
     @field_validator("upstream")
     @classmethod
@@ -528,10 +732,122 @@ class Settings(BaseSettings):
         value = _string_list(value)
         return [_upstream_url(u) for u in value] if isinstance(value, list) else value
 
+    @field_validator("kv_model")
+    @classmethod
+    def _kv_preset(cls, value: str | None) -> str | None:
+        from proxy.capacity.kvcache import PRESETS
+
+        if value is not None and value.lower() not in PRESETS:
+            match = difflib.get_close_matches(value.lower(), PRESETS, n=1)
+            hint = f"did you mean {match[0]!r}? " if match else ""
+            raise ValueError(
+                f"not a model preset: {hint}presets: {', '.join(PRESETS)}; or kv_config_json, a model's config.json"
+            )
+        return value
+
+    @field_validator("kv_config_json")
+    @classmethod
+    def _kv_config(cls, value: str | None) -> str | None:
+        from proxy.capacity.kvcache import shape_from_hf_config
+
+        if value is None:
+            return value
+        try:
+            config = json.loads(Path(value).read_text(encoding="utf-8"))
+        except OSError as error:
+            raise ValueError(f"cannot be read ({error.strerror})") from None
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError("not JSON: give a model's Hugging Face config.json") from None
+        try:
+            shape_from_hf_config(config)
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
+            raise ValueError(
+                "not a model's config.json: it needs num_hidden_layers, num_attention_heads and hidden_size"
+            ) from None
+        return value
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _kv_dtype(cls, value: str) -> str:
+        from proxy.capacity.kvcache import DTYPE_BYTES
+
+        if value.lower() not in DTYPE_BYTES:
+            raise ValueError(f"not a KV cache dtype: one of {', '.join(DTYPE_BYTES)}")
+        return value
+
+    @field_validator("tenants")
+    @classmethod
+    def _distinct_tenants(cls, tenants: list[TenantSettings]) -> list[TenantSettings]:
+        """Two tenants with one key: the last would take every request of both. Two with one name:
+        one budget, one metrics label, one cache salt."""
+        names: dict[str, int] = {}
+        keys: dict[str, int] = {}
+        for index, tenant in enumerate(tenants):
+            earlier = keys.setdefault(tenant.api_key.get_secret_value(), index)
+            if earlier != index:
+                raise conflict(
+                    (index, "api_key"),
+                    f"the same key as tenants[{earlier}] ({tenants[earlier].name!r}): one of them would never "
+                    "be recognized; give each tenant a key of its own",
+                )
+            earlier = names.setdefault(tenant.name, index)
+            if earlier != index:
+                raise conflict(
+                    (index, "name"),
+                    f"the same name as tenants[{earlier}]: budgets, metrics and cache salts are per name; "
+                    "give each tenant a name of its own",
+                )
+        return tenants
+
     @property
     def upstream_urls(self) -> list[str]:
         """The backends to forward to: ``upstreams`` when set, else the one ``upstream``."""
         return self.upstreams or [self.upstream]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        """Settings that contradict each other, or one that another makes do nothing."""
+        if "upstream" in self.model_fields_set and self.upstreams:
+            raise conflict(
+                ("upstream",),
+                "set beside upstreams, which would replace it: list every backend in upstreams and remove "
+                "upstream (or give one backend in upstream alone)",
+            )
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            metrics_host = self.metrics_host or self.host
+            if metrics_host == self.host or WILDCARD_HOSTS & {metrics_host, self.host}:
+                raise conflict(
+                    ("metrics_port",),
+                    f"the same port as port ({self.port}): /metrics needs a port of its own; choose another, "
+                    "or remove metrics_port to serve /metrics on the API's port",
+                )
+        tenant_keys = {t.api_key.get_secret_value(): t.name for t in self.tenants}
+        for name in ("admin_api_key", "metrics_api_key"):
+            secret: SecretStr | None = getattr(self, name)
+            if secret is not None and secret.get_secret_value() in tenant_keys:
+                raise conflict(
+                    (name,),
+                    f"the same key as tenant {tenant_keys[secret.get_secret_value()]!r}: that tenant would hold "
+                    "it too; give it a key of its own",
+                )
+        if self.sessions.store != "redis":
+            if self.replicas.share_memories:
+                raise conflict(
+                    ("replicas", "share_memories"), "needs the Redis session store: set sessions.store: redis"
+                )
+            if self.sessions.tenants_in_redis:
+                raise conflict(
+                    ("sessions", "tenants_in_redis"), "needs the Redis session store: set sessions.store: redis"
+                )
+        legacy = self.sessions.ready_when_store_down
+        if legacy is not None:
+            if "require_store" in self.readiness.model_fields_set and self.readiness.require_store == legacy:
+                raise conflict(
+                    ("sessions", "ready_when_store_down"),
+                    "contradicts readiness.require_store, which replaces it: remove sessions.ready_when_store_down",
+                )
+            self.readiness.require_store = not legacy
+        return self
 
     @model_validator(mode="after")
     def _check_upstream_urls(self) -> Settings:
@@ -571,6 +887,9 @@ class Settings(BaseSettings):
             data = read_config_file(Path(os.environ[CONFIG_FILE_ENV]))
         if data is not None:
             sources.append(InitSettingsSource(settings_cls, data))
+        if cls.replaced_by_flags and isinstance(env_settings, EnvSettingsSource):
+            replaced = {f"{ENV_PREFIX}{name}".lower() for name in cls.replaced_by_flags}
+            env_settings.env_vars = {k: v for k, v in env_settings.env_vars.items() if k.lower() not in replaced}
         return tuple(sources)
 
 
@@ -608,20 +927,31 @@ def check_settings(config_file: str | None = None, **overrides: Any) -> tuple[li
 
 
 # Settings still accepted, so that configs written for an earlier release load, that no longer do
-# anything: why, for check-config to say when one is set.
-NO_EFFECT: dict[str, str] = {
-    "upstream_transport": (
+# anything (or that another setting replaced): why, for check-config to say when one is set.
+NO_EFFECT: dict[tuple[str, ...], str] = {
+    ("upstream_transport",): (
         "has no effect: every upstream request goes through the one upstream transport "
         "(aiohttp's connection pool behind httpx's transport API); remove it"
     ),
+    ("sessions", "ready_when_store_down"): (
+        "replaced by readiness.require_store, its opposite (whose default, false, keeps a replica whose "
+        "store is down ready): write readiness.require_store instead"
+    ),
 }
+# The settings one flag stands for: ``--upstream`` gives the backends, once or repeated.
+BACKEND_FLAGS = frozenset({"upstream", "upstreams"})
 
 
 def notes(sources: Sources) -> list[str]:
-    """What check-config notes about settings that load: each set one of :data:`NO_EFFECT`."""
-    return [
-        f"{sources.where((name,))}: {why}" for name, why in NO_EFFECT.items() if sources.origin((name,)) != "default"
-    ]
+    """What check-config notes about settings that load: each set one of :data:`NO_EFFECT`, and
+    backends that ``--upstream`` replaced."""
+    found = [f"{sources.where(loc)}: {why}" for loc, why in NO_EFFECT.items() if sources.origin(loc) != "default"]
+    if sources.flags.keys() & BACKEND_FLAGS:
+        for name in sorted(BACKEND_FLAGS - sources.flags.keys()):
+            origin = sources.origin((name,))
+            if origin != "default":
+                found.append(f"{origin}: replaced by --upstream")
+    return found
 
 
 def _load(config_file: str | None, overrides: dict[str, Any]) -> tuple[Settings, Sources]:
@@ -629,14 +959,22 @@ def _load(config_file: str | None, overrides: dict[str, Any]) -> tuple[Settings,
     config_file = config_file or os.environ.get(CONFIG_FILE_ENV) or None
     sources = Sources.gather(Path(config_file) if config_file else None, flags, os.environ, ENV_PREFIX)
     problems = sources.unknown_variables(Settings, {CONFIG_FILE_ENV})
-    try:
+    # --upstream replaces the backends the environment or the file gives, under either name.
+    replaced = BACKEND_FLAGS - flags.keys() if flags.keys() & BACKEND_FLAGS else frozenset()
+    attributes: dict[str, Any] = {}
+    if config_file:
         # The file as read for the sources (once), on a subclass: no global state.
-        settings_class = (
-            type("Settings", (Settings,), {"file_data": dict(sources.file_data)}) if config_file else Settings
-        )
+        attributes["file_data"] = {k: v for k, v in sources.file_data.items() if k not in replaced}
+    if replaced:
+        attributes["replaced_by_flags"] = replaced
+    settings_class = type("Settings", (Settings,), attributes) if attributes else Settings
+    try:
         settings = settings_class(**flags)
     except ValidationError as error:
         raise ConfigError(problems + explain(error, Settings, sources)) from None
+    except SettingsError as error:
+        # A variable the settings could not decode (JSON expected), before any value was checked.
+        raise ConfigError(problems + explain_settings_error(error, Settings, sources)) from None
     if problems:
         raise ConfigError(problems)
     return settings, sources

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import tomllib
 import types
 import typing
@@ -29,6 +30,9 @@ FLAG_NAMES = {"upstreams": "upstream"}
 # Parts of a setting's name that mark its value as a secret.
 SECRET_NAMES = ("api_key", "secret", "password", "credentials")
 MAX_SHOWN_CHARS = 80
+# The error type of a problem found across settings (proxy.config.conflict): its context's ``loc``
+# names the setting to blame, below the model that found it.
+SETTING_CONFLICT = "setting_conflict"
 
 
 class ConfigError(Exception):
@@ -118,15 +122,22 @@ class Sources:
         return origin
 
     def unknown_variables(self, model: type[BaseModel], allowed: Iterable[str] = ()) -> list[str]:
-        """Problems for ``prefix`` variables that name no setting (nested ones are the model's to judge)."""
+        """Problems for ``prefix`` variables that name no setting (nested ones are the model's to judge).
+
+        The hint is the closest variable that does name one, nested ones spelt with ``__``
+        (``PREFIX_PROXY_CANON_MODE``: did you mean ``PREFIX_PROXY_CANON__MODE``?)."""
         known = set(model.model_fields)
+        names = variable_names(model)
         exempt = {name.upper() for name in allowed}
         problems = []
         for name in sorted(self.environment):
-            top = name[len(self.prefix) :].lower().split("__", 1)[0]
-            if name in exempt or top in known:
+            rest = name[len(self.prefix) :].lower()
+            if name in exempt or rest.split("__", 1)[0] in known:
                 continue
-            match = difflib.get_close_matches(top, known, n=1)
+            # One '_' written for the '__' between a section and its key is the likeliest slip.
+            squeezed = {candidate.replace("_", ""): candidate for candidate in names}
+            match = [squeezed[rest.replace("_", "")]] if rest.replace("_", "") in squeezed else []
+            match = match or difflib.get_close_matches(rest, names, n=1)
             hint = f" (did you mean {self.prefix}{match[0].upper()}?)" if match else ""
             problems.append(f"{name}: unknown setting{hint}")
         return problems
@@ -141,12 +152,70 @@ class Sources:
         return None
 
 
+def variable_names(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every setting of ``model`` as a variable spells it (less the prefix): ``canon__mode``."""
+    names = []
+    for name, field_info in model.model_fields.items():
+        names.append(prefix + name)
+        section = _unwrapped(field_info.annotation)
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            names.extend(variable_names(section, f"{prefix}{name}__"))
+    return names
+
+
+def explain_settings_error(error: Exception, model: type[BaseModel], sources: Sources) -> list[str]:
+    """One line for a value the settings sources could not decode: a variable that holds a list or
+    a section must hold JSON (``PREFIX_PROXY_TENANTS='[{"name": ..., "api_key": ...}]'``)."""
+    match = re.search(r'field "([^"]+)"', str(error))
+    field_name = match.group(1) if match else None
+    for name, value in sorted(sources.environment.items()):
+        parts = name[len(sources.prefix) :].lower().split("__")
+        shape = _holds_json(model, parts) if parts[0] == field_name else None
+        if shape is None:
+            continue
+        try:
+            json.loads(value)
+        except ValueError as decoding:
+            reason = decoding.msg if isinstance(decoding, json.JSONDecodeError) else str(decoding)
+            written = "a list: write it as JSON, [...]" if shape == "list" else "a section: write it as JSON, {...}"
+            return [f"{name}: not JSON ({reason}): this setting is {written}"]
+    where = f"{sources.prefix}{field_name.upper()}" if field_name else "environment"
+    cause = error.__cause__ or error
+    return [f"{where}: cannot be read: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}"]
+
+
+def _holds_json(model: type[BaseModel], parts: Sequence[str]) -> str | None:
+    """The shape ("list" or "object") of the setting a variable names (``parts``) when it is read from
+    the variable as JSON, as pydantic-settings reads a list, a mapping or a section (not ``NoDecode``)."""
+    section: Any = model
+    field_info = None
+    for part in parts:
+        if not (isinstance(section, type) and issubclass(section, BaseModel)) or part not in section.model_fields:
+            return None
+        field_info = section.model_fields[part]
+        section = _unwrapped(field_info.annotation)
+    if field_info is None or any(type(item).__name__ == "NoDecode" for item in field_info.metadata):
+        return None
+    origin = typing.get_origin(section)
+    if origin in (list, tuple, set, frozenset):
+        return "list"
+    if origin is dict or (isinstance(section, type) and issubclass(section, BaseModel)):
+        return "object"
+    return None
+
+
 def explain(error: ValidationError, model: type[BaseModel], sources: Sources) -> list[str]:
     """One line per problem of ``error`` (raised validating ``model``)."""
     problems = []
     for item in error.errors():
         loc = tuple(item.get("loc") or ())
         kind = item.get("type", "")
+        context = item.get("ctx") or {}
+        if kind == SETTING_CONFLICT:
+            # Found across settings: the one it names is the one to blame; its value is not shown.
+            loc = (*loc, *context.get("loc", ()))
+            problems.append(f"{sources.where(loc)}: {context.get('message', item.get('msg', 'invalid'))}")
+            continue
         if kind == "extra_forbidden":
             section = section_at(model, loc[:-1])
             known = list(section.model_fields) if section is not None else []

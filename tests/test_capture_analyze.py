@@ -12,6 +12,7 @@ from bench.analyze_accuracy import measure
 from proxy.analysis.captured import read_capture
 from proxy.cli import main
 from proxy.config import load_settings
+from proxy.config_sources import ConfigError
 from proxy.observability.capture import CaptureWriter
 
 SCENARIOS = ["timestamp_user", "fc_agent", "sliding_window", "append_only"]
@@ -36,10 +37,17 @@ def test_capture_file_is_private_and_rotates_by_size(tmp_path: Path) -> None:
     assert len(kept) >= 3 and kept == list(range(12 - len(kept), 12)), kept
 
 
-def test_capture_is_off_by_default_and_set_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_capture_is_off_by_default_and_set_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     assert load_settings().capture.path is None
-    monkeypatch.setenv("PREFIX_PROXY_CAPTURE__PATH", "/var/lib/prefix-proxy/observability/capture.jsonl")
-    assert load_settings().capture.path == "/var/lib/prefix-proxy/observability/capture.jsonl"
+    monkeypatch.setenv("PREFIX_PROXY_CAPTURE__PATH", str(tmp_path / "capture.jsonl"))
+    assert load_settings().capture.path == str(tmp_path / "capture.jsonl")
+    # The file holds prompts: only in a folder the operator made for it (a mistyped one is not created).
+    monkeypatch.setenv("PREFIX_PROXY_CAPTURE__PATH", str(tmp_path / "missing" / "capture.jsonl"))
+    with pytest.raises(ConfigError, match=r"PREFIX_PROXY_CAPTURE__PATH: the folder .* does not exist"):
+        load_settings()
+    assert not (tmp_path / "missing").exists()
 
 
 def test_analyze_predicts_each_mode_within_3_points(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

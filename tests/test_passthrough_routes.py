@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from proxy.app import create_app
 from proxy.config import Settings
-from tests.helpers import LiveServer
+from tests.helpers import LiveServer, free_port
 
 
 class Recorder:
@@ -174,7 +174,7 @@ def test_allow_and_deny_lists(recorder: tuple[Recorder, LiveServer]) -> None:
 
 def test_proxy_paths_are_never_forwarded(recorder: tuple[Recorder, LiveServer]) -> None:
     rec, upstream = recorder
-    proxy = proxy_for(upstream, metrics_port=0)
+    proxy = proxy_for(upstream, metrics_port=free_port())  # /metrics elsewhere: not on the API port
     try:
         before = len(forwarded(rec))
         assert httpx.get(proxy.url + "/metrics").status_code == 404

@@ -19,6 +19,8 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from proxy.config import sentinel_address
+
 # Pooled connections per server at most. redis-py 8 caps a pool at 100 by default and fails the
 # 101st concurrent command at once (MaxConnectionsError), which the proxy would take for an outage:
 # every request in pass-through for retry_after_failure_s because of a burst. A cluster client
@@ -100,17 +102,8 @@ class _Cluster(RedisCluster):
         return await super().execute_command(*args, **kwargs)
 
 
-def host_port(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[ipv6]:port``."""
-    text = address.strip()
-    host, _, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        host = ""  # an IPv6 address needs brackets, or its last group reads as the port
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"a sentinel address is host:port or [ipv6]:port, not {address!r}")
-    return host, int(port)
+# ``host:port`` or ``[ipv6]:port``: the parse that settings check as they load.
+host_port = sentinel_address
 
 
 async def drop_connections(client: RedisClient) -> None:

@@ -1,0 +1,301 @@
+"""Issue 47, an operator's second day: every value `serve` would trip on is checked as the settings
+load, so `check-config` finds what `serve` would, and both say it in the same one line (exit 2, no
+traceback) naming the key and the fix. Conflicts, duplicates and dangerous values are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.config import Settings, check_settings, load_settings
+from proxy.config_sources import ConfigError
+from tests.test_operator_config import config_file, run_cli
+
+# The mistakes of issue 47, point 1, and the one line each now gets (from check-config and serve alike).
+MISTAKES: list[tuple[str, str, dict[str, str], list[str], str]] = [
+    (
+        "a rule regex that does not compile",
+        "canon:\n  rules:\n    - {name: ticket, pattern: 'T-([0-9+'}\n",
+        {},
+        [],
+        "proxy.yaml: canon.rules[0].pattern: not a regular expression: unterminated character set at position 3",
+    ),
+    (
+        "log_level verbose",
+        "log_level: verbose\n",
+        {},
+        [],
+        "proxy.yaml: log_level: input should be 'debug', 'info', 'warning', 'error' or 'critical' (got 'verbose')",
+    ),
+    (
+        "an unknown kv_model",
+        "kv_model: llama-9b\n",
+        {},
+        [],
+        "proxy.yaml: kv_model: not a model preset: did you mean 'llama-3.1-8b'? presets: llama-3.1-8b,",
+    ),
+    (
+        "a sentinel without a port",
+        "sessions: {store: redis, redis_sentinels: [sentinel-0]}\n",
+        {},
+        [],
+        "proxy.yaml: sessions.redis_sentinels: a sentinel address is host:port or [ipv6]:port",
+    ),
+    (
+        "tenants that are not JSON",
+        "",
+        {"PREFIX_PROXY_TENANTS": "notjson"},
+        [],
+        "PREFIX_PROXY_TENANTS: not JSON (Expecting value): this setting is a list: write it as JSON, [...]",
+    ),
+    ("port 70000", "port: 70000\n", {}, [], "proxy.yaml: port: a port is a number from 1 to 65535 (got 70000)"),
+    ("--port -1", "", {}, ["--port", "-1"], "--port: a port is a number from 1 to 65535 (got -1)"),
+    (
+        "host 999.1.1.1",
+        "host: 999.1.1.1\n",
+        {},
+        [],
+        "proxy.yaml: host: not an IP address (an IPv4 address is four numbers from 0 to 255)",
+    ),
+    (
+        "metrics_port equal to port",
+        "port: 9090\nmetrics_port: 9090\n",
+        {},
+        [],
+        "proxy.yaml: metrics_port: the same port as port (9090): /metrics needs a port of its own",
+    ),
+    (
+        "two tenants with the same key",
+        "tenants:\n  - {name: acme, api_key: sk-same}\n  - {name: beta, api_key: sk-same}\n",
+        {},
+        [],
+        "proxy.yaml: tenants[1].api_key: the same key as tenants[0] ('acme'): one of them would never be recognized",
+    ),
+    (
+        "a tenant's soft_ratio 5",
+        "tenants:\n  - {name: acme, api_key: sk-1, budget: {soft_ratio: 5}}\n",
+        {},
+        [],
+        "proxy.yaml: tenants[0].budget.soft_ratio: input should be less than or equal to 1 (got 5)",
+    ),
+    (
+        "a negative timeout",
+        "connect_timeout_s: -1\n",
+        {},
+        [],
+        "proxy.yaml: connect_timeout_s: input should be greater than 0 (got -1)",
+    ),
+    (
+        "a negative body limit",
+        "max_body_bytes: -1\n",
+        {},
+        [],
+        "proxy.yaml: max_body_bytes: input should be greater than 0 (got -1)",
+    ),
+    (
+        "a rule with neither pattern nor markers",
+        "canon:\n  rules:\n    - {name: ticket}\n",
+        {},
+        [],
+        "proxy.yaml: canon.rules[0]: rule 'ticket' has neither a pattern nor start_marker and end_marker",
+    ),
+    (
+        "upstream beside upstreams",
+        "upstream: http://a:8000/v1\nupstreams: [http://b:8000/v1, http://c:8000/v1]\n",
+        {},
+        [],
+        "proxy.yaml: upstream: set beside upstreams, which would replace it",
+    ),
+    (
+        "a capture path in a folder that does not exist",
+        "capture: {path: missing/capture.jsonl}\n",
+        {},
+        [],
+        "proxy.yaml: capture.path: the folder 'missing' does not exist: create it",
+    ),
+    (
+        "PREFIX_PROXY_CANON_MODE",
+        "",
+        {"PREFIX_PROXY_CANON_MODE": "off"},
+        [],
+        "PREFIX_PROXY_CANON_MODE: unknown setting (did you mean PREFIX_PROXY_CANON__MODE?)",
+    ),
+]
+
+
+def one_line(result: Any) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("prefix-proxy: "), lines
+    return str(lines[0].removeprefix("prefix-proxy: "))
+
+
+@pytest.mark.parametrize(("name", "text", "env", "flags", "expected"), MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_check_config_finds_what_serve_would_and_both_say_it_in_one_line(
+    tmp_path: Path, name: str, text: str, env: dict[str, str], flags: list[str], expected: str
+) -> None:
+    if text:
+        config_file(tmp_path, text)
+    args = ["--config", "proxy.yaml"] if text else []  # as an operator types it, in its folder
+    check = run_cli("check-config", *args, *flags, env=env, cwd=tmp_path)
+    assert check.returncode == 2, (name, check.stdout[-500:], check.stderr)
+    assert one_line(check).startswith(expected), (expected, check.stderr)
+    # serve: the same line, before anything binds or starts.
+    served = run_cli("serve", *args, *flags, env=env, cwd=tmp_path)
+    assert served.returncode == 2, (name, served.stderr)
+    assert one_line(served) == one_line(check)
+
+
+def test_tracing_without_its_extra_is_found_by_check_config_too(tmp_path: Path) -> None:
+    """What start-up imports is imported as the settings load: check-config says it, not serve alone."""
+    path = config_file(tmp_path, "tracing: {enabled: true}\n")
+    lines = []
+    for command in ("check-config", "serve"):
+        code = (
+            "import sys; sys.modules['opentelemetry.sdk.trace'] = None\n"  # as if the extra were not installed
+            "from proxy.cli import main\n"
+            f"sys.exit(main([{command!r}, '--config', {path!r}]))\n"
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIX_PROXY_")}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 2, done.stderr
+        lines.append(one_line(done))
+    expected = (
+        f"{path}: tracing.enabled: OpenTelemetry is not installed: pip install 'prefix-proxy[otel]', "
+        "or set tracing.enabled false"
+    )
+    assert lines == [expected, expected]
+    # Installed, the same file loads.
+    assert load_settings(path).tracing.enabled
+
+
+# -- each check, in process ----------------------------------------------------------------------------
+
+
+def problems(text: str = "", tmp_path: Path | None = None, **flags: Any) -> list[str]:
+    """check-config's problems for a config file holding ``text`` (none given: no file)."""
+    path = config_file(tmp_path, text) if tmp_path is not None and text else None
+    lines, found, _ = check_settings(path, **flags)
+    assert bool(lines) != bool(found)
+    return [problem.split(": ", 1)[1] if path and problem.startswith(path) else problem for problem in found]
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("PREFIX_PROXY_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "canon: {rules: [{name: t, start_marker: '<t>'}]}\n",
+            "canon.rules[0].end_marker: rule 't' has a start_marker but no end_marker: a marker rule needs both",
+        ),
+        (
+            "canon: {rules: [{name: t, pattern: ''}]}\n",
+            "canon.rules[0]: rule 't' has neither a pattern nor start_marker and end_marker",
+        ),
+        ("tenants: [{name: a, api_key: k1}, {name: a, api_key: k2}]\n", "tenants[1].name: the same name as tenants[0]"),
+        ("tenants: [{name: '', api_key: k1}]\n", "tenants[0].name: string should have at least 1 character"),
+        (
+            "tenants: [{name: a, api_key: k1}]\nadmin_api_key: k1\n",
+            "admin_api_key: the same key as tenant 'a': that tenant would hold it too",
+        ),
+        ("model_budgets: {m: {soft_ratio: 0}}\n", "model_budgets.m.soft_ratio: input should be greater than 0 (got 0)"),
+        ("budget: {window_s: -5}\n", "budget.window_s: input should be greater than 0 (got -5)"),
+        ("upstream_timeout_s: 0\n", "upstream_timeout_s: input should be greater than 0 (got 0)"),
+        ("sessions: {retry_after_failure_s: -1}\n", "sessions.retry_after_failure_s: input should be greater than"),
+        (
+            "sessions: {store: redis, redis_cluster: true, redis_sentinels: ['s:26379']}\n",
+            "sessions.redis_cluster: redis_cluster and redis_sentinels exclude each other",
+        ),
+        (
+            "sessions: {store: redis, redis_url: 'unix:///run/redis.sock', redis_sentinels: ['s:26379']}\n",
+            "sessions.redis_url: a unix:// URL cannot be combined with redis_sentinels",
+        ),
+        ("replicas: {share_memories: true}\n", "replicas.share_memories: needs the Redis session store"),
+        ("sessions: {tenants_in_redis: true}\n", "sessions.tenants_in_redis: needs the Redis session store"),
+        ("kv_dtype: fp4\n", "kv_dtype: not a KV cache dtype: one of fp32,"),
+        ("kv_config_json: /nonexistent/config.json\n", "kv_config_json: cannot be read (No such file or directory)"),
+        ("host: 192.0.2.1\n", "host: not an address of this machine (Cannot assign requested address)"),
+        ("host: no-such-host.invalid\n", "host: no address has this name here"),
+        ("metrics_host: '[::1]'\n", "metrics_host: not an IP address"),
+        ("port: 9090\nmetrics_port: 9090\nmetrics_host: '0.0.0.0'\n", "metrics_port: the same port as port (9090)"),
+        (
+            "sessions: {ready_when_store_down: true}\nreadiness: {require_store: true}\n",
+            "sessions.ready_when_store_down: contradicts readiness.require_store, which replaces it",
+        ),
+    ],
+)
+def test_each_check(tmp_path: Path, text: str, expected: str) -> None:
+    found = problems(text, tmp_path)
+    assert len(found) == 1 and found[0].startswith(expected), (expected, found)
+
+
+def test_what_the_checks_let_through(tmp_path: Path) -> None:
+    """The same kinds of values, right: they load."""
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}))
+    (tmp_path / "captures").mkdir()
+    path = config_file(
+        tmp_path,
+        "log_level: WARNING\nhost: localhost\nport: 9090\nmetrics_port: 9091\nkv_config_json: "
+        f"{model}\nkv_dtype: bf16\ncapture: {{path: {tmp_path / 'captures' / 'c.jsonl'}}}\n"
+        "canon: {rules: [{name: a, pattern: 'T-[0-9]+'}, {name: b, start_marker: '<b>', end_marker: '</b>'}]}\n"
+        "tenants: [{name: a, api_key: k1, budget: {soft_ratio: 0.5}}, {name: b, api_key: k2}]\n"
+        "sessions: {store: redis, redis_sentinels: 's-0:26379,[::1]:26380'}\nkv_model: QWEN2.5-7B\n",
+    )
+    settings = load_settings(path)
+    assert settings.log_level == "warning" and settings.metrics_port == 9091
+    assert settings.sessions.redis_sentinels == ["s-0:26379", "[::1]:26380"]
+    # metrics_port may equal port on another address of the machine.
+    assert Settings(port=9090, metrics_port=9090, host="127.0.0.1", metrics_host="localhost").metrics_port == 9090
+
+
+def test_a_flag_replaces_the_backends_of_the_file_and_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--upstream`` names the backends whichever of upstream / upstreams the file or the environment
+    set: no conflict, and check-config notes what it replaced."""
+    path = config_file(tmp_path, "upstreams: [http://b:8000/v1, http://c:8000/v1]\n")
+    assert load_settings(path, upstream="http://a:8000/v1").upstream_urls == ["http://a:8000/v1"]
+    monkeypatch.setenv("PREFIX_PROXY_UPSTREAM", "http://d:8000/v1")
+    settings = load_settings(None, upstreams=["http://a:8000/v1", "http://e:8000/v1"])
+    assert settings.upstream_urls == ["http://a:8000/v1", "http://e:8000/v1"]
+    _, found, notes = check_settings(path, upstream="http://a:8000/v1")
+    assert not found and f"{path}: upstreams: replaced by --upstream" in notes
+    # Without the flag, the environment's upstream beside the file's upstreams is the conflict.
+    with pytest.raises(ConfigError, match="PREFIX_PROXY_UPSTREAM: set beside upstreams"):
+        load_settings(path)
+
+
+def test_the_setting_readiness_replaced_still_loads_and_is_noted(tmp_path: Path) -> None:
+    path = config_file(tmp_path, "sessions: {ready_when_store_down: false}\n")
+    assert load_settings(path).readiness.require_store is True
+    _, found, notes = check_settings(path)
+    assert not found
+    assert notes == [
+        f"{path}: sessions.ready_when_store_down: replaced by readiness.require_store, its opposite"
+        " (whose default, false, keeps a replica whose store is down ready): write "
+        "readiness.require_store instead"
+    ]
+    assert Settings().readiness.require_store is False
+
+
+def test_variables_of_sections_and_lists_say_they_are_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIX_PROXY_CANON__MODE", "off")  # a plain value beside: not blamed
+    monkeypatch.setenv("PREFIX_PROXY_CANON__MODEL_MODES", "m=off")
+    assert problems() == [
+        "PREFIX_PROXY_CANON__MODEL_MODES: not JSON (Expecting value): "
+        "this setting is a section: write it as JSON, {...}"
+    ]
