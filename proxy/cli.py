@@ -31,8 +31,8 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from proxy.config import load_settings
     from proxy.observability import configure_logging
+    from proxy.preflight import load_settings
     from proxy.serve import serve
 
     settings = load_settings(args.config, **_flags(args))
@@ -42,7 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    from proxy.config import check_settings
+    from proxy.preflight import check_settings
 
     lines, problems, notes = check_settings(args.config, **_flags(args))
     for line in lines:

@@ -5,7 +5,6 @@ is reported as one line naming its source (:mod:`proxy.config_sources`)."""
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import ipaddress
 import json
@@ -732,49 +731,6 @@ class Settings(BaseSettings):
         value = _string_list(value)
         return [_upstream_url(u) for u in value] if isinstance(value, list) else value
 
-    @field_validator("kv_model")
-    @classmethod
-    def _kv_preset(cls, value: str | None) -> str | None:
-        from proxy.capacity.kvcache import PRESETS
-
-        if value is not None and value.lower() not in PRESETS:
-            match = difflib.get_close_matches(value.lower(), PRESETS, n=1)
-            hint = f"did you mean {match[0]!r}? " if match else ""
-            raise ValueError(
-                f"not a model preset: {hint}presets: {', '.join(PRESETS)}; or kv_config_json, a model's config.json"
-            )
-        return value
-
-    @field_validator("kv_config_json")
-    @classmethod
-    def _kv_config(cls, value: str | None) -> str | None:
-        from proxy.capacity.kvcache import shape_from_hf_config
-
-        if value is None:
-            return value
-        try:
-            config = json.loads(Path(value).read_text(encoding="utf-8"))
-        except OSError as error:
-            raise ValueError(f"cannot be read ({error.strerror})") from None
-        except (ValueError, UnicodeDecodeError):
-            raise ValueError("not JSON: give a model's Hugging Face config.json") from None
-        try:
-            shape_from_hf_config(config)
-        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
-            raise ValueError(
-                "not a model's config.json: it needs num_hidden_layers, num_attention_heads and hidden_size"
-            ) from None
-        return value
-
-    @field_validator("kv_dtype")
-    @classmethod
-    def _kv_dtype(cls, value: str) -> str:
-        from proxy.capacity.kvcache import DTYPE_BYTES
-
-        if value.lower() not in DTYPE_BYTES:
-            raise ValueError(f"not a KV cache dtype: one of {', '.join(DTYPE_BYTES)}")
-        return value
-
     @field_validator("tenants")
     @classmethod
     def _distinct_tenants(cls, tenants: list[TenantSettings]) -> list[TenantSettings]:
@@ -911,8 +867,9 @@ def load_settings(config_file: str | None = None, **overrides: Any) -> Settings:
     """Build settings; ``overrides`` are CLI flags (highest precedence, None means unset).
 
     Raises :class:`ConfigError`: every problem, one line each, naming its file key, flag or
-    environment variable."""
-    return _load(config_file, overrides)[0]
+    environment variable. (``serve`` and ``check-config`` load through :mod:`proxy.preflight`,
+    which adds the checks of values another part of the proxy defines.)"""
+    return load_with_sources(config_file, **overrides)[0]
 
 
 def check_settings(config_file: str | None = None, **overrides: Any) -> tuple[list[str], list[str], list[str]]:
@@ -920,7 +877,7 @@ def check_settings(config_file: str | None = None, **overrides: Any) -> tuple[li
     (secrets masked), the problems (none when the settings load), and notes on settings that load
     but do nothing."""
     try:
-        settings, sources = _load(config_file, overrides)
+        settings, sources = load_with_sources(config_file, **overrides)
     except ConfigError as error:
         return [], error.problems, []
     return effective(settings, sources), [], notes(sources)
@@ -954,7 +911,8 @@ def notes(sources: Sources) -> list[str]:
     return found
 
 
-def _load(config_file: str | None, overrides: dict[str, Any]) -> tuple[Settings, Sources]:
+def load_with_sources(config_file: str | None = None, **overrides: Any) -> tuple[Settings, Sources]:
+    """:func:`load_settings`, and what they were built from (to name a setting's source)."""
     flags = {k: v for k, v in overrides.items() if v is not None}
     config_file = config_file or os.environ.get(CONFIG_FILE_ENV) or None
     sources = Sources.gather(Path(config_file) if config_file else None, flags, os.environ, ENV_PREFIX)

@@ -234,6 +234,13 @@ def explain(error: ValidationError, model: type[BaseModel], sources: Sources) ->
     return problems
 
 
+def problem_line(sources: Sources, loc: Location, message: str, value: Any = None) -> str:
+    """A problem with the setting at ``loc`` as :func:`explain` tells one: its source, what is wrong,
+    and the value when it can be shown."""
+    shown = _shown(loc, value) if value is not None else None
+    return f"{sources.where(loc)}: {message}" + (f" (got {shown})" if shown is not None else "")
+
+
 def effective(settings: BaseModel, sources: Sources) -> list[str]:
     """``key = value  [source]`` for every setting, secrets masked."""
     lines: list[str] = []

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from proxy.config import Settings, check_settings, load_settings
+from proxy.config import Settings
 from proxy.config_sources import ConfigError
+from proxy.preflight import check_settings, load_settings
 from tests.test_operator_config import config_file, run_cli
 
 # The mistakes of issue 47, point 1, and the one line each now gets (from check-config and serve alike).
