@@ -55,7 +55,19 @@ def _ok_body(path: str) -> dict[str, Any]:
 
 
 BEHAVIOURS = frozenset(
-    {"ok", "drop", "html-error", "not-json", "json-for-stream", "drip", "unterminated", "malformed-chunk"}
+    {
+        "ok",
+        "drop",
+        "hang",
+        "cut",
+        "cut-mid",
+        "html-error",
+        "not-json",
+        "json-for-stream",
+        "drip",
+        "unterminated",
+        "malformed-chunk",
+    }
 )
 
 
@@ -65,8 +77,13 @@ def _chunk(content: str) -> bytes:
 
 
 class HostileUpstream:
-    def __init__(self, *, lenient: bool = False) -> None:
+    def __init__(
+        self, *, lenient: bool = False, behaviour: str | None = None, models: tuple[str, ...] = ("ok",)
+    ) -> None:
         self.lenient = lenient
+        # Every generation request behaves so, whatever its model (a backend beside good ones).
+        self.behaviour = behaviour
+        self.models = models
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.requests: Counter[str] = Counter()
@@ -130,8 +147,16 @@ class HostileUpstream:
         self.written[model] += len(data)
 
     async def _answer(self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        if method == "GET" and path.rstrip("/").endswith("/health"):
+            if self.behaviour == "hang":  # a stuck server: its health check hangs too
+                await asyncio.sleep(3600)
+            await self._respond(writer, 200, "application/json", b"")
+            return True
         if method == "GET":
-            models = {"object": "list", "data": [{"id": "ok", "object": "model", "max_model_len": 4096}]}
+            models = {
+                "object": "list",
+                "data": [{"id": model, "object": "model", "max_model_len": 4096} for model in self.models],
+            }
             await self._respond(writer, 200, "application/json", json.dumps(models).encode())
             return True
         try:
@@ -143,6 +168,8 @@ class HostileUpstream:
         model = str(request.get("model"))
         if self.lenient and model not in BEHAVIOURS:
             model = "ok"
+        if self.behaviour is not None:
+            model = self.behaviour
         self.requests[model] += 1
         stream = request.get("stream") is True and path.endswith("/completions")
         try:
@@ -153,6 +180,16 @@ class HostileUpstream:
 
     async def _behave(self, model: str, stream: bool, writer: asyncio.StreamWriter, path: str = "") -> bool:
         if model == "drop":  # read the whole request, then hang up without a word
+            return False
+        if model == "hang":  # read the whole request, then never answer
+            await asyncio.sleep(3600)
+            return False
+        if model == "cut":  # a stream's headers, then the connection closed before any event
+            await self._start_chunked(writer, model, "text/event-stream" if stream else "application/json")
+            return False
+        if model == "cut-mid":  # two events of a stream, then the connection closed without its end
+            await self._start_chunked(writer, model, "text/event-stream")
+            await self._send(writer, model, _chunked(_chunk("a") + _chunk("b")))
             return False
         if model == "html-error":
             page = b"<html><body><h1>502</h1><pre>Traceback (most recent call last): secret.py</pre></body></html>"

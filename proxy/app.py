@@ -31,7 +31,7 @@ from proxy.backends import (
 )
 from proxy.canon import Canonicalizer, PrefixTracker
 from proxy.capacity import resolve_shape
-from proxy.chat import CompactionService, RequestSizes, TurnServices
+from proxy.chat import CompactionService, RequestSizes, TurnServices, UsageAdmission
 from proxy.config import Settings
 from proxy.http import (
     DirectRoutes,
@@ -222,7 +222,9 @@ def create_app(
         tenants=tenants,
         models=ModelCatalog(upstream, ttl_s=settings.max_model_len_cache_s),
         token_counter=TokenCounter(),
-        compaction=CompactionService(settings.summarizer, sessions, upstream, tenants, metrics),
+        compaction=CompactionService(
+            settings.summarizer, sessions, upstream, tenants, metrics, UsageAdmission(settings, sessions, metrics)
+        ),
     )
     state.turn_services = TurnServices(
         sessions=state.sessions,

@@ -4,16 +4,20 @@ A request's *routing key* (its tenant and session, or its stable prefix) picks t
 whose prefix cache most likely holds it; a dead backend's requests go to the next one.
 """
 
-from proxy.backends.backend import Backend, OutlierDetection, backend_name
+from proxy.backends.backend import INVALID_ANSWER, NO_FIRST_TOKEN, STREAM_CUT, Backend, OutlierDetection, backend_name
 from proxy.backends.catalog import ModelCatalog
 from proxy.backends.echo import EchoedHeaders
 from proxy.backends.policies import POLICIES, Affinity, LeastInFlight, RoundRobin, RoutingPolicy, make_policy
-from proxy.backends.pool import BACKEND_EXTENSION, BackendPool
+from proxy.backends.pool import BACKEND_EXTENSION, TRIAL_EXTENSION, BackendPool
 from proxy.backends.upstream import Redactor, Upstream, key_forms, upstream_error_kind
 
 __all__ = [
     "BACKEND_EXTENSION",
+    "INVALID_ANSWER",
+    "NO_FIRST_TOKEN",
     "POLICIES",
+    "STREAM_CUT",
+    "TRIAL_EXTENSION",
     "Affinity",
     "Backend",
     "BackendPool",

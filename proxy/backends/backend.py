@@ -31,7 +31,22 @@ CONNECTION_LOST = "connection_lost"  # the backend dropped the connection after 
 UNAVAILABLE = "unavailable"  # it answered 502, 503 or 504: it cannot take requests now
 RETRY_AFTER = "retry_after"  # it answered 429 or 503 with a Retry-After: out for as long as it asked
 ERRORS = "errors"  # it answered 5xx or 429 to consecutive_failures requests in a row
-EJECTION_REASONS = (UNREACHABLE, CONNECTION_LOST, UNAVAILABLE, RETRY_AFTER, ERRORS)
+# Its answer was not the protocol (a 200 that is no answer, a stream that ended before its first
+# event or mid-way), or no first token came within ``first_token_timeout_s`` and it did not answer
+# a health check either: failures however it labelled them (``proxy.routes.exchange``).
+INVALID_ANSWER = "invalid_answer"
+STREAM_CUT = "stream_cut"
+NO_FIRST_TOKEN = "no_first_token"
+EJECTION_REASONS = (
+    UNREACHABLE,
+    CONNECTION_LOST,
+    UNAVAILABLE,
+    RETRY_AFTER,
+    ERRORS,
+    INVALID_ANSWER,
+    STREAM_CUT,
+    NO_FIRST_TOKEN,
+)
 
 # Kept so that 2.0 ** exponent never overflows a float, whatever the count of ejections.
 _MAX_DOUBLINGS = 32
@@ -54,6 +69,8 @@ class OutlierDetection:
     max_retry_after_s: float = 60.0
     # Other backends a request is sent to after one answered it with 5xx or 429.
     max_retries: int = 2
+    # A first token later than this: the backend is checked; 0: never (``proxy.routes.exchange``).
+    first_token_timeout_s: float = 30.0
 
     @classmethod
     def from_settings(cls, routing: RoutingSettings) -> OutlierDetection:
@@ -63,6 +80,7 @@ class OutlierDetection:
             max_ejection_s=routing.max_ejection_s,
             max_retry_after_s=routing.max_retry_after_s,
             max_retries=routing.max_retries,
+            first_token_timeout_s=routing.first_token_timeout_s,
         )
 
     def ejection_s(self, ejections: int) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,8 @@ RETRY_AFTER_STATUSES = frozenset({429, 503})
 # relayed like a 4xx, never held against the backend.
 NOT_FAILURES = frozenset({501, 505})
 BACKEND_EXTENSION = "prefix_proxy_backend"
+# Set on a response that is its ejected backend's trial (what proves it again, or not).
+TRIAL_EXTENSION = "prefix_proxy_trial"
 
 
 def backend_failed(status: int) -> bool:
@@ -134,6 +136,8 @@ class BackendPool:
         model: str | None = None,
         pinned_to: str | None = None,
         replayable: bool = True,
+        exclude: Collection[str] = (),
+        attempted: list[str] | None = None,
     ) -> httpx.Response:
         """Send to the best backend for ``key``/``model``; the response's body is not yet read.
 
@@ -147,10 +151,14 @@ class BackendPool:
 
         ``pinned_to`` names the only backend that can answer (it holds state the request refers to,
         such as a stored response); ``replayable=False``: the body is a stream that can be sent
-        once, so there is no second try.
+        once, so there is no second try. ``exclude``: backends whose answer to this request the
+        caller found unusable (:meth:`retry_possible`, :meth:`answer_unusable`); ``attempted``: each
+        backend the request is sent to is appended as it is sent (the caller's view while it waits).
         """
         pinned = [b for b in self.backends if b.name == pinned_to] if pinned_to is not None else []
         ranked = pinned or self.rank(key, model)
+        if exclude:
+            ranked = [b for b in ranked if b.name not in exclude] or ranked
         retries = self.outliers.max_retries
         if not replayable:
             ranked, retries = ranked[:1], 0
@@ -169,6 +177,8 @@ class BackendPool:
             probing = backend.ejected_for is not None
             trial = probing and backend.start_trial(time.monotonic())
             backend.in_flight += 1
+            if attempted is not None:
+                attempted.append(backend.name)
             try:
                 if discarded is not None:
                     await discarded.aclose()
@@ -240,12 +250,42 @@ class BackendPool:
                 if self._echo is not None:
                     self._echo.observe(key, outgoing, response.headers)
             response.extensions[BACKEND_EXTENSION] = backend.name
+            if trial:
+                response.extensions[TRIAL_EXTENSION] = True
             if response.is_closed:  # a transport that hands back a body already read (httpx.MockTransport)
                 backend.in_flight -= 1
             else:
                 response.stream = _ReleaseOnClose(response.stream, backend)
             return response
         raise last_error or UpstreamUnreachable("no backend")
+
+    # -- answers found unusable after they came (proxy.routes.exchange) ---------------------------
+
+    def retry_possible(self, tried: Collection[str], key: str | None, model: str | None) -> bool:
+        """Whether a backend other than ``tried`` is in service for ``model`` (a request whose answer
+        was unusable goes there, while nothing of it reached the client)."""
+        if self.single:
+            return False
+        now = time.monotonic()
+        return any(b.name not in tried and b.serves(model) and b.available(now) for b in self.rank(key, model))
+
+    def answer_unusable(self, name: str | None, reason: str, model: str | None) -> None:
+        """Count against backend ``name`` an answer that came but was unusable (``reason``: one of
+        ``INVALID_ANSWER``, ``STREAM_CUT``, ``NO_FIRST_TOKEN``), and eject it at once: a server that
+        answers outside its protocol, breaks its streams or stops answering is in no state to serve
+        (one pool: nothing to eject it in favour of)."""
+        backend = next((b for b in self.backends if b.name == name), None)
+        if backend is None:
+            return
+        if not self.single:
+            self._request_failed(backend, reason, model, backend.on_trial)
+
+    def probe_alive(self, name: str | None) -> Awaitable[bool]:
+        """Whether backend ``name``'s engine still answers a health check (:meth:`Upstream.alive`)."""
+        backend = next((b for b in self.backends if b.name == name), None)
+        if backend is None:
+            return _answered_true()
+        return backend.upstream.alive()
 
     def echo_from(self, echo: EchoedHeaders) -> None:
         """Echo the router's response headers on later requests with the same key."""
@@ -397,6 +437,10 @@ class BackendPool:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(b.upstream.aclose() for b in self.backends))
+
+
+async def _answered_true() -> bool:
+    return True
 
 
 class _ReleaseOnClose(httpx.AsyncByteStream):

@@ -206,6 +206,27 @@ class Upstream:
     async def ready(self) -> bool:
         return await self.probe_models() is not None
 
+    async def alive(self, timeout_s: float = 3.0) -> bool:
+        """Whether the engine itself answers: ``GET /health`` at the server root (vLLM checks its
+        engine there, 503 when it is dead; llama-server answers 503 while loading), or where a
+        server has no such route (404, 405), ``GET /models``. A wedged vLLM still lists its models,
+        so the listing alone cannot say."""
+        try:
+            response = await self.open(
+                "GET", "/health", headers=self.auth_headers(None), root=True, timeout_s=timeout_s
+            )
+        except UpstreamError:
+            return False
+        try:
+            await response.aread()
+        except httpx.HTTPError:
+            return False
+        finally:
+            await response.aclose()
+        if response.status_code in (404, 405):
+            return await self.probe_models(timeout_s) is not None
+        return response.status_code < 400
+
     async def aclose(self) -> None:
         await self.transport.aclose()
 

@@ -1,5 +1,6 @@
 """One conversation turn through the proxy: session, budget, summary (compaction), accounting."""
 
+from proxy.chat.admission import Admitted, UsageAdmission, budget_refused
 from proxy.chat.budget import (
     RequestSizes,
     budget_for,
@@ -10,13 +11,15 @@ from proxy.chat.budget import (
     usage_limits,
 )
 from proxy.chat.compaction import CompactionService
-from proxy.chat.turn import ChatTurn, TurnServices, budget_refused, routing_key
+from proxy.chat.turn import ChatTurn, TurnServices, routing_key
 
 __all__ = [
+    "Admitted",
     "ChatTurn",
     "CompactionService",
     "RequestSizes",
     "TurnServices",
+    "UsageAdmission",
     "budget_for",
     "budget_refused",
     "completion_allowance",

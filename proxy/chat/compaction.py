@@ -22,6 +22,8 @@ from typing import Any
 from cachetools import TLRUCache
 
 from proxy.backends import BackendPool
+from proxy.chat.admission import Admitted, UsageAdmission
+from proxy.chat.budget import prompt_ceiling, request_bytes
 from proxy.config import SummarizerSettings
 from proxy.http import ProxyError, UpstreamProtocolError, UpstreamTimeout
 from proxy.observability import Metrics
@@ -89,8 +91,11 @@ class CompactionService:
         backends: BackendPool,
         tenants: TenantDirectory,
         metrics: Metrics,
+        admission: UsageAdmission | None = None,
     ) -> None:
         self.settings = settings
+        # Every summary is generation: admitted against the tenant's usage budget first.
+        self._admission = admission
         self._sessions = sessions
         self._backends = backends
         self._tenants = tenants
@@ -116,7 +121,9 @@ class CompactionService:
 
     async def _complete(self, job: CompactionJob, body: dict[str, Any]) -> tuple[str, int]:
         try:
-            text, usage = await self._request_summary(job.tenant, job.channel, body, job.upstream_auth, job.routing_key)
+            text, usage = await self._request_summary(
+                job.tenant, job.channel, body, job.upstream_auth, job.routing_key, job.session_id
+            )
         except ProxyError as exc:
             raise CompactionFailed(exc.message) from exc
         if usage is not None:
@@ -130,10 +137,39 @@ class CompactionService:
         body: dict[str, Any],
         upstream_auth: Mapping[str, str],
         routing_key: str,
+        session_id: str | None,
     ) -> tuple[str, Usage | None]:
         """The one upstream call of every summary (the background compaction's and a client's):
-        ``body`` (chat-shaped) sent in the conversation's own protocol, with its cache salt, to its
-        backend. Raises a :class:`ProxyError` when no readable answer came."""
+        admitted against the tenant's (and ``session_id``'s) usage budget, ``body`` (chat-shaped)
+        sent in the conversation's own protocol, with its cache salt, to its backend, and the budget
+        settled to its usage. Raises a :class:`ProxyError` when no readable answer came, and
+        :class:`BudgetExceeded` when the budget has no room for it (nothing is sent)."""
+        admitted = await self._admit(tenant, body, session_id)
+        usage: Usage | None = None
+        try:
+            text, usage = await self._send_summary(tenant, channel, body, upstream_auth, routing_key)
+        finally:
+            if admitted is not None:
+                await admitted.settle(usage)
+        return text, usage
+
+    async def _admit(self, tenant: Tenant, body: Mapping[str, Any], session_id: str | None) -> Admitted | None:
+        if self._admission is None:
+            return None
+        messages = body.get("messages") or []
+        most = prompt_ceiling(request_bytes(dict(body)), len(messages)) + int(
+            body.get("max_tokens") or self._options.max_summary_tokens
+        )
+        return await self._admission.admit(tenant, str(body.get("model")), session_id, most)
+
+    async def _send_summary(
+        self,
+        tenant: Tenant,
+        channel: SummaryChannel,
+        body: dict[str, Any],
+        upstream_auth: Mapping[str, str],
+        routing_key: str,
+    ) -> tuple[str, Usage | None]:
         payload = self._tenants.cache_salted(tenant, channel.request(body))  # its cache namespace
         headers = {"content-type": "application/json", **upstream_auth}
         # Same backend as the conversation: the summary request starts with its cached prefix.
@@ -163,6 +199,7 @@ class CompactionService:
         routing_key: str,
         *,
         instruction: str | None = None,
+        session_id: str | None = None,
     ) -> tuple[str, Usage | None]:
         """A summary of the whole conversation ``chat``, for a client that asked to compact it
         (docs/compaction.md): ``chat`` is the request's canonical chat view, as a turn of it is
@@ -184,7 +221,8 @@ class CompactionService:
         )
         try:
             text, usage = await asyncio.wait_for(
-                self._request_summary(tenant, channel, body, upstream_auth, routing_key), self.settings.timeout_s
+                self._request_summary(tenant, channel, body, upstream_auth, routing_key, session_id),
+                self.settings.timeout_s,
             )
         except TimeoutError:
             raise UpstreamTimeout(

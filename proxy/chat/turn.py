@@ -8,6 +8,7 @@ from typing import Any
 
 from proxy.backends import BackendPool, ModelCatalog
 from proxy.canon import Canonicalizer, CanonResult
+from proxy.chat.admission import budget_refused
 from proxy.chat.budget import (
     EXACT_COUNT_SLACK,
     ContextCheck,
@@ -25,7 +26,7 @@ from proxy.chat.budget import (
 )
 from proxy.chat.compaction import CompactionJob, CompactionService
 from proxy.config import BudgetSettings, Settings
-from proxy.http import BudgetExceeded, ContextLengthExceeded
+from proxy.http import ContextLengthExceeded
 from proxy.observability import Metrics
 from proxy.openai import Usage
 from proxy.protocols import CHAT, SummaryChannel
@@ -65,13 +66,6 @@ def routing_key(
     if root is None:
         root = conversation_root(messages)
     return f"{tenant}\x1fp:{prefix_hash}:{root or 0:x}"
-
-
-def budget_refused(metrics: Metrics, tenant: str, reservation: Reservation) -> BudgetExceeded:
-    """The 429 of a reservation the store did not admit, counted."""
-    kind = reservation.rejected_kind or "usage"
-    metrics.budget_rejections.labels(kind, metrics.tenant_label(tenant)).inc()
-    return BudgetExceeded(kind, reservation.retry_after_s)
 
 
 @dataclass

@@ -346,7 +346,13 @@ async def _summarize(
     ctx.mark_upstream_sent()
     try:
         text, usage = await state.compaction.summarize_conversation(
-            tenant, canon.body, protocol.channel(view), headers, ctx.route_key, instruction=instruction
+            tenant,
+            canon.body,
+            protocol.channel(view),
+            headers,
+            ctx.route_key,
+            instruction=instruction,
+            session_id=named,
         )
     except ProxyError:
         metrics.client_compactions.labels(protocol.route, "failed").inc()
@@ -365,7 +371,6 @@ async def _summarize(
         saved = tokens_saved(state, protocol, canon, usage, ctx.saved_by_canonicalization, instruction)
         if saved:
             metrics.client_compaction_tokens_saved.labels(protocol.route).inc(saved)
-    await _charge(state, tenant, ctx.model, named, usage)
     return text, usage
 
 
@@ -395,17 +400,6 @@ def tokens_saved(
         turns = [*canon.body["messages"][canon.stable_count :], {"role": "user", "content": prompt}]
         return max(0, state.token_counter.count_messages(turns) - usage.prefill_tokens)
     return usage.cached_tokens if by_canonicalization else 0
-
-
-async def _charge(state: ProxyState, tenant: Tenant, model: str, session: str | None, usage: Usage | None) -> None:
-    """The summary's tokens count against the tenant's (and the session's) usage budget."""
-    if usage is None:
-        return
-    settings = state.settings
-    budget = budget_for(settings, model, tenant.budget)
-    limits = usage_limits(budget, tenant.name, session)
-    if limits:
-        await state.sessions.charge_unreserved(limits, usage.prompt_tokens + usage.completion_tokens, budget.window_s)
 
 
 def _compaction_message(

@@ -15,8 +15,9 @@ the caller's hands, which tells the ending itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -26,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.app_state import ProxyState
-from proxy.backends import BACKEND_EXTENSION
+from proxy.backends import BACKEND_EXTENSION, INVALID_ANSWER, NO_FIRST_TOKEN, STREAM_CUT, TRIAL_EXTENSION
 from proxy.http import (
     PROTOCOL_FAILURES,
     DeadlineExceeded,
@@ -34,7 +35,9 @@ from proxy.http import (
     RequestContext,
     SSERelay,
     StreamEnd,
+    UpstreamConnectionLost,
     UpstreamProtocolError,
+    UpstreamTimeout,
     overhead_header,
 )
 from proxy.openai import Usage, dumps, loads
@@ -79,9 +82,12 @@ class WholeAnswer:
 
 @dataclass
 class StreamingAnswer:
-    """An event stream, open: the relay reads it as the client's response iterates it."""
+    """An event stream, open: the relay reads it as the client's response iterates it. ``body``:
+    what the client's response iterates, the relay's events (its first already read, see
+    :func:`send`)."""
 
     relay: SSERelay
+    body: AsyncIterable[bytes] | None = None
 
 
 UpstreamAnswer = WholeAnswer | StreamingAnswer
@@ -106,42 +112,231 @@ async def send(
     none came (unreachable, timed out, not the protocol). ``backend``: only that backend may answer
     (it holds state the request refers to). A stream request the upstream answers with one JSON
     body (some servers ignore ``stream``) is a whole answer. ``answer_fields``: added to a
-    successful answer's object (what the client asked the proxy for, cache diagnostics)."""
+    successful answer's object (what the client asked the proxy for, cache diagnostics).
+
+    Passive health beyond the status: an answer that came but is unusable (a success that is not
+    the protocol, a stream that ends or breaks before its first event, no first token and no answer
+    to a health check either) counts against its backend, which is ejected, and while nothing has
+    reached the client the request goes to the next backend in service (``routing.max_retries``).
+    A whole answer's or a stream's first event is therefore read before the client's response
+    starts; the rest of a stream is relayed as it comes."""
+    pool = state.backends
+    attempts = _Attempts(state, ctx, pool.outliers.max_retries if backend is None else 0)
     async with within_deadline(ctx):
-        ctx.mark_upstream_sent()
-        response = await state.backends.open(
-            method,
-            wire.path,
-            content=payload,
-            headers=upstream_headers(state, request, ctx),
-            key=ctx.route_key,
-            model=ctx.model,
-            pinned_to=backend,
-        )
-        ctx.backend = response.extensions.get(BACKEND_EXTENSION)
-        ctx.upstream_headers_at = time.perf_counter()
-        ctx.status = response.status_code
-        if stream and response.status_code < 400 and _is_event_stream(response):
-            relay = wire.relay_class(
-                response,
-                client_wants_usage=client_wants_usage,
-                record_content=record_content,
-                max_event_bytes=state.settings.max_sse_event_bytes,
-                dialect=ctx.dialect,
-                scrub=credential_scrubber(state, ctx),
-                on_answer=on_answer,
-                answer_fields=answer_fields,
-            )
-            return StreamingAnswer(relay)
-        raw = await state.backends.read(response)
-    ctx.upstream_done_at = time.perf_counter()
-    ctx.stream = False
-    answer = WholeAnswer(response.status_code, raw, response.headers)
-    if answer.ok:
-        answer.parsed, answer.usage = _checked(state, ctx, raw, wire)
-        if answer_fields:
-            answer.raw = with_fields(raw, answer_fields)
-    return answer
+        while True:
+            ctx.mark_upstream_sent()
+            response = await _opened(state, request, ctx, wire, payload, method, backend, attempts.excluded())
+            if response is None:  # hung: no answer, no health check either
+                if attempts.again(NO_FIRST_TOKEN):
+                    continue
+                raise _no_first_token(pool.outliers.first_token_timeout_s)
+            ctx.backend = response.extensions.get(BACKEND_EXTENSION)
+            ctx.upstream_headers_at = time.perf_counter()
+            ctx.status = response.status_code
+            if stream and response.status_code < 400 and _is_event_stream(response):
+                relay = wire.relay_class(
+                    response,
+                    client_wants_usage=client_wants_usage,
+                    record_content=record_content,
+                    max_event_bytes=state.settings.max_sse_event_bytes,
+                    dialect=ctx.dialect,
+                    scrub=credential_scrubber(state, ctx),
+                    on_answer=on_answer,
+                    answer_fields=answer_fields,
+                )
+                # A backend's trial is relayed once it is whole: a backend ejected for breaking its
+                # streams must not break a client's to prove it still does.
+                primed = await _primed(state, ctx, relay, whole=bool(response.extensions.get(TRIAL_EXTENSION)))
+                # Its first event read: the upstream's time so far (the relay runs at its pace).
+                ctx.upstream_headers_at = time.perf_counter()
+                why = _unusable_start(relay)
+                if why is not None and attempts.again(why):
+                    await relay.aclose()
+                    continue
+                if why == NO_FIRST_TOKEN:
+                    await relay.aclose()
+                    raise _no_first_token(pool.outliers.first_token_timeout_s)
+                if why is None:
+                    attempts.count()  # another backend answered what these failed
+                return StreamingAnswer(relay, primed)
+            try:
+                raw = await pool.read(response)
+            except UpstreamConnectionLost:
+                # Its headers, then the connection dropped: nothing of it reached the client.
+                if attempts.again(STREAM_CUT):
+                    continue
+                raise
+            ctx.upstream_done_at = time.perf_counter()
+            ctx.stream = False
+            answer = WholeAnswer(response.status_code, raw, response.headers)
+            if answer.ok:
+                try:
+                    answer.parsed, answer.usage = _checked(state, ctx, raw, wire)
+                except UpstreamProtocolError:
+                    if attempts.again(INVALID_ANSWER):
+                        continue
+                    raise
+                if answer_fields:
+                    answer.raw = with_fields(raw, answer_fields)
+            attempts.count()
+            return answer
+
+
+def _no_first_token(deadline_s: float) -> UpstreamTimeout:
+    return UpstreamTimeout(
+        f"no first token within {deadline_s:g} s (routing.first_token_timeout_s), and the backend "
+        "did not answer a health check either"
+    )
+
+
+class _Attempts:
+    """The backends whose answers to one request were unusable, and the retries left."""
+
+    def __init__(self, state: ProxyState, ctx: RequestContext, retries: int) -> None:
+        self._state, self._ctx, self._retries = state, ctx, retries
+        self._unusable: list[tuple[str | None, str]] = []
+
+    def excluded(self) -> list[str]:
+        return [name for name, _ in self._unusable if name is not None]
+
+    def again(self, why: str) -> bool:
+        """The answer of ``ctx.backend`` was unusable (``why``): whether to send the request again
+        to another backend in service."""
+        ctx = self._ctx
+        self._unusable.append((ctx.backend, why))
+        if why == NO_FIRST_TOKEN:
+            # It did not answer a health check either: its own state, whatever the request.
+            self._state.backends.answer_unusable(ctx.backend, why, ctx.model)
+        if not self._retries or not self._state.backends.retry_possible(self.excluded(), ctx.route_key, ctx.model):
+            return False
+        self._retries -= 1
+        ctx.upstream_over()  # the unusable answer's time is upstream time, not the proxy's
+        return True
+
+    def count(self) -> None:
+        """Another backend answered this request: the unusable answers were their backends' failures
+        (as a 5xx is counted only once another backend answered the request)."""
+        ctx = self._ctx
+        for name, why in self._unusable:
+            if name != ctx.backend and why != NO_FIRST_TOKEN:
+                self._state.backends.answer_unusable(name, why, ctx.model)
+
+
+async def _opened(
+    state: ProxyState,
+    request: Request,
+    ctx: RequestContext,
+    wire: Wire,
+    payload: bytes | None,
+    method: str,
+    backend: str | None,
+    excluded: list[str],
+) -> httpx.Response | None:
+    """The upstream's response, its headers come; None when they did not come within the first-token
+    deadline and the backend it went to did not answer a health check either (it is hung).
+    ``ctx.backend``: where it went."""
+    pool = state.backends
+    attempted: list[str] = []
+    opening = pool.open(
+        method,
+        wire.path,
+        content=payload,
+        headers=upstream_headers(state, request, ctx),
+        key=ctx.route_key,
+        model=ctx.model,
+        pinned_to=backend,
+        exclude=excluded,
+        attempted=attempted,
+    )
+    deadline = pool.outliers.first_token_timeout_s
+    if pool.single or not deadline:
+        return await opening
+    task = asyncio.ensure_future(opening)
+    if await _alive_past(state, task, deadline, attempted):
+        return await task
+    ctx.backend = attempted[-1] if attempted else None
+    await _cancelled(task)
+    return None
+
+
+async def _alive_past(state: ProxyState, task: asyncio.Future[Any], deadline: float, attempted: list[str]) -> bool:
+    """Wait for ``task`` up to ``deadline``; past it, whether the backend it is waiting on still
+    answers a health check (then it is slow, not hung: the caller goes on waiting)."""
+    try:
+        done, _ = await asyncio.wait((task,), timeout=deadline)
+    except BaseException:
+        await _cancelled(task)
+        raise
+    if done:
+        return True
+    try:
+        alive = await state.backends.probe_alive(attempted[-1] if attempted else None)
+    except BaseException:
+        await _cancelled(task)
+        raise
+    return alive or task.done()
+
+
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        result = await task
+        if isinstance(result, httpx.Response):
+            await result.aclose()
+
+
+# A stream's start that is no answer: it ended or broke before its first event, or was not the protocol.
+_UNUSABLE_STARTS = {"interrupted": STREAM_CUT, "truncated": STREAM_CUT, "invalid_event": INVALID_ANSWER}
+
+
+class _Primed:
+    """A relay's events with the first ones already read (what the client's response iterates)."""
+
+    def __init__(self, read: list[bytes], events: AsyncIterator[bytes]) -> None:
+        self._read = read
+        self._events = events
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        if not self._read:
+            return
+        read, self._read = self._read, []
+        for chunk in read:
+            yield chunk
+        async for event in self._events:
+            yield event
+
+
+async def _primed(state: ProxyState, ctx: RequestContext, relay: SSERelay, *, whole: bool = False) -> _Primed:
+    """``relay``'s first event read (within the first-token deadline, then as long as the backend
+    answers a health check), or with ``whole`` all of it: nothing reaches the client before the
+    stream is known to be one."""
+    events = aiter(relay)
+    pool = state.backends
+    deadline = pool.outliers.first_token_timeout_s
+    first: bytes | None
+    if pool.single or not deadline:
+        first = await anext(events, None)
+    else:
+        task = asyncio.ensure_future(anext(events, None))
+        if not await _alive_past(state, task, deadline, [ctx.backend or ""]):
+            await _cancelled(task)
+            relay.failure = "no_first_token"
+            return _Primed([], events)
+        first = await task
+    if first is None:
+        return _Primed([], events)
+    read = [first]
+    if whole and relay.failure is None:
+        read.extend([chunk async for chunk in events])
+    return _Primed(read, events)
+
+
+def _unusable_start(relay: SSERelay) -> str | None:
+    """Why a stream's start is no answer (its backend's failure), or None."""
+    if relay.failure == "no_first_token":
+        return NO_FIRST_TOKEN
+    # Whatever it relayed so far is still held here: nothing of this stream reached the client.
+    return _UNUSABLE_STARTS.get(relay.failure) if relay.failure is not None else None
 
 
 def with_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
@@ -223,6 +418,9 @@ def _relayed(state: ProxyState, ctx: RequestContext, answer: StreamingAnswer, en
             state.metrics.upstream_errors.labels(ctx.route, "invalid_usage").inc()
         if relay.failure in PROTOCOL_FAILURES:
             state.metrics.upstream_errors.labels(ctx.route, "invalid_response").inc()
+        if relay.failure in _UNUSABLE_STARTS and end == "sent":
+            # Broken mid-way (its start was fine): the backend's failure, though nothing can be retried.
+            state.backends.answer_unusable(ctx.backend, _UNUSABLE_STARTS[relay.failure], ctx.model)
         # A disconnect noticed after the last event was relayed is just the client hanging up.
         if relay.completed:
             if ending is not None:
@@ -246,7 +444,7 @@ def _relayed(state: ProxyState, ctx: RequestContext, answer: StreamingAnswer, en
     overhead = ctx.relay_start_overhead(time.perf_counter())
     headers.update(overhead_header(overhead))
     return RelayResponse(
-        relay,
+        answer.body if answer.body is not None else relay,
         headers=headers,
         on_end=ended,
         close=relay.aclose,
