@@ -448,6 +448,12 @@ class RoutingSettings(Section):
     # A request answered 5xx/429 before anything reached the client is sent to up to this many
     # other backends in service; 0: the first answer is the client's.
     max_retries: int = Field(2, ge=0)
+    # With several backends: a generation request whose first token (a stream's first event, a
+    # whole answer's headers) has not come after this long has its engine checked (GET /health,
+    # 3 s; GET /models where the server has no /health); one that does not answer is hung:
+    # ejected, and the request sent to the next backend while nothing reached the client. One that
+    # answers is slow, not hung: waited for, up to upstream_timeout_s. 0: off.
+    first_token_timeout_s: float = Field(30.0, ge=0)
     # A router behind the proxy (vLLM Router, SGLang Model Gateway, production-stack): each of these
     # headers carries the request's routing key (a digest) on every upstream request, so the router
     # keeps a conversation where its prefix is cached (docs/routing.md). Empty: none sent.
