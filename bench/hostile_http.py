@@ -47,6 +47,50 @@ PATHS = [
 ]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 WEIRD_PATH_PARTS = ["%ff%fe", "%00", "..%2f..%2f", "%ed%a0%80", "a" * 3000, "%F0%9F%98%80", "x%20y", "%25"]
+# What a router on the way may read as another path (or none): control characters, whitespace, path
+# parameters, what decodes into a query or fragment, look-alike slashes (proxy.http.paths).
+PATH_TAILS = [
+    "%0A",
+    "%0D%0A",
+    "%0D",
+    "%09",
+    "%00",
+    "%20",
+    "%0B",
+    "%7F",
+    ";",
+    ";x=1",
+    "%3B",
+    "%3F",
+    "%23",
+    "%E2%88%95x",
+    "%EF%BC%8Fx",
+    "%C2%A0",
+    "%E2%80%8B",
+    "%252F",
+    ".",
+]
+# Routes that generate, the proxy's and those a tenant may not reach past its pipeline.
+GENERATION_PATHS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/v1/responses/compact",
+    "/invocations",
+    "/v1/chat/completions/batch",
+    "/inference/v1/generate",
+    "/generative_scoring",
+    "/cohere/v2/chat",
+    "/sleep",
+    "/wake_up",
+    "/reset_prefix_cache",
+    "/collective_rpc",
+    "/v1/load_lora_adapter",
+]
+# Upstream behaviours that are no answer (bench.hostile_upstream): a request naming one as its model
+# gets the upstream's failure, which the proxy may only answer as the upstream's (502, 504).
+UPSTREAM_FAILURES = ["not-json", "cut", "cut-mid", "drop", "html-error", "malformed-chunk", "json-for-stream"]
 LIMITS = ["abc", "0", "-1", "1.5", "", "%ff", "1e3", "99999999999999999999", "10", "%00", "1000000"]
 
 CHAT_TEMPLATE: dict[str, Any] = {
@@ -169,6 +213,13 @@ class HostileHTTP:
             -(2**63) - 1,
             1.5,
             1e308,
+            # Numbers as vLLM's pydantic models read them (proxy.http.reading): strings, floats, bools.
+            "8",
+            "1_000",
+            " 3 ",
+            8.0,
+            "true",
+            "false",
             _Raw("NaN"),
             _Raw("-Infinity"),
             "",
@@ -320,16 +371,27 @@ class HostileHTTP:
                     ("/v1/embeddings", EMBEDDING_TEMPLATE),
                     ("/v1/messages", MESSAGES_TEMPLATE),
                     ("/v1/responses", RESPONSES_TEMPLATE),
+                    ("/v1/responses/compact", {**RESPONSES_TEMPLATE, "stream": False}),
+                    (rng.choice(GENERATION_PATHS), CHAT_TEMPLATE),
                 ]
             )
             template = {**template, "stream": rng.random() < 0.3} if "stream" in template else template
-            raw = self.dumps(self.mutated(template))
             kind = "json"
+            if rng.random() < 0.1:
+                # An upstream that answers garbage, cuts its stream or hangs up on this request.
+                template = {**template, "model": rng.choice(UPSTREAM_FAILURES)}
+                kind = "upstream"
+            raw = self.dumps(self.mutated(template))
             if rng.random() < 0.2:
                 raw, kind = self.corrupt(raw), "corrupt"
             if rng.random() < 0.25:
                 path = respell(path, rng)[0]  # the same route, every spelling (or a 404)
             return HostileRequest("POST", path.encode(), self.headers(True), raw, kind)
+        if roll < 0.65:
+            # A route with a tail some router reads as nothing: 400 before any routing decision.
+            path = rng.choice(GENERATION_PATHS + PATHS) + rng.choice(PATH_TAILS)
+            body = self.dumps(self.mutated(CHAT_TEMPLATE))
+            return HostileRequest(rng.choice(["POST", "GET"]), path.encode(), self.headers(True), body, "tail")
         if roll < 0.8:
             method, path = rng.choice(METHODS), rng.choice(PATHS)
             body = self.dumps(self.mutated(CHAT_TEMPLATE)) if method in ("POST", "PUT", "PATCH") else b""
@@ -406,7 +468,8 @@ def problem(request: HostileRequest, response: HostileResponse) -> str | None:
     """What is wrong with a response to a hostile request, or None: a status >= 500, or an error
     whose body is not OpenAI's ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's
     ``{"type": "error", "error": {"type", "message"}}`` on ``/v1/messages``)."""
-    if response.status >= 500:
+    if response.status >= 500 and not (request.kind == "upstream" and response.status in (502, 504)):
+        # (a request naming a failing upstream behaviour may get that upstream's failure, as a 502 or 504)
         return f"status {response.status}"
     if response.status < 400 or request.method == "HEAD":
         return None

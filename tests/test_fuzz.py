@@ -49,11 +49,14 @@ def errors_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
 @pytest.mark.parametrize("seed", [1, 2])
 def test_hostile_http(target: LiveServer, caplog: pytest.LogCaptureFixture, seed: int) -> None:
     """Every route and method, wrong types, deep nesting, huge strings and headers, lone
-    surrogates, invalid UTF-8, NaN (bench/hostile_http.py)."""
+    surrogates, invalid UTF-8, NaN, numbers as strings and floats, paths with control characters
+    and other tails, every generation route, upstreams that answer garbage or cut their streams
+    (bench/hostile_http.py)."""
     report = run("127.0.0.1", target.port, HostileHTTP(seed, KEYS, ADMIN).requests(1500), workers=4)
     print(report.summary())
     assert report.problems == []
-    assert max(report.statuses) < 500
+    # Only a request naming a failing upstream behaviour may get a 5xx: that upstream's, 502 or 504.
+    assert {status for status in report.statuses if status >= 500} <= {502, 504}
     # The generator does reach past validation, and does get refused for what it sends.
     assert report.statuses[200] > 50 and report.statuses[400] > 150
     assert errors_logged(caplog) == []

@@ -188,7 +188,10 @@ def _valid_message(message: Any) -> bool:
         if type(content) is not list:
             return False
         for part in content:
-            if type(part) is not dict or (part.get("type") == "text" and type(part.get("text")) is not str):
+            kind = part.get("type") if type(part) is dict else None
+            if type(part) is not dict or (kind is not None and type(kind) is not str):
+                return False
+            if kind == "text" and type(part.get("text")) is not str:
                 return False
     for key in ("name", "tool_call_id"):
         value = message.get(key)
@@ -239,8 +242,14 @@ def _validate_message(message: Any, param: str) -> None:
                 raise InvalidRequest(
                     f"{param}.content[{index}] must be an object (a content part)", param=f"{param}.content[{index}]"
                 )
-            # A text part's text is what the proxy reads; vLLM refuses one that is not a string.
-            if part.get("type") == "text" and not isinstance(part.get("text"), str):
+            # A part's type names its kind (vLLM's parts are told apart by it: anything but a string
+            # is a 400 there); a text part's text is what the proxy reads, a string as vLLM requires.
+            kind = part.get("type")
+            if kind is not None and not isinstance(kind, str):
+                raise InvalidRequest(
+                    f"{param}.content[{index}].type must be a string", param=f"{param}.content[{index}].type"
+                )
+            if kind == "text" and not isinstance(part.get("text"), str):
                 raise InvalidRequest(
                     f"{param}.content[{index}].text must be a string", param=f"{param}.content[{index}].text"
                 )

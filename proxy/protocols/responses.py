@@ -88,8 +88,13 @@ def _validate_item(item: Any, param: str) -> None:
     for index, part in enumerate(content if isinstance(content, list) else ()):
         if not isinstance(part, dict):
             raise InvalidRequest(f"{param}.content must hold objects", param=f"{param}.content")
-        # The text the proxy reads (and vLLM requires) of a text part: a string, as vLLM judges it.
-        if part.get("type") in TEXT_PARTS and not isinstance(part.get("text"), str):
+        # A part's kind is a string (vLLM's parts are a union told apart by it); the text the proxy
+        # reads (and vLLM requires) of a text part: a string, as vLLM judges it.
+        kind = part.get("type")
+        if kind is not None and not isinstance(kind, str):
+            where = f"{param}.content[{index}].type"
+            raise InvalidRequest(f"{where} must be a string", param=where)
+        if kind in TEXT_PARTS and not isinstance(part.get("text"), str):
             where = f"{param}.content[{index}].text"
             raise InvalidRequest(f"{where} must be a string", param=where)
     for key in ("call_id", "name", "arguments", "type"):
