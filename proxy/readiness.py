@@ -1,9 +1,16 @@
 """What the proxy depends on, checked: does each backend serve the API (``GET <base>/models``), does
-the session store answer. Behind ``/readyz`` and the start-up line.
+the session store answer. Behind ``/readyz``, the start-up line and ``prefix_proxy_readiness``.
 
 A backend is up only when its base URL lists models: one that answers 404 there is reachable but
 configured with the wrong base path (``http://host:8000`` for ``http://host:8000/v1``), and every
-chat request would get 404, so it is reported as such, with the URL to try.
+chat request would get 404, so it is reported as such, with the URL to try. One that answers 401 or
+403 to the credentials the proxy sends of its own (``upstream_api_key``, or none) refuses every
+request the proxy makes for a client: ``auth_failed``, unless every request carries a tenant's own
+upstream key instead.
+
+Ready: some backend serves the API. Degraded: ready, its session store down (it serves without
+sessions meanwhile): still ready unless ``readiness.require_store``, so that an outage of the store
+every replica shares does not take them all out of the load balancer at once.
 """
 
 from __future__ import annotations
@@ -19,15 +26,22 @@ from proxy.sessions import SessionService, StoreUnavailable
 UP = "up"
 DOWN = "down"
 WRONG_PATH = "wrong_path"
+AUTH_FAILED = "auth_failed"
 BROKEN = "error"
 PROBE_TIMEOUT_S = 3.0
+
+# The replica's state: /readyz's status (200 unless NOT_READY), prefix_proxy_readiness's label.
+READY = "ready"
+DEGRADED = "degraded"
+NOT_READY = "not ready"
+STATES = (READY, DEGRADED, NOT_READY)
 
 
 @dataclass(frozen=True)
 class BackendCheck:
     name: str
     url: str  # credentials masked
-    status: str  # UP, DOWN (unreachable or 5xx), WRONG_PATH (no model list there), BROKEN
+    status: str  # UP, DOWN (unreachable or 5xx), WRONG_PATH (no model list there), AUTH_FAILED, BROKEN
     models: tuple[str, ...] = ()
     detail: str = ""
 
@@ -62,14 +76,26 @@ class Readiness:
     backends: list[BackendCheck]
     store: StoreCheck
     store_required: bool = True
+    # Why the replica is not ready (503), and what it does without while ready (200, degraded).
     reasons: list[str] = field(default_factory=list)
+    degraded: list[str] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
         return not self.reasons
 
+    @property
+    def state(self) -> str:
+        """READY, DEGRADED (ready, without something it can serve without) or NOT_READY."""
+        if self.reasons:
+            return NOT_READY
+        return DEGRADED if self.degraded else READY
 
-async def check_backend(backend: Backend, timeout_s: float = PROBE_TIMEOUT_S) -> BackendCheck:
+
+async def check_backend(
+    backend: Backend, timeout_s: float = PROBE_TIMEOUT_S, *, own_keys_only: bool = False
+) -> BackendCheck:
+    """``own_keys_only``: every request carries a tenant's own upstream key, never the proxy's."""
     upstream = backend.upstream
     url = masked_url(upstream.base_url)
     response = await upstream.get_models(timeout_s=timeout_s)
@@ -79,8 +105,21 @@ async def check_backend(backend: Backend, timeout_s: float = PROBE_TIMEOUT_S) ->
     if status >= 500:
         return BackendCheck(backend.name, url, DOWN, detail=f"GET {url}/models answered {status}")
     if status in (401, 403):
-        # It serves the API; requests carry their own credentials (a tenant's or the client's).
-        return BackendCheck(backend.name, url, UP, detail=f"GET {url}/models answered {status} to the proxy's key")
+        if own_keys_only:
+            return BackendCheck(
+                backend.name,
+                url,
+                UP,
+                detail=f"GET {url}/models answered {status} to the proxy; tenants send their own keys",
+            )
+        sent = "the proxy's upstream_api_key" if upstream.credentials else "no key (upstream_api_key is not set)"
+        return BackendCheck(
+            backend.name,
+            url,
+            AUTH_FAILED,
+            detail=f"GET {url}/models answered {status} to {sent}: set upstream_api_key to the key the upstream "
+            "expects (vLLM: its --api-key)",
+        )
     listing = _model_data(response) if status == 200 else None
     if listing is not None:
         models = tuple(str(m["id"]) for m in listing if isinstance(m, dict) and m.get("id") is not None)
@@ -102,17 +141,28 @@ async def check_store(sessions: SessionService, kind: str, url: str) -> StoreChe
 
 
 async def check(
-    pool: BackendPool, sessions: SessionService, store_kind: str, store_url: str, *, store_required: bool
+    pool: BackendPool,
+    sessions: SessionService,
+    store_kind: str,
+    store_url: str,
+    *,
+    store_required: bool,
+    own_keys_only: bool = False,
 ) -> Readiness:
     backends, store = await asyncio.gather(
-        asyncio.gather(*(check_backend(b) for b in pool.backends)), check_store(sessions, store_kind, store_url)
+        asyncio.gather(*(check_backend(b, own_keys_only=own_keys_only) for b in pool.backends)),
+        check_store(sessions, store_kind, store_url),
     )
-    reasons = []
+    reasons, degraded = [], []
     if not any(b.serves_the_api for b in backends):
-        reasons.append("no backend serves the API")
-    if store.status != UP and store_required:
-        reasons.append("the session store is down")
-    return Readiness(list(backends), store, store_required, reasons)
+        refused = any(b.status == AUTH_FAILED for b in backends)
+        reasons.append("the upstream refuses the proxy's credentials" if refused else "no backend serves the API")
+    if store.status != UP:
+        if store_required:
+            reasons.append("the session store is down")
+        else:
+            degraded.append("the session store is down: serving without sessions")
+    return Readiness(list(backends), store, store_required, reasons, degraded)
 
 
 def _model_data(response: Any) -> list[Any] | None:

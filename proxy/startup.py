@@ -36,6 +36,7 @@ def startup_fields(settings: Settings, result: readiness.Readiness) -> dict[str,
         "tenants": len(settings.tenants),
         "tenants_in_redis": settings.sessions.tenants_in_redis,
         "ready": result.ready,
+        "readiness": result.state,
     }
 
 
@@ -46,8 +47,10 @@ def announce(settings: Settings, result: readiness.Readiness) -> None:
             logger.warning("upstream %s (%s) %s: %s", check.name, check.url, check.status, check.detail)
     if result.store.status != readiness.UP:
         logger.warning(
-            "session store %s at %s does not answer: requests pass through without sessions until it does%s",
+            "session store %s at %s does not answer: requests pass through without sessions until it does; %s",
             result.store.kind,
             masked_url(settings.sessions.redis_url),
-            "" if settings.sessions.ready_when_store_down else "; /readyz answers 503 meanwhile",
+            "/readyz answers 503 meanwhile (readiness.require_store)"
+            if settings.readiness.require_store
+            else "the replica stays ready, degraded (readiness.require_store: false)",
         )

@@ -31,7 +31,8 @@ def make_proxy(fake_backend: LiveServer) -> Iterator[Callable[..., LiveServer]]:
     started: list[LiveServer] = []
 
     def make(**overrides: Any) -> LiveServer:
-        overrides.setdefault("upstream", fake_backend.url + "/v1")
+        if "upstreams" not in overrides:  # one of them (upstream beside upstreams is refused)
+            overrides.setdefault("upstream", fake_backend.url + "/v1")
         server = LiveServer(create_app(Settings(**overrides))).start()
         started.append(server)
         return server

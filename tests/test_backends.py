@@ -502,10 +502,12 @@ def test_merged_models_are_listed_with_the_callers_upstream_credentials() -> Non
         acme = httpx.get(proxy.url + "/v1/models", headers={"authorization": "Bearer sk-acme"})
         assert acme.status_code == 200
         assert sorted(m["id"] for m in acme.json()["data"]) == ["llama", "qwen"]
-        # Another tenant's credentials are refused upstream: it gets the refusal, not an empty list.
+        # Another tenant's upstream key is refused: it gets the refusal, not an empty list; the key it
+        # sent was fine, the proxy's configuration was not (issue 47): a 502 saying so.
         other = httpx.get(proxy.url + "/v1/models", headers={"authorization": "Bearer sk-other"})
-        assert other.status_code == 401
-        assert other.json()["error"]["message"] == "invalid api key"
+        assert other.status_code == 502
+        assert other.json()["error"]["code"] == "upstream_auth_failed"
+        assert "the tenant's upstream_api_key; HTTP 401" in other.json()["error"]["message"]
         assert "up-" not in other.text
     finally:
         proxy.stop()

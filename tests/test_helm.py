@@ -550,6 +550,21 @@ def test_the_proxy_loads_what_the_chart_renders(
     assert {k: v for k, v in config["sessions"].items() if k not in CHART_OWNED_SESSION_SETTINGS} == values["config"][
         "sessions"
     ]
+    assert settings.readiness.require_store is values["readiness"]["requireStore"]
+
+
+def test_readiness_require_store_reaches_the_proxy(
+    helm: Callable[..., subprocess.CompletedProcess[str]], load_proxy_settings: Callable[..., Settings]
+) -> None:
+    """Issue 47: by default a Redis outage leaves the pods ready (degraded); the value makes them leave."""
+    for given, expected in ((None, False), ("true", True)):
+        extra = ["--set", f"readiness.requireStore={given}"] if given else []
+        result = helm(*template_args("default", "--set", "sessionStore=redis,redis.url=redis://r:6379/0", *extra))
+        assert result.returncode == 0, result.stderr
+        objects = by_kind([doc for doc in yaml.safe_load_all(result.stdout) if doc])
+        config = yaml.safe_load(objects["ConfigMap"]["data"]["config.yaml"])
+        assert config["readiness"] == {"require_store": expected}
+        assert load_proxy_settings(objects).readiness.require_store is expected
 
 
 # -- the same objects as deploy/k8s ------------------------------------------------------------------
@@ -656,6 +671,9 @@ WRONG_VALUES = {
     "API keys from a Secret and from values": ["--set", "apiKeys.existingSecret=keys,apiKeys.metrics=k"],
     "a CPU target over 100%": ["--set", "autoscaling.targetCPUUtilizationPercentage=170"],
     "a toggle that is not a boolean": ["--set-string", "podDisruptionBudget.enabled=yes"],
+    "readiness given as a proxy setting": ["--set", "config.readiness.require_store=true"],
+    "a misspelt readiness value": ["--set", "readiness.requireStor=true"],
+    "a readiness that is not a boolean": ["--set-string", "readiness.requireStore=yes"],
 }
 
 

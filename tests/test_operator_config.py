@@ -246,13 +246,15 @@ def test_start_up_line_names_what_the_proxy_found(fake_backend: Any) -> None:
         served.logged(lambda r: r.get("level") == "warning" and dead in r.get("message", ""))
         served.logged(lambda r: "session store redis" in r.get("message", ""))
         assert "pw@" not in "".join(served.lines)
-        # /readyz: per dependency; a configured store that is down makes the replica not ready.
+        # /readyz: per dependency; a configured store that is down leaves the replica ready, degraded
+        # (it serves without sessions meanwhile; readiness.require_store makes it 503).
         ready = httpx.get(served.url + "/readyz")
-        assert ready.status_code == 503
+        assert ready.status_code == 200
         body = ready.json()
+        assert body["status"] == "degraded" and started["readiness"] == "degraded" and started["ready"] is True
         assert body["store"] == {"kind": "redis", "status": "down"}
         assert sorted(body["backends"].values()) == ["down", "up"]
-        assert body["reasons"] == ["the session store is down"]
+        assert body["degraded"] == ["the session store is down: serving without sessions"]
         metrics = httpx.get(served.url + "/metrics").text
         assert 'prefix_proxy_build_info{python="' in metrics and f'version="{__version__}"' in metrics
     finally:
@@ -273,18 +275,21 @@ def test_an_upstream_without_its_api_path_is_named_and_not_ready(fake_backend: A
         served.stop()
 
 
-def test_a_setting_keeps_a_replica_with_its_store_down_ready(fake_backend: Any) -> None:
+def test_a_setting_makes_a_replica_with_its_store_down_not_ready(fake_backend: Any) -> None:
     served = Served(
         ["--upstream", fake_backend.url + "/v1"],
         {
             "PREFIX_PROXY_SESSIONS__STORE": "redis",
             "PREFIX_PROXY_SESSIONS__REDIS_URL": REDIS_DOWN,
-            "PREFIX_PROXY_SESSIONS__READY_WHEN_STORE_DOWN": "true",
+            "PREFIX_PROXY_READINESS__REQUIRE_STORE": "true",
         },
     )
     try:
         ready = httpx.get(served.url + "/readyz")
-        assert ready.status_code == 200 and ready.json()["store"]["status"] == "down"
+        assert ready.status_code == 503 and ready.json()["store"]["status"] == "down"
+        assert ready.json()["reasons"] == ["the session store is down"]
+        warning = served.logged(lambda r: "session store redis" in r.get("message", ""))
+        assert warning["message"].endswith("/readyz answers 503 meanwhile (readiness.require_store)")
     finally:
         served.stop()
 

@@ -67,7 +67,8 @@ def traced_proxy(fake_backend: LiveServer) -> Iterator[Callable[..., Traced]]:
     started: list[LiveServer] = []
 
     def make(exporter: SpanExporter | None = None, **overrides: Any) -> Traced:
-        overrides.setdefault("upstream", fake_backend.url + "/v1")
+        if "upstreams" not in overrides:  # one of them (upstream beside upstreams is refused)
+            overrides.setdefault("upstream", fake_backend.url + "/v1")
         app = create_app(Settings(**overrides))
         exporter = exporter or InMemorySpanExporter()
         tracer = start_tracing(TracingSettings(enabled=True), exporter=exporter)

@@ -123,14 +123,19 @@ def answer(request: Request, model: str, stream: bool) -> Response:
         return JSONResponse({**MESSAGE, "usage": {"input_tokens": -3, "output_tokens": 2}})
     if model == "anthropic-ok":
         return JSONResponse(MESSAGE)
-    if model == "echo-401":  # an upstream that quotes the credentials it refused
-        error = {"message": f"invalid credentials: {echo(request)}", "type": "authentication_error", "code": "401"}
-        return JSONResponse({"error": error}, status_code=401)
-    if model == "echo-401-detail":
-        return JSONResponse({"detail": f"Authorization header was {echo(request)!r}"}, status_code=401)
-    if model == "echo-401-anthropic":
-        error = {"type": "authentication_error", "message": f"invalid x-api-key / {echo(request)}"}
-        return JSONResponse({"type": "error", "error": error}, status_code=401)
+    if model.startswith("echo-4"):  # an upstream that quotes the credentials it was sent: echo-401, echo-400-detail
+        status = int(model[5:8])
+        if model.endswith("-detail"):
+            return JSONResponse({"detail": f"Authorization header was {echo(request)!r}"}, status_code=status)
+        if model.endswith("-anthropic"):
+            error = {"type": "authentication_error", "message": f"invalid x-api-key / {echo(request)}"}
+            return JSONResponse({"type": "error", "error": error}, status_code=status)
+        error = {
+            "message": f"invalid credentials: {echo(request)}",
+            "type": "authentication_error",
+            "code": str(status),
+        }
+        return JSONResponse({"error": error}, status_code=status)
     if model == "echo-stream-error":
         error = {"message": f"denied for {echo(request)}", "type": "auth", "code": "401"}
         return sse(chunk("one"), data({"error": error}), DONE)
@@ -171,7 +176,8 @@ def garbage() -> Iterator[Garbage]:
 @pytest.fixture
 def proxy_for(make_proxy: Callable[..., LiveServer], garbage: Garbage) -> Callable[..., LiveServer]:
     def make(**settings: Any) -> LiveServer:
-        settings.setdefault("upstream", garbage.url)
+        if "upstreams" not in settings:  # one of them (upstream beside upstreams is refused)
+            settings.setdefault("upstream", garbage.url)
         return make_proxy(**settings)
 
     return make
@@ -369,23 +375,23 @@ def assert_scrubbed(response: httpx.Response, *secrets: str) -> None:
     assert "[redacted]" in response.text, response.text
 
 
-@pytest.mark.parametrize("model", ["echo-401", "echo-401-detail"])
+@pytest.mark.parametrize("model", ["echo-400", "echo-400-detail"])
 def test_basic_credentials_from_the_url_are_scrubbed_from_an_error(
     proxy_for: Callable[..., LiveServer], garbage: Garbage, model: str
 ) -> None:
     proxy = proxy_for(upstream=f"http://admin:hunter2@127.0.0.1:{garbage.port}/v1")
     response = send(proxy, "chat", model)
     assert garbage.headers[-1]["authorization"] == BASIC  # what the upstream was sent, and echoed
-    assert response.status_code == 401
+    assert response.status_code == 400
     assert response.json()["error"]["message"]
     assert_scrubbed(response, "YWRtaW46aHVudGVyMg==", "hunter2")
 
 
 def test_the_upstream_api_key_is_scrubbed_from_an_error(proxy_for: Callable[..., LiveServer], garbage: Garbage) -> None:
     proxy = proxy_for(upstream_api_key="sk-upstream-0123456789")
-    response = send(proxy, "chat", "echo-401")
+    response = send(proxy, "chat", "echo-400")
     assert garbage.headers[-1]["authorization"] == "Bearer sk-upstream-0123456789"
-    assert response.status_code == 401
+    assert response.status_code == 400
     assert_scrubbed(response, "sk-upstream-0123456789")
 
 
@@ -393,9 +399,9 @@ def test_a_tenants_upstream_key_is_scrubbed_from_an_error(
     proxy_for: Callable[..., LiveServer], garbage: Garbage
 ) -> None:
     proxy = proxy_for(tenants=[{"name": "acme", "api_key": "pp-acme", "upstream_api_key": "sk-acme-upstream-42"}])
-    response = send(proxy, "chat", "echo-401", key="pp-acme")
+    response = send(proxy, "chat", "echo-400", key="pp-acme")
     assert garbage.headers[-1]["authorization"] == "Bearer sk-acme-upstream-42"
-    assert response.status_code == 401
+    assert response.status_code == 400
     assert_scrubbed(response, "sk-acme-upstream-42")
 
 
@@ -403,10 +409,66 @@ def test_credentials_are_scrubbed_from_an_anthropic_error(
     proxy_for: Callable[..., LiveServer], garbage: Garbage
 ) -> None:
     proxy = proxy_for(upstream_api_key="sk-upstream-0123456789")
-    response = send(proxy, "messages", "echo-401-anthropic")
-    assert response.status_code == 401
+    response = send(proxy, "messages", "echo-400-anthropic")
+    assert response.status_code == 400
     assert response.json()["type"] == "error"
     assert_scrubbed(response, "sk-upstream-0123456789")
+
+
+@pytest.mark.parametrize(
+    ("settings", "key", "refused"),
+    [
+        ({"upstream_api_key": "sk-upstream-0123456789"}, None, "its upstream_api_key"),
+        (
+            {"tenants": [{"name": "acme", "api_key": "pp-acme", "upstream_api_key": "sk-acme-upstream-42"}]},
+            "pp-acme",
+            "the tenant's upstream_api_key",
+        ),
+        ({"tenants": [{"name": "acme", "api_key": "pp-acme"}]}, "pp-acme", "no key: upstream_api_key is not set"),
+    ],
+)
+@pytest.mark.parametrize("model", ["echo-401", "echo-403-detail"])
+def test_an_upstream_refusing_the_proxys_credentials_is_a_server_error_not_the_clients(
+    proxy_for: Callable[..., LiveServer],
+    garbage: Garbage,
+    settings: dict[str, Any],
+    key: str | None,
+    refused: str,
+    model: str,
+) -> None:
+    """Issue 47: the client's key was fine; the proxy's was refused. 502 upstream_auth_failed, the
+    upstream's body (which quotes the key) not passed on."""
+    proxy = proxy_for(**settings)
+    response = send(proxy, "chat", model, key=key)
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "upstream_auth_failed" and error["type"] == "upstream_error"
+    assert error["message"].startswith(f"the upstream refused the proxy's credentials ({refused}; HTTP {model[5:8]})")
+    assert "sk-" not in response.text and "pp-acme" not in response.text
+    anthropic = send(proxy, "messages", "echo-401-anthropic", key=key)
+    assert anthropic.status_code == 502
+    assert anthropic.json()["type"] == "error" and anthropic.json()["error"]["type"] == "api_error"
+    assert "upstream refused the proxy's credentials" in anthropic.json()["error"]["message"]
+    passed = httpx.post(
+        proxy.url + "/tokenize",
+        json={"model": "echo-401", "prompt": "hi"},
+        headers={"authorization": f"Bearer {key}"} if key else {},
+        timeout=30,
+    )
+    assert passed.status_code == 502 and passed.json()["error"]["code"] == "upstream_auth_failed"
+
+
+def test_an_open_proxy_without_a_key_says_the_upstream_wants_one(
+    proxy_for: Callable[..., LiveServer], garbage: Garbage
+) -> None:
+    """No tenants, no upstream key: the client's credentials go upstream as they are; refused, the
+    client (whose key an open proxy does not ask for) is told the proxy lacks upstream_api_key."""
+    proxy = proxy_for()
+    response = send(proxy, "chat", "echo-401", key="client-key")
+    assert garbage.headers[-1]["authorization"] == "Bearer client-key"
+    assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_auth_failed"
+    assert "(the client's key, passed on: upstream_api_key is not set; HTTP 401)" in response.text
+    assert "client-key" not in response.text
 
 
 def test_credentials_are_scrubbed_from_a_stream_error_event(
@@ -423,8 +485,8 @@ def test_credentials_are_scrubbed_from_a_passed_through_routes_error(
     proxy_for: Callable[..., LiveServer], garbage: Garbage
 ) -> None:
     proxy = proxy_for(upstream_api_key="sk-upstream-0123456789")
-    response = httpx.post(proxy.url + "/tokenize", json={"model": "echo-401", "prompt": "hi"}, timeout=30)
-    assert response.status_code == 401
+    response = httpx.post(proxy.url + "/tokenize", json={"model": "echo-400", "prompt": "hi"}, timeout=30)
+    assert response.status_code == 400
     assert_scrubbed(response, "sk-upstream-0123456789")
 
 

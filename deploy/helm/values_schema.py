@@ -19,8 +19,8 @@ from pydantic import BaseModel
 
 from proxy.config import BudgetOverrides, Settings
 
-# Settings the chart writes itself (upstreams, listen addresses) or that are secrets, which come from
-# Secrets as environment variables and must never land in the ConfigMap.
+# Settings the chart writes itself (upstreams, listen addresses, readiness) or that are secrets, which
+# come from Secrets as environment variables and must never land in the ConfigMap.
 CHART_OWNED_SETTINGS = frozenset(
     {
         "upstream",
@@ -34,6 +34,7 @@ CHART_OWNED_SETTINGS = frozenset(
         "admin_api_key",
         "tenants",
         "cache_salt_secret",
+        "readiness",  # readiness.requireStore in the values
     }
 )
 # The session store and its Redis topology: sessionStore and redis.* in the values.
@@ -109,6 +110,7 @@ def schema() -> dict[str, Any]:
                 "items": {"type": "string", "pattern": "^https?://[^/?#\\s]+(/[^?#\\s]*)?$"},
             },
             "sessionStore": {"enum": ["memory", *redis_stores]},
+            "readiness": closed({"requireStore": BOOLEAN}, ["requireStore"]),
             "redis": closed(
                 {
                     "existingSecret": STRING,

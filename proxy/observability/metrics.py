@@ -294,6 +294,15 @@ class Metrics:
             registry=r,
         )
         self.store_up.set(1)
+        self.readiness = Gauge(
+            "prefix_proxy_readiness",
+            "1 for the replica's state at its last readiness check (start-up, /readyz): ready, degraded "
+            "(ready, serving without its session store) or not_ready.",
+            ["state"],
+            registry=r,
+        )
+        for state in ("ready", "degraded", "not_ready"):
+            self.readiness.labels(state)
         self.backend_up = Gauge(
             "prefix_proxy_backend_up",
             "1 while a backend takes requests, 0 while it is ejected after failures.",
@@ -352,6 +361,7 @@ class Metrics:
                 "timeout",
                 "http_4xx",
                 "http_5xx",
+                "auth_failed",
                 "invalid_response",
                 "invalid_usage",
             ):

@@ -36,8 +36,10 @@ from proxy.http import (
     SSERelay,
     StreamEnd,
     UpstreamConnectionLost,
+    UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
+    json_bytes,
     overhead_header,
 )
 from proxy.openai import Usage, dumps, loads
@@ -491,7 +493,13 @@ def upstream_error(
 ) -> Response:
     """An upstream's error answer, in the protocol's shape, without the credentials the proxy sent
     it (an error page may echo the request's Authorization); its ``Retry-After`` (a 429's, a 503's)
-    goes to the client, whose retry should wait as the backend asked."""
+    goes to the client, whose retry should wait as the backend asked. A 401/403 is not the client's
+    error (its key is the proxy's to check): :class:`UpstreamAuthFailed`."""
+    if status in (401, 403):
+        state.metrics.upstream_errors.labels(ctx.route, "auth_failed").inc()
+        error = UpstreamAuthFailed(status, refused_credentials(state, ctx))
+        ctx.status, ctx.error_code = error.status, error.code
+        return whole_answer(state, ctx, json_bytes(ctx.dialect.body(error)), error.status, None, ending)
     state.metrics.upstream_errors.labels(ctx.route, "http_4xx" if status < 500 else "http_5xx").inc()
     ctx.status = status
     ctx.error_code = f"upstream_{status}"
@@ -501,3 +509,29 @@ def upstream_error(
     retry_after = headers.get("retry-after") if headers is not None else None
     extra = {"retry-after": retry_after} if retry_after and retry_after.isascii() and len(retry_after) < 64 else None
     return whole_answer(state, ctx, ctx.dialect.upstream_body(status, raw), status, extra, ending)
+
+
+class UpstreamAuthFailed(UpstreamError):
+    """502: the upstream refused (401/403) the credentials the proxy sent: its ``upstream_api_key``,
+    a tenant's, none, or (an open proxy without a key) the client's, passed on. The client's key is
+    the proxy's to check ("anything" will do on an open proxy): the proxy's configuration is at fault,
+    so the client gets a server error saying so, never the upstream's 401 as if its own key were wrong."""
+
+    code = "upstream_auth_failed"
+
+    def __init__(self, status: int, refused: str) -> None:
+        super().__init__(
+            f"the upstream refused the proxy's credentials ({refused}; HTTP {status}): the proxy's operator "
+            "must give it the key the upstream expects (upstream_api_key)"
+        )
+
+
+def refused_credentials(state: ProxyState, ctx: RequestContext) -> str:
+    """What a 401/403 refused (proxy.backends.BackendPool.credentials decides what is sent)."""
+    if ctx.upstream_api_key:
+        return "the tenant's upstream_api_key"
+    if any(backend.upstream.credentials for backend in state.backends.backends):
+        return "its upstream_api_key"
+    if not state.tenants.open:
+        return "no key: upstream_api_key is not set"
+    return "the client's key, passed on: upstream_api_key is not set"

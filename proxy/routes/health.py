@@ -25,29 +25,41 @@ async def healthz() -> Response:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
-    """Ready when a backend serves the API and the configured store answers (unless
-    ``sessions.ready_when_store_down``); the body says which do (backends by name, never URLs)."""
+    """Ready (200) when a backend serves the API; "degraded" (still 200) while the session store is
+    down, unless ``readiness.require_store`` makes that 503. The body says which dependency is what
+    (backends by name, never URLs)."""
     state = get_state(request)
     result = await check_dependencies(state)
     body: dict[str, Any] = {
-        "status": "ready" if result.ready else "not ready",
+        "status": result.state,
         "backends": {b.name: b.status for b in result.backends},
         "store": {"kind": result.store.kind, "status": result.store.status},
     }
     if result.reasons:
         body["reasons"] = result.reasons
+    if result.degraded:
+        body["degraded"] = result.degraded
     return json_response(body, status=200 if result.ready else 503)
 
 
 async def check_dependencies(state: ProxyState) -> readiness.Readiness:
-    sessions = state.settings.sessions
-    return await readiness.check(
+    """The dependencies checked now; ``prefix_proxy_readiness`` set to what was found."""
+    settings = state.settings
+    tenants = settings.tenants
+    result = await readiness.check(
         state.backends,
         state.sessions,
-        sessions.store,
-        sessions.redis_url,
-        store_required=not sessions.ready_when_store_down,
+        settings.sessions.store,
+        settings.sessions.redis_url,
+        store_required=settings.readiness.require_store,
+        # Every request then goes upstream with its tenant's key: a 401 to the proxy's own is expected.
+        own_keys_only=bool(tenants)
+        and all(t.upstream_api_key for t in tenants)
+        and not settings.sessions.tenants_in_redis,
     )
+    for name in readiness.STATES:
+        state.metrics.readiness.labels(name.replace(" ", "_")).set(1 if name == result.state else 0)
+    return result
 
 
 def metrics_route(state: ProxyState) -> Route:

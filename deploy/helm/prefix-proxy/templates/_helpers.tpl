@@ -67,7 +67,7 @@ app.kubernetes.io/part-of: prefix-proxy
 {{- if or (not .Values.apiKeys.existingSecret) (and .Values.tenants.items (not .Values.tenants.existingSecret)) (and (include "prefix-proxy.usesRedis" .) (not .Values.redis.existingSecret)) }}true{{ end }}
 {{- end }}
 
-{{/* config.yaml: the values' settings with what the chart owns (upstreams, session store) set on top. */}}
+{{/* config.yaml: the values' settings with what the chart owns (upstreams, session store, readiness) set on top. */}}
 {{- define "prefix-proxy.config" -}}
 {{- $config := deepCopy .Values.config }}
 {{- if eq (len .Values.upstreams) 1 }}
@@ -85,5 +85,6 @@ app.kubernetes.io/part-of: prefix-proxy
 {{- $_ := set $sessions "redis_cluster" true }}
 {{- end }}
 {{- $_ := set $config "sessions" $sessions }}
+{{- $_ := set $config "readiness" (dict "require_store" .Values.readiness.requireStore) }}
 {{- toYaml $config }}
 {{- end }}
