@@ -1,7 +1,7 @@
 """SIGHUP: read the configuration again and apply what can change while serving.
 
 Tenants (keys, upstream keys, budgets), canonicalization (modes, rules, detectors, placement),
-budgets and the log level change in place: requests in flight finish as they started, the next
+budgets, the log level and what readiness requires change in place: requests in flight finish as they started, the next
 ones see the new settings, and no connection is dropped. A changed setting that needs a new
 process (listen address, upstreams, the store...) is kept as it is and named in the log line. A
 configuration with problems changes nothing: each problem is logged, one line each. The process
@@ -21,7 +21,7 @@ from proxy.config import Settings
 from proxy.config_sources import ConfigError
 
 # What a reload applies; everything else needs a restart.
-LIVE_SETTINGS = ("tenants", "canon", "budget", "model_budgets", "log_level")
+LIVE_SETTINGS = ("tenants", "canon", "budget", "model_budgets", "log_level", "readiness")
 
 logger = logging.getLogger("prefix_proxy.reload")
 

@@ -18,6 +18,9 @@ import pytest
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from proxy.app import create_app
+from proxy.config import ReadinessSettings, Settings
+from proxy.reload import reload_settings
 from testbed.fakevllm import FakeBackendConfig
 from testbed.fakevllm import create_app as create_fake_app
 from tests.helpers import LiveServer, chat, chat_ok
@@ -64,6 +67,17 @@ def test_a_setting_makes_a_store_outage_take_the_replica_out(make_proxy: Callabl
     # The setting it replaced still says the same, the other way round.
     legacy = make_proxy(sessions={"store": "redis", "redis_url": REDIS_DOWN, "ready_when_store_down": False})
     assert httpx.get(legacy.url + "/readyz").status_code == 503
+
+
+def test_what_readiness_requires_changes_on_reload(fake_backend: LiveServer) -> None:
+    """SIGHUP applies readiness.require_store (proxy.reload): the next /readyz answers by it."""
+    settings = Settings(upstream=fake_backend.url + "/v1", sessions={"store": "redis", "redis_url": REDIS_DOWN})
+    app = create_app(settings)
+    with LiveServer(app) as proxy:
+        assert httpx.get(proxy.url + "/readyz").status_code == 200
+        strict = settings.model_copy(update={"readiness": ReadinessSettings(require_store=True)})
+        assert reload_settings(app.state.proxy, lambda: strict) == ["readiness"]
+        assert httpx.get(proxy.url + "/readyz").status_code == 503
 
 
 def test_a_store_that_answers_is_ready(make_proxy: Callable[..., LiveServer], redis_prefix: str) -> None:
