@@ -29,7 +29,7 @@ from proxy.backends import (
     backend_name,
     make_policy,
 )
-from proxy.canon import Canonicalizer, PrefixTracker
+from proxy.canon import Canonicalizer, PrefixTracker, expire_idle_tool_forms
 from proxy.capacity import resolve_shape
 from proxy.chat import CompactionService, RequestSizes, TurnServices, UsageAdmission
 from proxy.config import Settings
@@ -44,7 +44,7 @@ from proxy.http import (
     serve_direct,
 )
 from proxy.observability import CacheBreakTracker, CaptureWriter, Metrics, start_tracing
-from proxy.openai import Continuations
+from proxy.openai import Continuations, expire_idle_lists
 from proxy.reload import on_sighup
 from proxy.replicas import build_shared
 from proxy.routes import admin, chat, compaction, health, messages, passthrough, responses, unrewritten
@@ -247,6 +247,9 @@ def create_app(
 
     async def refresh_gauges() -> None:
         while True:
+            # What tool lists hold, released once no request used it for a while.
+            expire_idle_tool_forms()
+            expire_idle_lists()
             try:
                 active, context_tokens = await sessions.call(
                     store.stats(time.time() - settings.sessions_active_window_s)

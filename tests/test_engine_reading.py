@@ -161,3 +161,19 @@ def test_no_request_spends_past_the_budget(
     assert set(statuses) <= {200, 429}, statuses
     assert spent <= LIMIT, f"{protocol}, {variant}: {spent} of {LIMIT} spent by 20 at once ({statuses})"
     assert 200 in statuses or variant.startswith("n as")  # the budget admits what fits
+
+
+# -- content parts: a kind that is not a string is vLLM's 400, not the proxy's 500 ------------------
+
+
+@pytest.mark.parametrize("kind", [{}, {"a": 1}, [1], 5])
+def test_a_content_part_whose_type_is_not_a_string_is_a_400(kind: Any) -> None:
+    from proxy.http import validate_chat_request
+    from proxy.protocols.responses import validate_request
+
+    with pytest.raises(InvalidRequest) as chat:
+        validate_chat_request({"model": "m", "messages": [{"role": "user", "content": [{"type": kind, "text": "x"}]}]})
+    assert chat.value.param == "messages[0].content[0].type"
+    with pytest.raises(InvalidRequest) as responses:
+        validate_request({"model": "m", "input": [{"role": "user", "content": [{"type": kind, "text": "x"}]}]})
+    assert responses.value.param == "input[0].content[0].type"

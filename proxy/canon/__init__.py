@@ -8,6 +8,7 @@ from proxy.canon.layout import Block, ForwardedLayouts
 from proxy.canon.learned import LearnedVolatility, PromptLines
 from proxy.canon.toolcalls import GeneratedCall, ToolCallMemory, remember_generated_calls
 from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
+from proxy.canon.tools import expire_idle as expire_idle_tool_forms
 from proxy.canon.varying import _VARIED, Place, VaryingPlaces
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "VaryingPlaces",
     "canonicalize",
     "canonicalize_tool_fields",
+    "expire_idle_tool_forms",
     "leading_system_count",
     "remember_generated_calls",
     "stable_prefix_hash",

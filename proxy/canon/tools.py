@@ -16,13 +16,12 @@ Without a memory (a stateless call), every field is put in canonical form.
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
 from itertools import groupby
 from typing import Any
 
 import orjson
 import xxhash
-from cachetools import LRUCache
+from cachetools import LRUCache, TTLCache
 
 from proxy.canon.actions import Action
 from proxy.openai import canonical_dumps, shared_json, sort_keys_deep
@@ -45,15 +44,35 @@ def _dumps(value: Any) -> bytes | None:
         return None
 
 
-@lru_cache(maxsize=1024)
+# Canonical forms by the digest of the bytes sent: bounded by what they hold (a parsed tool list
+# holds about four times its JSON), and released once idle (a list not re-sent for CANONICAL_IDLE_S).
+CANONICAL_FORMS_BYTES = 32 * 1024 * 1024
+CANONICAL_IDLE_S = 600.0
+_canonical_forms: TTLCache[tuple[int, int], tuple[Any, int, int]] = TTLCache(
+    CANONICAL_FORMS_BYTES, CANONICAL_IDLE_S, getsizeof=lambda entry: entry[2]
+)
+
+
 def _canonical_form(raw: bytes) -> tuple[Any, int]:
     """The canonical form of a serialized field (tools as a tuple, in canonical order; keys sorted
     at every level), and the hash of its serialization. Clients re-send the same tools on every
-    request: each distinct value is canonicalized once."""
-    value = orjson.loads(orjson.dumps(orjson.loads(raw), option=orjson.OPT_SORT_KEYS))
-    canonical: Any = tuple(_canonical_tools(value)) if isinstance(value, list) else value
-    dumped = orjson.dumps(list(canonical) if isinstance(canonical, tuple) else canonical)
-    return canonical, xxhash.xxh3_64_intdigest(dumped)
+    request: each distinct value is canonicalized once while it is in use."""
+    key = (len(raw), xxhash.xxh3_64_intdigest(raw))
+    found = _canonical_forms.get(key)
+    if found is None:
+        value = orjson.loads(orjson.dumps(orjson.loads(raw), option=orjson.OPT_SORT_KEYS))
+        canonical: Any = tuple(_canonical_tools(value)) if isinstance(value, list) else value
+        dumped = orjson.dumps(list(canonical) if isinstance(canonical, tuple) else canonical)
+        found = (canonical, xxhash.xxh3_64_intdigest(dumped), 4 * len(raw) + 256)
+    if found[2] <= CANONICAL_FORMS_BYTES:
+        _canonical_forms[key] = found  # written on a hit too: its idle time starts again
+    return found[0], found[1]
+
+
+def expire_idle() -> None:
+    """Release the canonical forms no request used for ``CANONICAL_IDLE_S`` (a periodic task's call:
+    an idle cache is never touched otherwise)."""
+    _canonical_forms.expire()
 
 
 def _canonical_tools(tools: list[Any]) -> list[Any]:

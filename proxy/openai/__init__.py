@@ -17,6 +17,9 @@ from proxy.openai.jsonio import (
     shared_dumps,
     shared_json,
 )
+from proxy.openai.jsonio import (
+    expire_idle as expire_idle_lists,
+)
 from proxy.openai.messages import (
     LONG_TEXT_CHARS,
     ONE_SHOT_BYTES,
@@ -50,6 +53,7 @@ __all__ = [
     "check_depth_once",
     "dumps",
     "dumps_body",
+    "expire_idle_lists",
     "extend_links",
     "is_text_parts",
     "link_hash",

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 import xxhash
-from cachetools import LRUCache
+from cachetools import LRUCache, TTLCache
 
 # Far deeper than any real request (JSON schemas of tools nest a dozen levels), far below the
 # 254 levels orjson serializes and the interpreter's recursion limit.
@@ -129,8 +129,13 @@ def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
 # orjson's bytes of the lists that several steps of one request serialize (a tool list: its
 # canonical form, the layout's chain header, the prefix fingerprint, the budget, the digests and
 # the body sent upstream), by identity: the list held, so that its id stays its own, with its items.
-# Only the requests in flight need theirs: a few dozen lists (a tool list is tens of kB) at most.
-_SHARED: LRUCache[int, tuple[list[Any], tuple[Any, ...], bytes | None]] = LRUCache(64)
+# Only the requests in flight need theirs: bounded by what the entries hold (a parsed list about
+# four times its JSON, and the JSON), released once idle (SHARED_IDLE_S without a request's use).
+SHARED_BYTES = 16 * 1024 * 1024
+SHARED_IDLE_S = 60.0
+_SHARED: TTLCache[int, tuple[list[Any], tuple[Any, ...], bytes | None]] = TTLCache(
+    SHARED_BYTES, SHARED_IDLE_S, getsizeof=lambda entry: 5 * len(entry[2] or b"") + 64 * len(entry[1]) + 256
+)
 
 
 def shared_json(value: list[Any]) -> bytes | None:
@@ -147,8 +152,15 @@ def shared_json(value: list[Any]) -> bytes | None:
         raw: bytes | None = orjson.dumps(value)
     except TypeError:
         raw = None
-    _SHARED[id(value)] = (value, tuple(value), raw)
+    entry = (value, tuple(value), raw)
+    if _SHARED.getsizeof(entry) <= SHARED_BYTES:
+        _SHARED[id(value)] = entry
     return raw
+
+
+def expire_idle() -> None:
+    """Release the lists no request used for ``SHARED_IDLE_S`` (a periodic task's call)."""
+    _SHARED.expire()
 
 
 def shared_dumps(value: Any) -> bytes:
