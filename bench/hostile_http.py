@@ -383,7 +383,7 @@ class HostileHTTP:
                 kind = "upstream"
             raw = self.dumps(self.mutated(template))
             if rng.random() < 0.2:
-                raw, kind = self.corrupt(raw), "corrupt"
+                raw, kind = self.corrupt(raw), "upstream" if kind == "upstream" else "corrupt"
             if rng.random() < 0.25:
                 path = respell(path, rng)[0]  # the same route, every spelling (or a 404)
             return HostileRequest("POST", path.encode(), self.headers(True), raw, kind)

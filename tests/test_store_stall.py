@@ -167,16 +167,23 @@ def test_stored_responses_stay_their_owners_while_the_store_stalls() -> None:
         tenants=tenants,
     )
     proxy = LiveServer(create_app(settings)).start()
+    other_replica = LiveServer(create_app(settings)).start()
     acme = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-acme", max_retries=0)
     globex = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-globex", max_retries=0)
+    acme_elsewhere = openai.OpenAI(base_url=other_replica.url + "/v1", api_key="sk-acme", max_retries=0)
     try:
         before = acme.responses.create(model=MODEL, input="hello", max_output_tokens=8)
         redis_server.pause()
         try:
             during = acme.responses.create(model=MODEL, input="more", previous_response_id=before.id)
             assert acme.responses.retrieve(during.id).id == during.id
-            with pytest.raises(openai.NotFoundError):
-                globex.responses.retrieve(during.id)
+            # Whose a response is, only the store can say: another tenant, and the owner on another
+            # replica, get an honest 503 meanwhile (docs/sessions.md), never the response.
+            for client in (globex, acme_elsewhere):
+                with pytest.raises(openai.InternalServerError) as unavailable:
+                    client.responses.retrieve(during.id)
+                assert unavailable.value.status_code == 503
+                assert "store" in unavailable.value.message
         finally:
             redis_server.resume()
         time.sleep(1.2)
@@ -185,5 +192,6 @@ def test_stored_responses_stay_their_owners_while_the_store_stalls() -> None:
         assert follow.previous_response_id == during.id
     finally:
         proxy.stop()
+        other_replica.stop()
         redis_server.stop()
         backend.stop()

@@ -149,8 +149,9 @@ async def send(
                 # A backend's trial is relayed once it is whole: a backend ejected for breaking its
                 # streams must not break a client's to prove it still does.
                 primed = await _primed(state, ctx, relay, whole=bool(response.extensions.get(TRIAL_EXTENSION)))
-                # Its first event read: the upstream's time so far (the relay runs at its pace).
-                ctx.upstream_headers_at = time.perf_counter()
+                if primed is not None:
+                    # Its first event read: the upstream's time so far (the relay runs at its pace).
+                    ctx.upstream_headers_at = time.perf_counter()
                 why = _unusable_start(relay)
                 if why is not None and attempts.again(why):
                     await relay.aclose()
@@ -308,23 +309,22 @@ class _Primed:
             yield event
 
 
-async def _primed(state: ProxyState, ctx: RequestContext, relay: SSERelay, *, whole: bool = False) -> _Primed:
+async def _primed(state: ProxyState, ctx: RequestContext, relay: SSERelay, *, whole: bool = False) -> _Primed | None:
     """``relay``'s first event read (within the first-token deadline, then as long as the backend
     answers a health check), or with ``whole`` all of it: nothing reaches the client before the
-    stream is known to be one."""
-    events = aiter(relay)
+    stream is known to be one. None where there is nowhere else to send it (one backend, or the
+    deadline off): the stream starts as the upstream's does."""
     pool = state.backends
     deadline = pool.outliers.first_token_timeout_s
-    first: bytes | None
     if pool.single or not deadline:
-        first = await anext(events, None)
-    else:
-        task = asyncio.ensure_future(anext(events, None))
-        if not await _alive_past(state, task, deadline, [ctx.backend or ""]):
-            await _cancelled(task)
-            relay.failure = "no_first_token"
-            return _Primed([], events)
-        first = await task
+        return None
+    events = aiter(relay)
+    task = asyncio.ensure_future(anext(events, None))
+    if not await _alive_past(state, task, deadline, [ctx.backend or ""]):
+        await _cancelled(task)
+        relay.failure = "no_first_token"
+        return _Primed([], events)
+    first = await task
     if first is None:
         return _Primed([], events)
     read = [first]

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
-from proxy.http import ProxyError, RequestContext, ResponseNotFound
+from proxy.http import ProxyError, RequestContext, ResponseNotFound, ServiceUnavailable
 from proxy.protocols import RESPONSES, responses
 from proxy.routes import compaction
 from proxy.routes.forward import api_endpoint, upstream_headers
@@ -92,10 +92,19 @@ async def retrieve(state: ProxyState, request: Request, ctx: RequestContext, ten
 
 
 async def _lookup(state: ProxyState, tenant: Tenant, response_id: str) -> dict[str, Any] | None:
+    """What the store records of ``tenant``'s stored response, or None. The store down: with tenants,
+    503 (which tenant a response belongs to is the store's to say: another replica's responses cannot
+    be told apart from another tenant's meanwhile, docs/sessions.md); without, None (one tenant:
+    every backend holding it may answer, :func:`_locate`)."""
     try:
         return await state.sessions.get_response(tenant.name, response_id)
     except StoreUnavailable:
-        return None
+        if state.tenants.open:
+            return None
+        raise ServiceUnavailable(
+            "the session store is unavailable: a stored response is served only to the tenant that made "
+            "it, which the store records; retry once it is back"
+        ) from None
 
 
 def _chain_session(chain: str) -> str:

@@ -344,8 +344,15 @@ class SessionService:
 
     async def get_response(self, tenant: str, response_id: str) -> dict[str, Any] | None:
         """Where a stored response lives: the store's word, or this replica's copy (the store down,
-        or the response made while it was)."""
-        found = await self._read_either(lambda store: store.get_response(tenant, response_id))
+        or the response made while it was). :class:`StoreUnavailable` when the store is down and this
+        replica has no copy: then only the store could say whether it exists, and whose it is."""
+        try:
+            found = await self.call(self.store.get_response(tenant, response_id))
+        except StoreUnavailable:
+            found = await self.local.get_response(tenant, response_id) if self.local is not None else None
+            if found is None:
+                raise
+            return found
         if found is None and self.local is not None:
             found = await self.local.get_response(tenant, response_id)
         return found
