@@ -51,7 +51,10 @@ class ModelCatalog:
     async def _refresh(self) -> None:
         data = (await self._upstream.list_models()).data
         if data is None:
-            logger.warning("could not read the upstream's models")
+            urls = ", ".join(backend.upstream.base_url + "/models" for backend in self._upstream.backends)
+            logger.warning(
+                "could not read the upstream's models (GET %s): context lengths unknown until it answers", urls
+            )
             self._fresh_until = time.monotonic() + self._retry
             return
         self._lengths = {
