@@ -220,7 +220,9 @@ def create_app(
         prefixes=PrefixTracker(),
         sessions=sessions,
         tenants=tenants,
-        models=ModelCatalog(upstream, ttl_s=settings.max_model_len_cache_s),
+        models=ModelCatalog(
+            upstream, ttl_s=settings.max_model_len_cache_s, ollama_num_ctx=settings.engines.ollama_num_ctx
+        ),
         token_counter=TokenCounter(),
         compaction=CompactionService(
             settings.summarizer, sessions, upstream, tenants, metrics, UsageAdmission(settings, sessions, metrics)

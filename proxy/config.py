@@ -633,6 +633,15 @@ class ReadinessSettings(Section):
     require_store: bool = False
 
 
+class EngineSettings(Section):
+    """What the proxy cannot read from an engine (docs/engines.md)."""
+
+    # The context an Ollama model gets when its Modelfile sets no num_ctx (Ollama's OpenAI API does not
+    # say it): Ollama's own default. Past it Ollama drops the start of the prompt instead of refusing it,
+    # so the proxy compacts before it. Set it to the OLLAMA_CONTEXT_LENGTH the server runs with.
+    ollama_num_ctx: int = Field(4096, gt=0)
+
+
 class Settings(BaseSettings):
     """Everything the proxy reads at start-up."""
 
@@ -718,6 +727,7 @@ class Settings(BaseSettings):
     capture: CaptureSettings = Field(default_factory=CaptureSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     readiness: ReadinessSettings = Field(default_factory=ReadinessSettings)
+    engines: EngineSettings = Field(default_factory=EngineSettings)
 
     # The config file's settings, read once by load_settings() and set on a subclass; otherwise the
     # file the PREFIX_PROXY_CONFIG environment variable names is read here.

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.backends import Backend, BackendPool
+from proxy.backends.engines import GENERIC, context_of, engine_of
 from proxy.config_sources import masked_url
 from proxy.sessions import SessionService, StoreUnavailable
 
@@ -44,15 +45,29 @@ class BackendCheck:
     status: str  # UP, DOWN (unreachable or 5xx), WRONG_PATH (no model list there), AUTH_FAILED, BROKEN
     models: tuple[str, ...] = ()
     detail: str = ""
+    # The engine its listing names (proxy.backends.engines), and each model's context there (None:
+    # the listing does not say, as Ollama's does not).
+    engine: str = ""
+    contexts: tuple[int | None, ...] = ()
 
     @property
     def serves_the_api(self) -> bool:
         return self.status == UP
 
+    def engine_summary(self) -> dict[str, Any]:
+        """The engine, and the context of its model (one number; a list for several)."""
+        contexts = sorted({c for c in self.contexts if c is not None})
+        context: int | list[int] | None = contexts[0] if len(contexts) == 1 else (contexts or None)
+        return {"engine": self.engine, "context": context}
+
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "url": self.url, "status": self.status}
+        if self.engine:
+            out["engine"] = self.engine
         if self.models:
             out["models"] = list(self.models)
+        if self.contexts:
+            out["context"] = dict(zip(self.models, self.contexts, strict=False))
         if self.detail:
             out["detail"] = self.detail
         return out
@@ -122,8 +137,12 @@ async def check_backend(
         )
     listing = _model_data(response) if status == 200 else None
     if listing is not None:
-        models = tuple(str(m["id"]) for m in listing if isinstance(m, dict) and m.get("id") is not None)
-        return BackendCheck(backend.name, url, UP, models, "" if models else "it serves no model yet")
+        entries = [m for m in listing if isinstance(m, dict) and m.get("id") is not None]
+        models = tuple(str(m["id"]) for m in entries)
+        engine = engine_of(entries[0]) if entries else GENERIC
+        contexts = tuple(context_of(m) for m in entries)
+        detail = "" if models else "it serves no model yet"
+        return BackendCheck(backend.name, url, UP, models, detail, engine, contexts)
     hint = f"; did you mean {url}/v1?" if not upstream.base_url.endswith("/v1") else ""
     return BackendCheck(
         backend.name, url, WRONG_PATH, detail=f"GET {url}/models answered {status}, not a model list{hint}"

@@ -1,7 +1,10 @@
-"""What the upstream says about its models (max_model_len), cached."""
+"""What the upstream says about its models: the engine serving each and the context a request of it
+may fill (vLLM's ``max_model_len``, llama-server's slot ``n_ctx``, Ollama's ``num_ctx``), cached; and
+exact prompt counts in the engine's own terms (:mod:`proxy.backends.engines`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -9,44 +12,69 @@ from typing import Any
 
 import orjson
 
+from proxy.backends.engines import GENERIC, LLAMA_SERVER, OLLAMA, EngineKind, context_of, engine_of, ollama_context
 from proxy.backends.pool import BackendPool
+from proxy.backends.upstream import read_response
 from proxy.http import ProxyError
 
 logger = logging.getLogger("prefix_proxy.models")
+SHOW_TIMEOUT_S = 3.0
 
 
 class ModelCatalog:
-    def __init__(self, upstream: BackendPool, ttl_s: float = 300.0, retry_s: float = 10.0) -> None:
+    def __init__(
+        self, upstream: BackendPool, ttl_s: float = 300.0, retry_s: float = 10.0, *, ollama_num_ctx: int = 4096
+    ) -> None:
         self._upstream = upstream
         self._ttl = ttl_s
         self._retry = retry_s
+        self._ollama_num_ctx = ollama_num_ctx
         self._lengths: dict[str, int] = {}
+        self._engines: dict[str, EngineKind] = {}
         self._fresh_until = 0.0
 
     async def max_model_len(self, model: str) -> int | None:
+        """The context a request for ``model`` may fill at its engine, where known."""
         if time.monotonic() >= self._fresh_until:
             await self._refresh()
         return self._lengths.get(model)
 
+    def engine(self, model: str) -> EngineKind:
+        """The engine serving ``model``, as last listed."""
+        return self._engines.get(model, GENERIC)
+
     async def count_prompt_tokens(self, body: dict[str, Any], headers: dict[str, str]) -> int | None:
-        """The exact prompt tokens from the backend's ``POST /tokenize`` (vLLM), or None if it cannot say."""
+        """The exact prompt tokens from the engine, or None if it cannot say: vLLM's ``POST /tokenize``
+        (chat template applied); llama-server's ``POST /apply-template`` then ``POST /tokenize``."""
         request: dict[str, Any] = {"model": body.get("model"), "messages": body.get("messages")}
         if body.get("tools"):
             request["tools"] = body["tools"]
         try:
-            response = await self._upstream.open(
-                "POST",
-                "/tokenize",
-                content=orjson.dumps(request),
-                headers={**headers, "content-type": "application/json"},
-                root=True,
-                model=request["model"],
-            )
-            raw = await self._upstream.read(response)
-            count = json.loads(raw).get("count") if response.status_code == 200 else None
+            if self.engine(str(request["model"])) == LLAMA_SERVER:
+                rendered = await self._post("/apply-template", request, headers)
+                prompt = rendered.get("prompt") if isinstance(rendered, dict) else None
+                if not isinstance(prompt, str):
+                    return None
+                tokens = await self._post("/tokenize", {"content": prompt, "add_special": True}, headers)
+                ids = tokens.get("tokens") if isinstance(tokens, dict) else None
+                return len(ids) if isinstance(ids, list) else None
+            answer = await self._post("/tokenize", request, headers)
+            count = answer.get("count") if isinstance(answer, dict) else None
         except (ProxyError, ValueError, AttributeError, TypeError):
             return None
         return count if isinstance(count, int) else None
+
+    async def _post(self, path: str, request: dict[str, Any], headers: dict[str, str]) -> Any:
+        response = await self._upstream.open(
+            "POST",
+            path,
+            content=orjson.dumps(request),
+            headers={**headers, "content-type": "application/json"},
+            root=True,
+            model=request.get("model"),
+        )
+        raw = await self._upstream.read(response)
+        return json.loads(raw) if response.status_code == 200 else None
 
     async def _refresh(self) -> None:
         data = (await self._upstream.list_models()).data
@@ -57,9 +85,33 @@ class ModelCatalog:
             )
             self._fresh_until = time.monotonic() + self._retry
             return
-        self._lengths = {
-            str(m["id"]): int(m["max_model_len"])
-            for m in data
-            if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)
-        }
+        models = [m for m in data if isinstance(m, dict) and m.get("id") is not None]
+        self._engines = {str(m["id"]): engine_of(m) for m in models}
+        lengths = {str(m["id"]): length for m in models if (length := context_of(m)) is not None}
+        unsaid = [name for name, kind in self._engines.items() if kind == OLLAMA and name not in lengths]
+        if unsaid:
+            found = await asyncio.gather(*(self._ollama_context(name) for name in unsaid))
+            lengths.update(zip(unsaid, found, strict=True))
+        self._lengths = lengths
         self._fresh_until = time.monotonic() + self._ttl
+
+    async def _ollama_context(self, model: str) -> int:
+        """An Ollama model's ``num_ctx`` (``POST /api/show``), else the configured default."""
+        for backend in self._upstream.backends:
+            try:
+                response = await backend.upstream.open(
+                    "POST",
+                    "/api/show",
+                    content=orjson.dumps({"model": model}),
+                    headers={**backend.upstream.auth_headers(None), "content-type": "application/json"},
+                    root=True,
+                    timeout_s=SHOW_TIMEOUT_S,
+                )
+                raw = await read_response(response)
+                if response.status_code == 200:
+                    found = ollama_context(json.loads(raw))
+                    if found is not None:
+                        return found
+            except (ProxyError, ValueError):
+                continue
+        return self._ollama_num_ctx

@@ -362,6 +362,23 @@ class ChatTurn:
                     await self.services.compaction.after_answer(job, due=due)
         self._count_summary_savings()
 
+    async def compact_for_engine(self) -> bool:
+        """The engine refused the forwarded prompt as longer than its context (an estimate, or a
+        context the proxy did not know, let it through): apply the summary deferred until the
+        context's end, or compact now. Whether the forwarded request changed (then it is sent once
+        more, before anything reached the client)."""
+        before = self.forwarded["messages"]
+        if self.summary_deferred:
+            self.summary_deferred = False
+            self._anchor()
+        if self.forwarded["messages"] == before:
+            job = self._compaction_job(list(before))
+            summary = await self.services.compaction.compact_now(job) if job is not None else None
+            if summary is not None:
+                self.summary = summary
+                self._anchor()
+        return self.forwarded["messages"] != before
+
     def _compaction_job(self, messages: list[dict[str, Any]]) -> CompactionJob | None:
         """What a compaction of this conversation needs, as it stands now; None without a session
         or a summary anchor."""

@@ -394,9 +394,9 @@ class SSERelay:
                 self.usage_rejected = True
             return event
         self.usage = usage
-        if self._client_wants_usage:
+        # What the proxy's own include_usage made the engine send is the usage-only chunk (no
+        # choices), dropped for a client that did not ask; usage an engine sends on a chunk of the
+        # answer without being asked (llama-server's last chunk) is the engine's, relayed as it came.
+        if self._client_wants_usage or choices:
             return event
-        if not choices:
-            return None
-        chunk.pop("usage", None)
-        return b"data: " + dumps(chunk)
+        return None

@@ -638,8 +638,23 @@ class AnthropicRelay(SSERelay):
     """Relays Anthropic SSE events unchanged, reading usage (``message_start``, ``message_delta``),
     tool calls and (when recording) text as they pass."""
 
+    # The usage fields said so far (replaced, never changed in place: the class's empty one is shared).
+    _usage_fields: dict[str, Any] = {}  # noqa: RUF012
+
     def _wants(self, complete: bytes) -> bool:
         return self._record_content or any(mark in complete for mark in _MARKS)
+
+    def _read_usage(self, fields: Any) -> None:
+        """Anthropic's usage counts are cumulative over the stream, each event giving some of them:
+        ``message_start`` the input, ``message_delta`` the output (llama-server's gives the output
+        alone, Anthropic's repeats the input). What an event leaves out is what was said before."""
+        if not isinstance(fields, dict):
+            return
+        said = {**self._usage_fields, **{key: value for key, value in fields.items() if value is not None}}
+        self._usage_fields = said
+        usage = read_usage(said)
+        if usage is not None:
+            self.usage = usage
 
     def _is_final(self, complete: bytes) -> bool:
         return b"event: message_stop" in complete or b'"type":"message_stop"' in complete
@@ -668,13 +683,9 @@ class AnthropicRelay(SSERelay):
         if kind == "message_start" and isinstance(event.get("message"), dict):
             if isinstance(event["message"].get("id"), str):
                 self.answer_id = event["message"]["id"]
-            usage = read_usage(event["message"].get("usage"))
-            if usage is not None:
-                self.usage = usage
+            self._read_usage(event["message"].get("usage"))
         elif kind == "message_delta":
-            usage = read_usage(event.get("usage"))
-            if usage is not None:
-                self.usage = usage
+            self._read_usage(event.get("usage"))
         elif kind == "content_block_start" and isinstance(event.get("content_block"), dict):
             block = event["content_block"]
             index = event.get("index")

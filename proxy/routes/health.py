@@ -33,6 +33,8 @@ async def readyz(request: Request) -> Response:
     body: dict[str, Any] = {
         "status": result.state,
         "backends": {b.name: b.status for b in result.backends},
+        # The engine each backend is and the context a request may fill there (no model names).
+        "engines": {b.name: b.engine_summary() for b in result.backends if b.engine},
         "store": {"kind": result.store.kind, "status": result.store.status},
     }
     if result.reasons:

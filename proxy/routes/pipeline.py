@@ -19,12 +19,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.app_state import ProxyState
+from proxy.backends.engines import context_overflow
 from proxy.canon import CanonResult, stable_prefix_hash
 from proxy.chat import ChatTurn
 from proxy.http import ProxyError, RequestContext, ServerError, parse_json_object, read_body
 from proxy.openai import AssistantRecorder, Usage, dumps_body
 from proxy.protocols import DiagnosticsAsk, GenerationProtocol, ProtocolView
-from proxy.routes.exchange import StreamingAnswer, UpstreamAnswer, Wire, respond, send
+from proxy.routes.exchange import StreamingAnswer, UpstreamAnswer, WholeAnswer, Wire, respond, send
 from proxy.routes.forward import error_response
 from proxy.routes.observe import (
     Observed,
@@ -189,34 +190,41 @@ async def forward_turn(
         ctx.session_id = turn.session_id
         ctx.route_key = turn.routing_key
         ctx.actions.extend(turn.actions)
-        forwarded = turn.forwarded
-        outgoing = state.tenants.cache_salted(tenant, view.restore(forwarded))
-        ctx.restructured = _roles(forwarded) != _roles(chat)
-        if state.settings.log_prompts:
-            ctx.logged_messages = forwarded["messages"]
-        # Explained in chat shape for every protocol (what the digests read); not a request whose
-        # history the backend holds (a Responses chain): its view is the new turn alone.
-        if options.summarize:
-            ending.observed = before_upstream(state, ctx, turn, forwarded)
         answer_fields = None
-        if options.diagnostics is not None:
-            answer_fields = protocol.diagnostics_fields(diagnose(state, ctx, turn, view, options.diagnostics))
-        client_wants_usage = True
-        if ctx.stream:
-            outgoing, client_wants_usage = protocol.stream_request(outgoing)
-        answer = await send(
-            state,
-            request,
-            ctx,
-            wire_of(protocol),
-            dumps_body(outgoing),
-            stream=ctx.stream,
-            backend=options.backend,
-            client_wants_usage=client_wants_usage,
-            record_content=turn.session is not None or (ending.observed is not None and needs_reply_content(state)),
-            on_answer=ending.answer_named,
-            answer_fields=answer_fields,
-        )
+        for attempt in range(2):
+            forwarded = turn.forwarded
+            outgoing = state.tenants.cache_salted(tenant, view.restore(forwarded))
+            ctx.restructured = _roles(forwarded) != _roles(chat)
+            if state.settings.log_prompts:
+                ctx.logged_messages = forwarded["messages"]
+            # Explained in chat shape for every protocol (what the digests read); not a request whose
+            # history the backend holds (a Responses chain): its view is the new turn alone.
+            if options.summarize:
+                ending.observed = before_upstream(state, ctx, turn, forwarded)
+            if options.diagnostics is not None and answer_fields is None:
+                answer_fields = protocol.diagnostics_fields(diagnose(state, ctx, turn, view, options.diagnostics))
+            client_wants_usage = True
+            if ctx.stream:
+                outgoing, client_wants_usage = protocol.stream_request(outgoing)
+            answer = await send(
+                state,
+                request,
+                ctx,
+                wire_of(protocol),
+                dumps_body(outgoing),
+                stream=ctx.stream,
+                backend=options.backend,
+                client_wants_usage=client_wants_usage,
+                record_content=turn.session is not None or (ending.observed is not None and needs_reply_content(state)),
+                on_answer=ending.answer_named,
+                answer_fields=answer_fields,
+            )
+            # The engine refused the prompt as past its context: compacted and sent once more, before
+            # anything reached the client (never a context error the engine would not have given).
+            if attempt or not _past_context(answer) or not await turn.compact_for_engine():
+                break
+            ctx.actions.append("compacted_for_engine_context")
+            ctx.upstream_over()
         if not isinstance(answer, StreamingAnswer):
             ending.completed(answer)  # a stream's ending is told when the stream ends
             await ending.before_response()
@@ -236,6 +244,10 @@ def canonicalize(state: ProxyState, ctx: RequestContext, tenant: Tenant, view: P
     ctx.prefix_hash = canon.prefix_hash
     ctx.saved_by_canonicalization = count_canonicalization(state, tenant.name, view.chat, canon)
     return canon
+
+
+def _past_context(answer: UpstreamAnswer) -> bool:
+    return isinstance(answer, WholeAnswer) and context_overflow(answer.status, answer.raw) is not None
 
 
 def _roles(body: dict[str, Any]) -> list[Any]:

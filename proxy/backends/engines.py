@@ -1,0 +1,122 @@
+"""The engine behind a backend, told from what it serves, and read in its own terms.
+
+Two engine families serve the OpenAI API the proxy fronts, and they differ where the proxy's
+decisions depend on them (docs/engines.md):
+
+- **vLLM** lists ``max_model_len`` per model in ``GET /v1/models`` (``owned_by: "vllm"``), counts a
+  chat prompt exactly at ``POST /tokenize`` (chat template applied), and refuses a prompt past its
+  context with 400 "This model's maximum context length is N tokens. However, you requested M ...".
+- **llama.cpp's llama-server** (the engine inside Ollama) lists ``owned_by: "llamacpp"`` and, in
+  ``meta``, ``n_ctx``: the context of one slot (``--ctx-size`` divided among ``--parallel`` slots),
+  which is what one request may fill; its ``/props`` says the same as
+  ``default_generation_settings.n_ctx``. It refuses past it with 400, ``type:
+  "exceed_context_size_error"`` and ``n_prompt_tokens``, ``n_ctx`` in the error.
+- **Ollama** fronts llama.cpp with its own API; its OpenAI listing (``owned_by: "library"`` or
+  ``"ollama"``) names no context. The context a request gets is the model's ``num_ctx`` parameter
+  when its Modelfile sets one (``POST /api/show``), else Ollama's default (``engines.ollama_num_ctx``;
+  past it Ollama drops the start of the prompt rather than refusing it).
+
+Pure: no I/O here; :class:`proxy.backends.catalog.ModelCatalog` asks, this module reads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from proxy.openai import loads
+
+EngineKind = Literal["vllm", "llama-server", "ollama", "openai-compatible"]
+VLLM: EngineKind = "vllm"
+LLAMA_SERVER: EngineKind = "llama-server"
+OLLAMA: EngineKind = "ollama"
+GENERIC: EngineKind = "openai-compatible"
+
+_OWNERS: dict[str, EngineKind] = {"vllm": VLLM, "llamacpp": LLAMA_SERVER, "library": OLLAMA, "ollama": OLLAMA}
+
+
+def engine_of(model: Any) -> EngineKind:
+    """The engine that lists ``model`` (one entry of ``GET /v1/models``'s ``data``)."""
+    if not isinstance(model, dict):
+        return GENERIC
+    owner = model.get("owned_by")
+    if isinstance(owner, str) and owner.lower() in _OWNERS:
+        return _OWNERS[owner.lower()]
+    if _count(model.get("max_model_len")) is not None:
+        return VLLM
+    meta = model.get("meta")
+    if isinstance(meta, dict) and "n_ctx_train" in meta:
+        return LLAMA_SERVER
+    return GENERIC
+
+
+def context_of(model: Any) -> int | None:
+    """The tokens one request may hold, as the listing says: vLLM's ``max_model_len``, llama-server's
+    ``meta.n_ctx`` (per slot); None where it says nothing (Ollama, other servers)."""
+    if not isinstance(model, dict):
+        return None
+    length = _count(model.get("max_model_len"))
+    meta = model.get("meta")
+    if length is None and isinstance(meta, dict):
+        length = _count(meta.get("n_ctx"))
+    return length
+
+
+def props_context(props: Any) -> int | None:
+    """llama-server's ``GET /props``: ``default_generation_settings.n_ctx`` (a slot's context)."""
+    settings = props.get("default_generation_settings") if isinstance(props, dict) else None
+    return _count(settings.get("n_ctx")) if isinstance(settings, dict) else None
+
+
+_NUM_CTX = re.compile(r"^\s*num_ctx\s+(\d+)\s*$", re.MULTILINE)
+
+
+def ollama_context(show: Any) -> int | None:
+    """Ollama's ``POST /api/show``: the ``num_ctx`` its Modelfile parameters set, if any (the
+    model's trained ``context_length`` is not what a request gets: Ollama's default is)."""
+    parameters = show.get("parameters") if isinstance(show, dict) else None
+    match = _NUM_CTX.search(parameters) if isinstance(parameters, str) else None
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class ContextOverflow:
+    """An engine's refusal of a prompt longer than its context: what it counted, where known."""
+
+    prompt_tokens: int | None
+    context: int | None
+
+
+_VLLM_OVERFLOW = re.compile(r"maximum context length is (\d+) tokens.*?(?:requested|you requested) (\d+) tokens", re.S)
+
+
+def context_overflow(status: int, raw: bytes) -> ContextOverflow | None:
+    """Whether an error answer is the engine refusing a prompt past its context (vLLM's message,
+    llama-server's ``exceed_context_size_error``), or None for any other error."""
+    if status != 400 or len(raw) > 64 * 1024:
+        return None
+    try:
+        body = loads(raw)
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, str):
+        error = {"message": error}
+    if not isinstance(error, dict):
+        return None
+    if error.get("type") == "exceed_context_size_error":
+        return ContextOverflow(_count(error.get("n_prompt_tokens")), _count(error.get("n_ctx")))
+    message = error.get("message")
+    if isinstance(message, str):
+        found = _VLLM_OVERFLOW.search(message)
+        if found is not None:
+            return ContextOverflow(int(found.group(2)), int(found.group(1)))
+        if "maximum context length" in message:
+            return ContextOverflow(None, None)
+    return None
+
+
+def _count(value: Any) -> int | None:
+    """A positive integer, or None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -1,0 +1,233 @@
+"""Engines told apart and read in their own terms (proxy.backends.engines), against the answers
+llama-server (llama.cpp b-sources of llama-cpp-python 0.3.36: tools/server/server-context.cpp,
+server-task.cpp) and vLLM give, recorded here as they write them; and a conversation that outgrows a
+small llama-server context kept going by the proxy on its defaults.
+
+The llama-server double serves what the proxy reads: ``GET /v1/models`` (``owned_by: "llamacpp"``,
+``meta.n_ctx`` per slot), ``/props``, ``/health``, ``/apply-template`` and ``/tokenize``, and chat
+completions that refuse a prompt past ``n_ctx`` with its 400 ``exceed_context_size_error``; tokens are
+counted with tiktoken over the rendered messages, as a tokenizer of its own would.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from proxy.app import create_app
+from proxy.backends.engines import (
+    LLAMA_SERVER,
+    OLLAMA,
+    VLLM,
+    context_of,
+    context_overflow,
+    engine_of,
+    ollama_context,
+    props_context,
+)
+from proxy.config import Settings
+from proxy.tokenization import TokenCounter
+from tests.helpers import LiveServer
+
+# As llama-server writes them (server-context.cpp get_res_model_info, get_res_props; server-task.cpp).
+LLAMA_MODEL = {
+    "id": "SmolLM2-135M-Instruct",
+    "aliases": [],
+    "tags": [],
+    "object": "model",
+    "created": 1764800000,
+    "owned_by": "llamacpp",
+    "meta": {
+        "vocab_type": 2,
+        "n_vocab": 49152,
+        "n_ctx": 2048,
+        "n_ctx_train": 8192,
+        "n_embd": 576,
+        "n_params": 134515008,
+        "size": 90000000,
+        "ftype": 3,
+    },
+}
+LLAMA_OVERFLOW = {
+    "error": {
+        "code": 400,
+        "message": "request (2301 tokens) exceeds the available context size (2048 tokens), try increasing it",
+        "type": "exceed_context_size_error",
+        "n_prompt_tokens": 2301,
+        "n_ctx": 2048,
+    }
+}
+VLLM_MODEL = {"id": "m", "object": "model", "owned_by": "vllm", "root": "m", "max_model_len": 32768}
+VLLM_OVERFLOW = {
+    "error": {
+        "message": "This model's maximum context length is 32768 tokens. However, you requested 40000 tokens "
+        "(39000 in the messages, 1000 in the completion). Please reduce the length of the messages or completion.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+}
+
+
+def test_engines_are_told_apart_by_what_they_list() -> None:
+    assert engine_of(LLAMA_MODEL) == LLAMA_SERVER and context_of(LLAMA_MODEL) == 2048
+    assert engine_of(VLLM_MODEL) == VLLM and context_of(VLLM_MODEL) == 32768
+    ollama = {"id": "llama3.2:latest", "object": "model", "created": 1, "owned_by": "library"}
+    assert engine_of(ollama) == OLLAMA and context_of(ollama) is None
+    assert props_context({"default_generation_settings": {"n_ctx": 2048, "params": {}}, "total_slots": 1}) == 2048
+    assert ollama_context({"parameters": 'stop "<|eot_id|>"\nnum_ctx 8192\ntemperature 0.6'}) == 8192
+    assert ollama_context({"parameters": "temperature 0.6"}) is None
+
+
+def test_context_errors_are_read_in_each_engines_shape() -> None:
+    llama = context_overflow(400, json.dumps(LLAMA_OVERFLOW).encode())
+    assert llama is not None and (llama.prompt_tokens, llama.context) == (2301, 2048)
+    vllm = context_overflow(400, json.dumps(VLLM_OVERFLOW).encode())
+    assert vllm is not None and (vllm.prompt_tokens, vllm.context) == (40000, 32768)
+    other = {"error": {"message": "'messages' must be a non-empty array", "type": "invalid_request_error"}}
+    assert context_overflow(400, json.dumps(other).encode()) is None
+    assert context_overflow(500, json.dumps(LLAMA_OVERFLOW).encode()) is None
+    assert context_overflow(400, b"<html>nope</html>") is None
+
+
+# -- a llama-server double -------------------------------------------------------------------------
+
+
+class LlamaServerDouble:
+    """What the proxy reads of llama-server, with a 2,048-token slot."""
+
+    def __init__(self, n_ctx: int = 2048, *, lists_context: bool = True) -> None:
+        self.n_ctx = n_ctx
+        # False: a server whose listing says nothing of its context (the proxy learns it from a refusal).
+        self.lists_context = lists_context
+        self.counter = TokenCounter()
+        self.prompts: list[int] = []  # prompt tokens of every chat request, refused ones included
+        self.refused = 0
+
+    def _count(self, body: dict[str, Any]) -> int:
+        return self.counter.count_messages(body.get("messages") or [])
+
+    def app(self) -> Starlette:
+        async def models(request: Request) -> JSONResponse:
+            if not self.lists_context:
+                return JSONResponse({"object": "list", "data": [{"id": LLAMA_MODEL["id"], "object": "model"}]})
+            model = {**LLAMA_MODEL, "meta": {**LLAMA_MODEL["meta"], "n_ctx": self.n_ctx}}
+            return JSONResponse({"object": "list", "data": [model]})
+
+        async def props(request: Request) -> JSONResponse:
+            return JSONResponse({"default_generation_settings": {"n_ctx": self.n_ctx, "params": {}}, "total_slots": 1})
+
+        async def health(request: Request) -> JSONResponse:
+            return JSONResponse({"status": "ok"})
+
+        async def apply_template(request: Request) -> JSONResponse:
+            body = await request.json()
+            text = "".join(f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in body["messages"])
+            return JSONResponse({"prompt": text})
+
+        async def tokenize(request: Request) -> JSONResponse:
+            body = await request.json()
+            return JSONResponse({"tokens": list(range(self.counter.count_text(body["content"])))})
+
+        async def chat(request: Request) -> JSONResponse:
+            body = await request.json()
+            prompt = self._count(body)
+            self.prompts.append(prompt)
+            if prompt >= self.n_ctx:
+                self.refused += 1
+                error = {**LLAMA_OVERFLOW["error"], "n_prompt_tokens": prompt, "n_ctx": self.n_ctx}
+                error["message"] = f"request ({prompt} tokens) exceeds the available context size ({self.n_ctx} tokens)"
+                return JSONResponse({"error": error}, status_code=400)
+            text = "Summary: the user asked about drills, walls and tiles; the assistant answered each."
+            if "Summarize" not in json.dumps(body["messages"][-1:]):
+                text = "Use a masonry bit, low speed, no hammer mode on tiles."
+            completion = self.counter.count_text(text)
+            return JSONResponse(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "model": body.get("model"),
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                    ],
+                    "usage": {
+                        "prompt_tokens": prompt,
+                        "completion_tokens": completion,
+                        "total_tokens": prompt + completion,
+                        "prompt_tokens_details": {"cached_tokens": 0},
+                    },
+                }
+            )
+
+        return Starlette(
+            routes=[
+                Route("/v1/models", models),
+                Route("/props", props),
+                Route("/health", health),
+                Route("/apply-template", apply_template, methods=["POST"]),
+                Route("/tokenize", tokenize, methods=["POST"]),
+                Route("/v1/chat/completions", chat, methods=["POST"]),
+            ]
+        )
+
+
+@pytest.fixture(params=[True, False], ids=["context listed", "context unsaid"])
+def llama(request: pytest.FixtureRequest) -> Iterator[tuple[LlamaServerDouble, LiveServer]]:
+    double = LlamaServerDouble(lists_context=request.param)
+    server = LiveServer(double.app()).start()
+    yield double, server
+    server.stop()
+
+
+def test_the_proxy_learns_a_llama_servers_slot_context_and_says_so(llama: tuple[LlamaServerDouble, LiveServer]) -> None:
+    double, server = llama
+    if not double.lists_context:
+        pytest.skip("a listing that says nothing of the context")
+    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
+    try:
+        ready = httpx.get(proxy.url + "/readyz").json()
+    finally:
+        proxy.stop()
+    assert list(ready["engines"].values()) == [{"engine": LLAMA_SERVER, "context": 2048}]
+
+
+def test_a_chat_past_a_small_context_is_answered_every_turn(llama: tuple[LlamaServerDouble, LiveServer]) -> None:
+    """16 turns whose history outgrows a 2,048-token slot: direct, llama-server refuses the later
+    turns; through the proxy on its defaults, every turn is answered: compacted before the context's
+    end where the listing says it, and where it does not, compacted and sent again on the refusal."""
+    double, server = llama
+    question = "How do I drill into a brick wall without cracking it, and which bit and speed should I use? "
+    answer = "Use a masonry bit at low speed, mark the spot with tape, and keep the drill level. " * 6
+
+    def conversation(url: str, session: str) -> list[int]:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a hardware store assistant."}]
+        statuses = []
+        for turn in range(16):
+            messages.append({"role": "user", "content": f"Turn {turn}. " + question * 3})
+            response = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": 64},
+                headers={"x-session-id": session},
+                timeout=60,
+            )
+            statuses.append(response.status_code)
+            messages.append({"role": "assistant", "content": answer})
+        return statuses
+
+    direct = conversation(server.url, "direct")
+    assert 400 in direct  # the engine's own refusal: the history outgrew its context
+    double.refused = 0
+    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
+    try:
+        proxied = conversation(proxy.url, "proxied")
+    finally:
+        proxy.stop()
+    assert proxied == [200] * 16, proxied
