@@ -171,14 +171,17 @@ class Hop:
 
 
 @contextlib.contextmanager
-def prefix_proxy(upstream: str, source: str | None = None, name: str = "prefix-proxy") -> Iterator[Hop]:
-    """prefix-proxy on its default settings (access log on, to /dev/null), from this tree or ``source``."""
+def prefix_proxy(
+    upstream: str, source: str | None = None, name: str = "prefix-proxy", settings: dict[str, str] | None = None
+) -> Iterator[Hop]:
+    """prefix-proxy on its default settings (access log on, to /dev/null), from this tree or ``source``;
+    ``settings``: environment variables that change some (``PREFIX_PROXY_...``)."""
     port = free_port()
     # A checkout's own virtual environment where it has one: dependencies change between commits.
     own_python = Path(source, ".venv", "bin", "python") if source else None
     python = str(own_python) if own_python and own_python.exists() else sys.executable
     args = [python, "-m", "proxy", "serve", "--upstream", upstream, "--port", str(port)]
-    env = {"PYTHONPATH": source} if source else None
+    env = {**({"PYTHONPATH": source} if source else {}), **(settings or {})}
     with spawn(args, f"http://127.0.0.1:{port}/healthz", env=env, cwd=source) as proc:
         yield Hop(name, f"http://127.0.0.1:{port}/v1", proc.pid)
 

@@ -226,7 +226,7 @@ def new_system(tokens: int) -> Shape:
 
 
 # BFCL-style requests and results for the agent's turns (written for this benchmark).
-_AGENT_TASKS = (
+_AGENT_TASKS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("send_message", {"receiver_id": "USR003", "message": "The design review moved to Thursday at 10."}),
     ("view_messages_sent", {}),
     ("search_messages", {"keyword": "quarterly budget"}),
@@ -246,10 +246,33 @@ def _agent_result(conversation: int, turn: int, name: str) -> str:
     return json.dumps({"result": rows, "count": len(rows), "elapsed_ms": 12 + turn})
 
 
+def agent_system() -> str:
+    """The function-calling agent's system prompt: the longest of the first 20 Dify prompts."""
+    return _fill(max(corpus().dify_systems[:20], key=len))
+
+
+def agent_tools() -> list[dict[str, Any]]:
+    """The agent's 21 tools (BFCL's message, ticket and web-search suites)."""
+    return _tools("message_api", "ticket_api", "web_search")
+
+
+def agent_turn(conversation: int, turn: int, question: str) -> list[dict[str, Any]]:
+    """One finished turn of the agent's conversation: the user's ``question``, the assistant's tool
+    call, the tool's result and the assistant's answer."""
+    name, arguments = _AGENT_TASKS[(conversation + turn) % len(_AGENT_TASKS)]
+    call_id = f"call_{hashlib.sha1(f'{conversation}:{turn}'.encode()).hexdigest()[:24]}"
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": _agent_result(conversation, turn, name)},
+        {"role": "assistant", "content": f"Done: {name} answered with 6 items for turn {turn}."},
+    ]
+
+
 def agent20() -> Shape:
-    systems = corpus().dify_systems
-    system = _fill(max(systems[:20], key=len))
-    tools = _tools("message_api", "ticket_api", "web_search")
+    system = agent_system()
+    tools = agent_tools()
     questions = [turn for q in corpus().questions for turn in q]
     turns = 20
 
@@ -258,16 +281,10 @@ def agent20() -> Shape:
         for turn in range(upto + 1):
             question = questions[(conversation * 3 + turn) % len(questions)]
             opening = f"(chat {conversation}) " if turn == 0 else ""
-            messages.append({"role": "user", "content": f"{opening}{question}"})
             if turn == upto:
+                messages.append({"role": "user", "content": f"{opening}{question}"})
                 break
-            name, arguments = _AGENT_TASKS[(conversation + turn) % len(_AGENT_TASKS)]
-            call_id = f"call_{hashlib.sha1(f'{conversation}:{turn}'.encode()).hexdigest()[:24]}"
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            result = _agent_result(conversation, turn, name)
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
-            messages.append({"role": "assistant", "content": f"Done: {name} answered with 6 items for turn {turn}."})
+            messages += agent_turn(conversation, turn, f"{opening}{question}")
         return messages
 
     def make(i: int) -> dict[str, Any]:
