@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything the tests need on this machine, then runs them (README's test command):
 # Redis on 127.0.0.1:6379 (installed with apt-get and started when missing), Prometheus and promtool
-# (installed with apt-get when missing), the Python environment in .venv with the test extras.
+# (installed with apt-get when missing), the Python environment in .venv with the test extras at the
+# versions of constraints.txt (the image's).
 # Extra arguments go to pytest (bash scripts/test.sh -k canon).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,8 +38,10 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+# Every version from constraints.txt, the list the image installs from too (pip itself included; the
+# project's build backend, setuptools, with --build-constraint).
+.venv/bin/python -m pip install -q -c constraints.txt --upgrade pip
+.venv/bin/python -m pip install -q -c constraints.txt --build-constraint constraints.txt -e ".[test]"
 
 log "tests"
 # The venv's own executables (the routers some tests start) come first on PATH.
