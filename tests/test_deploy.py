@@ -435,10 +435,31 @@ def test_grafana_provisioning_matches_the_compose_mounts() -> None:
 # -- Dockerfile -------------------------------------------------------------------------------------
 
 
+def dockerfile_commands() -> list[Any]:
+    return list(need("dockerfile").parse_file(str(ROOT / "Dockerfile")))
+
+
+def dockerfile_args() -> dict[str, str]:
+    """The Dockerfile's global ``ARG``s (those before the first ``FROM``) with their defaults."""
+    args: dict[str, str] = {}
+    for command in dockerfile_commands():
+        if command.cmd.upper() == "FROM":
+            break
+        if command.cmd.upper() == "ARG":
+            name, _, default = command.value[0].partition("=")
+            args[name] = default
+    return args
+
+
+def base_image(name: str) -> str:
+    """The image stage ``name`` builds on, its ``${ARG}`` replaced by the ARG's default."""
+    image: str = stage_settings(name)["FROM"]
+    return re.sub(r"\$\{(\w+)\}", lambda m: dockerfile_args()[m.group(1)], image)
+
+
 def dockerfile_stages() -> list[list[Any]]:
-    parser = need("dockerfile")
     stages: list[list[Any]] = []
-    for command in parser.parse_file(str(ROOT / "Dockerfile")):
+    for command in dockerfile_commands():
         if command.cmd.upper() == "FROM":
             stages.append([])
         if stages:
@@ -498,7 +519,7 @@ def test_dockerfile_runtime_stage() -> None:
     stages = dockerfile_stages()
     assert stages[-1][0].value[-1] == "proxy", "the last stage (what `docker build .` makes) is the proxy"
     final = stage_settings("proxy")
-    assert re.fullmatch(r"python:\$\{PYTHON_VERSION\}-slim|python:3\.\d+-slim", final["FROM"])
+    assert base_image("proxy") == dockerfile_args()["PYTHON_IMAGE"]
     user = final["USER"].value[0].split(":")[0]
     assert user not in ("root", "0"), "the image must run as a non-root user"
     healthcheck = " ".join(final["HEALTHCHECK"].value)
@@ -509,7 +530,7 @@ def test_dockerfile_runtime_stage() -> None:
 
 def test_dockerfile_fake_backend_target() -> None:
     fake = stage_settings("fake-backend")
-    assert re.fullmatch(r"python:\$\{PYTHON_VERSION\}-slim|python:3\.\d+-slim", fake["FROM"])
+    assert base_image("fake-backend") == dockerfile_args()["PYTHON_IMAGE"]
     assert fake["USER"].value[0].split(":")[0] not in ("root", "0"), "the image must run as a non-root user"
     assert fake["ENTRYPOINT"].value == ("prefix-proxy",)
     assert fake["CMD"].value == ("fake-backend", "--host", "0.0.0.0", "--port", "8000")
@@ -531,7 +552,7 @@ def copied_sources(stages: set[str]) -> set[str]:
 def test_the_product_image_does_not_carry_testbed() -> None:
     product = stage_inputs("proxy")
     assert "build" in product and "fake-backend" not in product and "build-fake-backend" not in product
-    assert copied_sources(product) == {"pyproject.toml", "README.md", "proxy", "summarizer"}
+    assert copied_sources(product) == {"pyproject.toml", "constraints.txt", "README.md", "proxy", "summarizer"}
     # The development tooling goes into the fake-backend target only.
     assert "testbed" in copied_sources(stage_inputs("fake-backend"))
 
@@ -546,8 +567,8 @@ def test_dockerfile_copies_only_what_dockerignore_lets_through() -> None:
                 for source in command.value[:-1]:
                     assert source in allowed, f"COPY {source}: excluded by .dockerignore"
                     assert (ROOT / source).exists(), f"COPY {source}: no such file"
-    # pyproject.toml builds the package from these; README.md is its readme.
-    assert {"pyproject.toml", "README.md", "proxy", "summarizer"} <= allowed
+    # pyproject.toml builds the package from these; README.md is its readme; constraints.txt pins the dependencies.
+    assert {"pyproject.toml", "constraints.txt", "README.md", "proxy", "summarizer"} <= allowed
 
 
 def test_env_example_lists_only_variables_the_compose_file_reads() -> None:

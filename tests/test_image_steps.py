@@ -1,30 +1,38 @@
 """The container image's steps, run without a container builder (none on the CI machine: no Docker
-daemon, no registry for the base image): what the Dockerfile's product stages copy builds into wheels,
-those wheels install with no index into a fresh environment, and the installed command answers as the
-image's entrypoint would, configured through the image's environment, with no testbed in it. The
-fake-backend target's steps likewise: the project's wheel again with testbed/, in place of the product's,
-installs beside the same dependencies and serves. Not checked here: the base image, the user and the
-HEALTHCHECK (tests/test_deploy.py checks the Dockerfile's text)."""
+daemon, no registry for the base image): the RUN commands of the Dockerfile's build stages, as written, in a
+fresh environment of this Python (CI's, the image's minor release) on what those stages copy: the
+requirements list from pyproject.toml, the dependencies' wheels at constraints.txt's versions, the project's
+wheel. Then the product stage's own install step (no index, the ``otel`` extra by default) into another fresh
+environment; the installed command answers as the image's entrypoint would, configured through the image's
+environment, with no testbed in it, with OpenTelemetry (``tracing.enabled: true`` starts), and every package
+at the version CI tests. The fake-backend target's steps likewise: the project's wheel again with testbed/, in
+place of the product's, installs beside the same dependencies and serves. Not checked here: the base image,
+the user and the HEALTHCHECK (tests/test_deploy.py and tests/test_artifacts_image.py check the Dockerfile's
+text)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 import venv
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.utils import canonicalize_name
 
 from proxy import __version__
 from tests.helpers import free_port
-from tests.test_deploy import copied_sources, stage_chain, stage_inputs
+from tests.test_artifacts_constraints import pins
+from tests.test_artifacts_image import runs, stage_args
+from tests.test_deploy import copied_sources, named_stages, stage_chain, stage_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_WHEEL = "prefix_proxy-*.whl"
+WHEELS = "/wheels"  # where the Dockerfile's stages keep the wheels
 
 
 def image_environment(target: str) -> dict[str, str]:
@@ -53,38 +61,91 @@ def build_context(target: str, context: Path) -> Path:
     return context
 
 
-def install(wheels: Path, target: Path) -> Path:
-    """A fresh environment with prefix-proxy installed from ``wheels`` alone; its bin/ folder."""
+def python_environment(target: Path) -> Path:
+    """A fresh environment of this Python, with the pip it bundles (as the base image has); its bin/ folder."""
     venv.EnvBuilder(with_pip=True).create(target)
-    pip = [str(target / "bin/python"), "-m", "pip", "install", "--quiet", "--no-index"]
-    installed = run([*pip, "--find-links", str(wheels), "prefix-proxy"])
-    assert installed.returncode == 0, installed.stderr[-2000:]
     return target / "bin"
 
 
+def clean_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.upper().startswith(("PREFIX_PROXY_", "PIP_", "VIRTUAL_ENV"))}
+
+
+def run_stage(stage: str, cwd: Path, bin_dir: Path, wheels: Path) -> list[subprocess.CompletedProcess[str]]:
+    """The stage's own RUN commands as the Dockerfile writes them, with its ENV and build arguments, the
+    environment's ``bin_dir`` first on PATH and ``wheels`` for /wheels. pip's cache stays on (the image
+    turns it off for its size only)."""
+    environment = {
+        **clean_environment(),
+        **{k: v for k, v in image_environment(stage).items() if k != "PIP_NO_CACHE_DIR"},
+        **stage_args(stage),
+    }
+    environment["PATH"] = f"{bin_dir}:{environment.get('PATH', '')}"
+    done = []
+    for shell in runs(stage):
+        result = run(["sh", "-c", shell.replace(WHEELS, str(wheels))], cwd=cwd, env=environment)
+        if result.returncode != 0 and "No matching distribution" in result.stderr + result.stdout:
+            pytest.skip(f"the package index is unreachable: {result.stderr.strip().splitlines()[-1:]}")
+        assert result.returncode == 0, f"RUN {shell}\n{result.stderr[-3000:]}"
+        done.append(result)
+    return done
+
+
 def image_env(target: str, bin_dir: Path) -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("PREFIX_PROXY_")}
+    clean = clean_environment()
     return {**clean, **image_environment(target), "PATH": f"{bin_dir}:{clean.get('PATH', '')}"}
 
 
+@dataclass(frozen=True)
+class Build:
+    """What the product's build stages left: their context, environment (its bin/) and wheels."""
+
+    context: Path
+    bin_dir: Path
+    wheels: Path
+
+
 @pytest.fixture(scope="module")
-def product_wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The build stage: ``pip wheel`` of the product's context, every dependency included."""
+def product_build(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    """The stages the product's wheels come from (``build`` and those it is FROM or copies from), in the
+    Dockerfile's order, on the product's context."""
     work = tmp_path_factory.mktemp("image")
     context = build_context("proxy", work / "context")
     assert not (context / "testbed").exists()
-    wheels = work / "wheels"
-    built = run([sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(wheels), "."], cwd=context)
-    if built.returncode != 0 and "No matching distribution" in built.stderr + built.stdout:
-        pytest.skip(f"the package index is unreachable: {built.stderr.strip().splitlines()[-1:]}")
-    assert built.returncode == 0, built.stderr[-2000:]
-    return wheels
+    build = Build(context, python_environment(work / "build-env"), work / "wheels")
+    for stage in (name for name in named_stages() if name in stage_inputs("build")):
+        run_stage(stage, context, build.bin_dir, build.wheels)
+    return build
 
 
-def test_the_image_steps_build_install_and_run(product_wheels: Path, tmp_path: Path) -> None:
-    bin_dir = install(product_wheels, tmp_path / "image-venv")
+def installed_versions(bin_dir: Path) -> dict[str, str]:
+    listed = run([str(bin_dir / "python"), "-m", "pip", "list", "--format=freeze"])
+    assert listed.returncode == 0, listed.stderr
+    lines = (line.partition("==") for line in listed.stdout.split())
+    return {canonicalize_name(name): version for name, _, version in lines}
+
+
+def test_the_image_steps_build_install_and_run(product_build: Build, tmp_path: Path) -> None:
+    bin_dir = python_environment(tmp_path / "image-venv")
+    run_stage("proxy", tmp_path, bin_dir, product_build.wheels)
     python, command = str(bin_dir / "python"), str(bin_dir / "prefix-proxy")
     environment = image_env("proxy", bin_dir)
+    # Every package at the version CI installs (constraints.txt); the project's own besides.
+    versions = installed_versions(bin_dir)
+    pinned = pins()
+    assert versions.pop("prefix-proxy") == __version__
+    assert "opentelemetry-sdk" in versions
+    # (pip and setuptools are the interpreter's own, as in the base image: nothing is built there)
+    differing = {
+        name: (version, pinned.get(name))
+        for name, version in versions.items()
+        if name not in ("pip", "setuptools") and pinned.get(name) != version
+    }
+    assert not differing, f"installed in the image vs constraints.txt: {differing}"
+    # The otel extra: tracing starts (check-config runs the checks serve runs, the import of the exporter too).
+    tracing = run([command, "check-config"], env={**environment, "PREFIX_PROXY_TRACING__ENABLED": "true"}, cwd=tmp_path)
+    assert tracing.returncode == 0, tracing.stderr
+    assert "tracing.enabled = true  [PREFIX_PROXY_TRACING__ENABLED]" in tracing.stdout
     version = run([command, "--version"], env=environment, cwd=tmp_path)
     assert version.returncode == 0 and version.stdout.strip() == f"prefix-proxy {__version__}"
     effective = run([command, "check-config"], env=environment, cwd=tmp_path)
@@ -106,18 +167,16 @@ def test_the_image_steps_build_install_and_run(product_wheels: Path, tmp_path: P
     assert analyze.returncode == 0 and "capture" in analyze.stdout
 
 
-def test_the_fake_backend_target_steps_install_and_serve(product_wheels: Path, tmp_path: Path) -> None:
+def test_the_fake_backend_target_steps_install_and_serve(product_build: Build, tmp_path: Path) -> None:
     # build-fake-backend: the same context plus testbed/, its project wheel replacing the product's.
     context = build_context("fake-backend", tmp_path / "context")
     assert (context / "testbed").is_dir()
     wheels = tmp_path / "wheels"
-    shutil.copytree(product_wheels, wheels, ignore=shutil.ignore_patterns(PROJECT_WHEEL))
-    built = run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(wheels), "."], cwd=context
-    )
-    assert built.returncode == 0, built.stderr[-2000:]
+    shutil.copytree(product_build.wheels, wheels)
+    run_stage("build-fake-backend", context, product_build.bin_dir, wheels)
     assert len(list(wheels.glob(PROJECT_WHEEL))) == 1
-    bin_dir = install(wheels, tmp_path / "fake-venv")
+    bin_dir = python_environment(tmp_path / "fake-venv")
+    run_stage("fake-backend", tmp_path, bin_dir, wheels)
     environment = image_env("fake-backend", bin_dir)
     tooling = run([str(bin_dir / "python"), "-c", "import testbed.fakevllm, proxy.enginemodel"], env=environment)
     assert tooling.returncode == 0, tooling.stderr
