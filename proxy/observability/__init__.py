@@ -2,6 +2,7 @@
 missed the prefix cache (the cache-break explanation)."""
 
 from proxy.observability.access_log import configure_logging, log_request
+from proxy.observability.apps import AppBook
 from proxy.observability.breaks import CAUSES, NONE, BreakMemory
 from proxy.observability.capture import CaptureWriter, arrival, capture_record
 from proxy.observability.digests import digest_prompt, message_hash
@@ -12,6 +13,7 @@ from proxy.observability.tracker import CacheBreakTracker, PendingBreak, summary
 __all__ = [
     "CAUSES",
     "NONE",
+    "AppBook",
     "BreakMemory",
     "CacheBreakTracker",
     "CaptureWriter",
