@@ -719,3 +719,26 @@ def test_notes_tell_how_to_reach_the_proxy_and_warn_about_unshared_sessions(
     assert "No tenants are configured" in text and "WARNING" not in text
     assert "WARNING: sessionStore is memory with several replicas" in notes("--set", "replicaCount=2")
     assert "No tenants" not in notes("-f", str(CI_VALUES / "existing-secrets-values.yaml"))
+
+
+def test_tracing_in_the_chart_starts_the_proxy_of_the_image(
+    helm: Callable[..., subprocess.CompletedProcess[str]], load_proxy_settings: Callable[..., Settings]
+) -> None:
+    """Issue 47: the chart takes config.tracing.enabled: true, so the image it runs carries the otel extra
+    (the Dockerfile's default build argument), and the rendered configuration loads with tracing on; the
+    notes say what the image needs."""
+    from tests.test_artifacts_image import stage_args
+
+    assert "otel" in stage_args("proxy")["PROXY_EXTRAS"].split(",")
+    tracing = ["--set", "config.tracing.enabled=true,config.tracing.endpoint=http://otel-collector:4318"]
+    result = helm(*template_args("default", *tracing))
+    assert result.returncode == 0, result.stderr
+    objects = by_kind([doc for doc in yaml.safe_load_all(result.stdout) if doc])
+    settings = load_proxy_settings(objects)  # refuses tracing.enabled without OpenTelemetry, as serve does
+    assert settings.tracing.enabled and settings.tracing.endpoint == "http://otel-collector:4318"
+    installed = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client", *tracing)
+    assert installed.returncode == 0, installed.stderr
+    notes = installed.stdout.split("NOTES:", 1)[1]
+    assert "Tracing is on (config.tracing.enabled): the image must carry the otel extra" in notes
+    plain = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+    assert "Tracing is on" not in plain.stdout.split("NOTES:", 1)[1]
