@@ -72,11 +72,20 @@ def test_thread_cpu_is_counted_per_part() -> None:
         while time.thread_time() < end:
             pass
 
+    spun, done = threading.Event(), threading.Event()
+
+    def proxy_thread() -> None:
+        spin(0.3)
+        spun.set()
+        done.wait(10)  # alive while counted
+
     before = thread_cpu_s(threading.current_thread())
-    proxy = threading.Thread(target=spin, args=(0.3,), name="prefix-proxy")
+    proxy = threading.Thread(target=proxy_thread, name="prefix-proxy")
     proxy.start()
     spin(0.2)
+    assert spun.wait(10)
     after = thread_cpu_s(threading.current_thread())
+    done.set()
     proxy.join()
     assert after["clients"] - before.get("clients", 0.0) >= 0.15
     assert after["proxy"] >= 0.2
