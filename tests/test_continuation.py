@@ -48,6 +48,61 @@ def test_shared_prefix_counts_the_leading_equal_messages() -> None:
     assert shared_prefix(a, []) == 0
 
 
+def _naive_shared(kept: list[Any], messages: list[Any]) -> int:
+    count = 0
+    for old, new in zip(kept, messages, strict=False):
+        if old != new:
+            break
+        count += 1
+    return count
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(4, 14),
+    st.lists(
+        st.tuples(st.sampled_from(["same", "copy", "edit", "grow", "tail", "insert", "replace"]), st.integers(0, 20)),
+        min_size=1,
+        max_size=10,
+    ),
+)
+def test_shared_prefix_equals_comparing_by_value_whatever_was_compared_before(
+    turns: int, derivations: list[tuple[str, int]]
+) -> None:
+    """Comparisons reuse what earlier ones found equal (the same objects, or the objects of a prefix
+    found equal by value lately, at any offset): whatever was compared before, in whatever order,
+    the count is the one comparing every message by value gives."""
+    previous = _conversation(7, turns)
+    lists = [previous, copy.deepcopy(previous)]
+    for kind, amount in derivations:
+        base = lists[amount % len(lists)]
+        if kind == "same":
+            derived = list(base)
+        elif kind == "copy":
+            derived = copy.deepcopy(base)
+        elif kind == "edit":
+            derived = list(base)
+            if derived:
+                at = amount % len(derived)
+                derived[at] = {**derived[at], "content": f"edited {amount}"}
+        elif kind == "grow":
+            derived = [*base, {"role": "user", "content": f"more {amount}"}]
+        elif kind == "tail":
+            derived = base[1 + amount % 3 :]
+        elif kind == "insert":
+            derived = list(base)
+            derived.insert(amount % (len(base) + 1), {"role": "system", "content": f"block {amount}"})
+        else:  # an equal copy of one message
+            derived = list(base)
+            if derived:
+                at = amount % len(derived)
+                derived[at] = copy.deepcopy(derived[at])
+        lists.append(derived)
+        for other in (lists[0], lists[-2], lists[amount % len(lists)]):
+            assert shared_prefix(other, derived) == _naive_shared(other, derived)
+            assert shared_prefix(derived, other) == _naive_shared(derived, other)
+
+
 def test_a_conversation_resumes_from_its_last_request_and_no_other_tenants() -> None:
     memory: Continuations[str] = Continuations()
     first = _conversation(1, 3)

@@ -26,10 +26,11 @@ texts themselves are the request's: the memories of one request's lists share th
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from operator import ne
+from itertools import compress, count, repeat
+from operator import is_, is_not, ne, or_
 from typing import Any, Generic, TypeVar
 
 from proxy.openai.jsonio import dumps
@@ -181,14 +182,84 @@ class Continuations(Generic[State]):
 
 
 def shared_prefix(kept: Sequence[Any], messages: Sequence[Any]) -> int:
-    """How many leading messages the two lists have equal: one pass of comparisons in C (a
-    conversation's list most often differs from its last one only at its end, where Claude Code
-    moves its cache marks)."""
-    unequal = list(map(ne, kept, messages))
+    """How many leading messages the two lists have equal (``==``), in passes of C comparisons.
+
+    Messages that are the same objects are equal without a look inside (a pass of ``is``: another
+    part of the same request reading the same list, or a list made from it with a message or two
+    changed). So are messages that are the very objects of a prefix found equal by value lately
+    (:data:`_EQUAL`): the last request's list as another memory kept it against this request's
+    list as the first part compared it. What neither settles is compared by value: a request's
+    history is read whole once, by the first part that compares it, and not again by the others."""
+    n = min(len(kept), len(messages))
+    differ = list(map(is_not, kept[:n], messages[:n]))
+    at = _first(differ, 0, n)
+    valued = False
+    known = _Known(kept, messages, n)
+    while at < n:
+        through = known.through(at)
+        if through > at:
+            at = _first(differ, through, n)
+            continue
+        valued = True
+        if kept[at] != messages[at]:
+            break
+        at += 1
+        if at < n and differ[at] and known.through(at) == at:
+            # Two in a row that only their values tell apart: the rest by value, in one pass.
+            at = next(compress(count(at), map(ne, kept[at:n], messages[at:n])), n)
+            break
+        at = _first(differ, at, n)
+    if valued and at:
+        _EQUAL.append((tuple(kept[:at]), tuple(messages[:at])))
+    return at
+
+
+# Prefixes found equal lately, each as the two lists' messages (snapshots: a list changed later
+# changes nothing here): a message at an index of one equals the message at that index in the
+# other. Objects are not changed in place to other values on the way (the proxy's steps copy a
+# message before they change it), and each entry holds its messages, so no id is reused.
+_EQUAL: deque[tuple[tuple[Any, ...], tuple[Any, ...]]] = deque(maxlen=4)
+
+
+def _first(flags: list[bool], start: int, end: int) -> int:
+    """The first index from ``start`` (below ``end``) whose flag is set; ``end`` without one."""
     try:
-        return unequal.index(True)
+        return flags.index(True, start, end)
     except ValueError:
-        return len(unequal)
+        return end
+
+
+class _Known:
+    """Where two lists hold, side by side, the messages of a prefix found equal lately (at the same
+    index in both, wherever that is in the prefix: a list without its system messages against a
+    whole one): each such run's pass of ``is`` made once, when the comparison first reaches it."""
+
+    __slots__ = ("_kept", "_messages", "_n", "_passes")
+
+    def __init__(self, kept: Sequence[Any], messages: Sequence[Any], n: int) -> None:
+        self._kept, self._messages, self._n = kept, messages, n
+        # By (prefix, offset of its index against ours): where the pass starts, and its flags
+        # (set where one of the two lists does not hold the prefix's message).
+        self._passes: dict[tuple[int, int], tuple[int, list[bool]]] = {}
+
+    def through(self, at: int) -> int:
+        """How far from ``at`` both lists hold one such prefix's messages (``at``: none there)."""
+        kept, message = self._kept[at], self._messages[at]
+        for number, (old, new) in enumerate(_EQUAL):
+            where = next(compress(count(), map(is_, old, repeat(kept))), -1)  # by identity, in C
+            if where < 0 or new[where] is not message:
+                continue
+            found = self._passes.get((number, where - at))
+            if found is None:
+                stop = min(self._n, at + len(old) - where)
+                ours, theirs = self._kept[at:stop], self._messages[at:stop]
+                old_run, new_run = old[where : where + stop - at], new[where : where + stop - at]
+                found = (at, list(map(or_, map(is_not, ours, old_run), map(is_not, theirs, new_run))))
+                self._passes[(number, where - at)] = found
+            first, unheld = found
+            if at - first < len(unheld):
+                return first + _first(unheld, at - first, len(unheld))
+        return at
 
 
 def _opening(messages: Sequence[Any]) -> Hashable:
