@@ -96,7 +96,12 @@ def canonicalize(
         count = leading_system_count(body.get("messages") or [])
         return CanonResult(body, [], stable_prefix_hash(body, count), count)
     out = dict(body)
-    messages = [_copy_message(m) for m in body["messages"]]
+    normalizing = options.normalize_whitespace or options.normalize_unicode
+    # A step that changes a message replaces it in the list (the messages the client sent are
+    # never changed in place): a copy of the list is enough, and what stays is the client's own
+    # objects, found again by identity by the parts that resume a conversation. Normalization
+    # changes texts in place: it works on copies.
+    messages = [_copy_message(m) for m in body["messages"]] if normalizing else list(body["messages"])
     out["messages"] = messages
     actions = canonicalize_tool_fields(out, tool_orders, namespace)
 

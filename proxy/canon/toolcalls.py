@@ -11,6 +11,11 @@ restart) is forwarded as the client sent it the first time and remembered the
 same way, so a later re-send with a fresh id gets those first bytes back. A
 client that keeps its ids is never rewritten; the id changes in the call and in
 its tool results alike.
+
+A call the conversation's last request sent too keeps what was decided for it then: those bytes
+went upstream, so the same history is forwarded the same way again (a call remembered since, by
+another conversation that asked the same thing, does not rewrite a history already forwarded),
+and a request looks up only the calls it adds.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import methodcaller
 from typing import Any
 
 import xxhash
@@ -42,9 +48,9 @@ class ToolCallMemory:
     def __init__(self, max_entries: int = 200_000) -> None:
         self._entries: LRUCache[int, GeneratedCall] = LRUCache(max_entries)
         self._by_id: LRUCache[str, GeneratedCall] = LRUCache(max_entries)
-        # Per tenant and conversation, the anchors of the last request's messages (a pure function
-        # of each message): the next request anchors only the messages it adds.
-        self.anchored: Continuations[Anchors] = Continuations()
+        # Per tenant and conversation, what was decided for the last request's calls (and the
+        # anchors of its messages): the next request looks up only the calls it adds.
+        self.anchored: Continuations[Restored] = Continuations()
 
     def remember(self, key: int, call: GeneratedCall) -> None:
         self._entries[key] = call
@@ -127,81 +133,197 @@ def next_assistant_position(messages: list[dict[str, Any]]) -> tuple[int, int]:
     return anchor, ordinal
 
 
-def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: ToolCallMemory | None) -> list[Action]:
-    """Rewrite history tool calls in place (messages must be copies the caller owns)."""
-    if not any(message.get("tool_calls") for message in messages if message.get("role") == "assistant"):
-        return []
-    renamed: dict[str, str] = {}
-    occurrences: Counter[int] = Counter()
-    used: set[str] = set()
-    restored = arguments_restored = 0
-    if memory is not None:
-        resumed = memory.anchored.resume(namespace, messages)
-        known = anchors_of(messages, resumed.state, resumed.shared)
-        resumed.keep(messages, known)
-    else:
-        known = anchors_of(messages)
-    histories = known.histories
+# What a call of the history became: the id forwarded, and the arguments where they were restored
+# (``_KEPT``: the client's own).
+_KEPT: Any = object()
+Edit = tuple[Any, Any] | None
 
-    for index, anchor, ordinal in iter_call_positions(messages, known.anchors):
-        calls = messages[index].get("tool_calls")
-        if not isinstance(calls, list) or not calls:
-            continue
-        new_calls = []
-        for position, call in enumerate(calls):
-            if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-                new_calls.append(call)
-                continue
-            function = call["function"]
-            name = str(function.get("name", ""))
-            base = call_key(namespace, anchor, ordinal, position, name, function.get("arguments", ""))
-            key = nth_key(base, occurrences[base])
-            occurrences[base] += 1
-            old_id = call.get("id")
-            # A client that kept the backend's own id identifies the call exactly; the position key
-            # can collide between conversations that happen to ask the same thing (harmless for calls
-            # the backend generated: a client re-sending them with fresh ids has no ids of its own).
-            # Calls the proxy did not relay are remembered under the whole history before them
-            # (``forwarded_key``): restored only within the same conversation, never into another
-            # that happens to ask the same thing (a client's own ids must stay its own).
-            original = (
-                (memory.by_id(old_id) or memory.recall(key) or memory.recall(extend(histories[index], key)))
-                if memory is not None
-                else None
-            )
-            if original is not None and original.id in used:
-                original = None  # never two calls with one id in a request
-            call = {**call}
-            new_id: Any = old_id
-            if original is not None:
-                new_id = original.id
-                if original.arguments != function.get("arguments"):
-                    call["function"] = {**function, "arguments": original.arguments}
-                    arguments_restored += 1
-                if new_id != old_id:
-                    restored += 1
-            else:
-                arguments = function.get("arguments")
-                if memory is not None and isinstance(old_id, str) and isinstance(arguments, str):
-                    memory.remember(extend(histories[index], key), GeneratedCall(id=old_id, arguments=arguments))
-            if isinstance(old_id, str) and old_id != new_id:
-                renamed[old_id] = new_id
-            if new_id != old_id:
-                call["id"] = new_id
-            if isinstance(new_id, str):
-                used.add(new_id)
-            new_calls.append(call)
-        messages[index] = {**messages[index], "tool_calls": new_calls}
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What :func:`restore_tool_calls` decided for a message list, in a form a request that re-sends
+    the list's first ``s`` messages takes up as it stood after them: per message boundary ``i``
+    (lists of ``len + 1``), the position the next assistant message has (the anchor of the last
+    user message before ``i`` and the assistant messages since) and the calls before ``i``; per
+    call, in order, its position key, the id forwarded, the rename and the restorations; per
+    message whose calls changed, each call's edit (re-applied to the request's own message)."""
+
+    anchors: Anchors
+    user_anchor: list[int]
+    ordinal: list[int]
+    calls: list[int]
+    bases: list[int]
+    ids: list[Any]
+    renames: list[tuple[str, Any] | None]
+    restored: list[int]  # ids restored among the first c calls (len calls + 1)
+    arguments: list[int]  # arguments restored among the first c calls
+    edits: dict[int, tuple[Edit, ...]]
+    # (message index, tool_call_id) of each tool message with a string id, and how many before ``i``.
+    tool_ids: list[tuple[int, str]]
+    tools: list[int]
+
+
+def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: ToolCallMemory | None) -> list[Action]:
+    """Rewrite history tool calls (``messages`` must be a list the caller owns: a message that
+    changes is replaced by a new one, never changed in place).
+
+    The calls of the messages a conversation's last request sent too keep what was decided for
+    them then (:class:`Restored`, in ``memory.anchored``): those bytes went upstream, and only the
+    calls the request adds are looked up."""
+    if not _has_calls(messages):
+        return []
+    if memory is None:
+        return _restore(messages, namespace, None, anchors_of(messages), None, 0)[0]
+    resumed = memory.anchored.resume(namespace, messages)
+    previous = resumed.state
+    shared = resumed.shared if previous is not None else 0
+    anchors = anchors_of(messages, previous.anchors if previous is not None else None, shared)
+    original = list(messages)
+    actions, state = _restore(messages, namespace, memory, anchors, previous, shared)
+    resumed.keep(original, state)
+    return actions
+
+
+def _has_calls(messages: list[dict[str, Any]]) -> bool:
+    """Whether an assistant message holds tool calls (one pass in C over a validated list)."""
+    try:
+        if not any(map(_GET_CALLS, messages)):
+            return False
+    except (AttributeError, TypeError):
+        pass  # not every message is an object: the general look below
+    return any(message.get("tool_calls") for message in messages if message.get("role") == "assistant")
+
+
+_GET_CALLS = methodcaller("get", "tool_calls")
+
+
+def _restore(
+    messages: list[dict[str, Any]],
+    namespace: str,
+    memory: ToolCallMemory | None,
+    known: Anchors,
+    previous: Restored | None,
+    shared: int,
+) -> tuple[list[Action], Restored]:
+    histories = known.histories
+    if previous is not None and shared:
+        calls_before = previous.calls[shared]
+        user_anchor, ordinal = previous.user_anchor[: shared + 1], previous.ordinal[: shared + 1]
+        calls, bases = previous.calls[: shared + 1], previous.bases[:calls_before]
+        ids, renames = previous.ids[:calls_before], previous.renames[:calls_before]
+        restored_at, arguments_at = previous.restored[: calls_before + 1], previous.arguments[: calls_before + 1]
+        tool_ids = previous.tool_ids[: previous.tools[shared]]
+        tools = previous.tools[: shared + 1]
+        edits = {index: kept for index, kept in previous.edits.items() if index < shared}
+        for index, kept in edits.items():
+            messages[index] = _edited(messages[index], kept)
+    else:
+        shared = 0
+        user_anchor, ordinal, calls, tools = [0], [0], [0], [0]
+        bases, ids, renames, restored_at, arguments_at, tool_ids = [], [], [], [0], [0], []
+        edits = {}
+    occurrences: Counter[int] = Counter(bases)
+    used: set[Any] = {new_id for new_id in ids if isinstance(new_id, str)}
+    anchor, position_ordinal = user_anchor[-1], ordinal[-1]
+    restored, arguments_restored = restored_at[-1], arguments_at[-1]
+    for index in range(shared, len(messages)):
+        message = messages[index]
+        role = message.get("role")
+        if role == "user":
+            anchor, position_ordinal = known.anchors[index], 0
+        elif role == "tool":
+            call_id = message.get("tool_call_id")
+            if isinstance(call_id, str):
+                tool_ids.append((index, call_id))
+        elif role == "assistant":
+            message_calls = message.get("tool_calls")
+            if isinstance(message_calls, list) and message_calls:
+                changes: list[Edit] = []
+                for number, call in enumerate(message_calls):
+                    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+                        changes.append(None)
+                        continue
+                    function = call["function"]
+                    name = str(function.get("name", ""))
+                    base = call_key(namespace, anchor, position_ordinal, number, name, function.get("arguments", ""))
+                    key = nth_key(base, occurrences[base])
+                    occurrences[base] += 1
+                    old_id = call.get("id")
+                    # A client that kept the backend's own id identifies the call exactly; the
+                    # position key can collide between conversations that happen to ask the same
+                    # thing (harmless for calls the backend generated: a client re-sending them
+                    # with fresh ids has no ids of its own). Calls the proxy did not relay are
+                    # remembered under the whole history before them (``forwarded_key``): restored
+                    # only within the same conversation, never into another that happens to ask the
+                    # same thing (a client's own ids must stay its own).
+                    original = (
+                        (memory.by_id(old_id) or memory.recall(key) or memory.recall(extend(histories[index], key)))
+                        if memory is not None
+                        else None
+                    )
+                    if original is not None and original.id in used:
+                        original = None  # never two calls with one id in a request
+                    new_id: Any = old_id
+                    new_arguments: Any = _KEPT
+                    if original is not None:
+                        new_id = original.id
+                        if original.arguments != function.get("arguments"):
+                            new_arguments = original.arguments
+                            arguments_restored += 1
+                        if new_id != old_id:
+                            restored += 1
+                    else:
+                        arguments = function.get("arguments")
+                        if memory is not None and isinstance(old_id, str) and isinstance(arguments, str):
+                            memory.remember(
+                                extend(histories[index], key), GeneratedCall(id=old_id, arguments=arguments)
+                            )
+                    renames.append((old_id, new_id) if isinstance(old_id, str) and old_id != new_id else None)
+                    if isinstance(new_id, str):
+                        used.add(new_id)
+                    bases.append(base)
+                    ids.append(new_id)
+                    restored_at.append(restored)
+                    arguments_at.append(arguments_restored)
+                    changed = new_id != old_id or new_arguments is not _KEPT
+                    changes.append((new_id, new_arguments) if changed else None)
+                if any(change is not None for change in changes):
+                    edits[index] = tuple(changes)
+                    messages[index] = _edited(message, edits[index])
+            position_ordinal += 1
+        user_anchor.append(anchor)
+        ordinal.append(position_ordinal)
+        calls.append(len(bases))
+        tools.append(len(tool_ids))
+    renamed = dict(rename for rename in renames if rename is not None)
     if renamed:
-        for index, message in enumerate(messages):
-            if message.get("role") == "tool" and message.get("tool_call_id") in renamed:
-                messages[index] = {**message, "tool_call_id": renamed[message["tool_call_id"]]}
+        for index, call_id in tool_ids:
+            if call_id in renamed:
+                messages[index] = {**messages[index], "tool_call_id": renamed[call_id]}
     actions = []
     if restored:
         actions.append(Action("tool_call_ids_restored", str(restored)))
     if arguments_restored:
         actions.append(Action("tool_call_arguments_restored", str(arguments_restored)))
-    return actions
+    state = Restored(
+        known, user_anchor, ordinal, calls, bases, ids, renames, restored_at, arguments_at, edits, tool_ids, tools
+    )
+    return actions, state
+
+
+def _edited(message: dict[str, Any], edit: tuple[Edit, ...]) -> dict[str, Any]:
+    """``message`` with its calls' ids and arguments as ``edit`` says (None: the call as sent)."""
+    calls = []
+    for call, change in zip(message["tool_calls"], edit, strict=True):
+        if change is not None:
+            new_id, arguments = change
+            call = {**call}
+            if arguments is not _KEPT:
+                call["function"] = {**call["function"], "arguments": arguments}
+            if new_id != call.get("id"):
+                call["id"] = new_id
+        calls.append(call)
+    return {**message, "tool_calls": calls}
 
 
 def remember_generated_calls(
