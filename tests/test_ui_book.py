@@ -9,15 +9,15 @@ from proxy.observability.breaks import CacheBreak
 from proxy.observability.floor import FloorMeter, SeenSet
 
 
-def words(text: str) -> int:
-    return len(text.split())
-
-
 def test_floor_counts_lines_no_earlier_request_carried() -> None:
-    meter = FloorMeter(1000, words)
+    meter = FloorMeter(1000)
     first = [{"role": "system", "content": "alpha beta\n\ngamma"}, {"role": "user", "content": "one two three"}]
     floor = meter.measure(first)
-    assert (floor.tokens, floor.new_lines, floor.lines) == (6, 3, 3)
+    # Bytes of each new line and its newline; the request's own: every line.
+    assert (floor.new_lines, floor.new_bytes) == (3, 11 + 6 + 14)
+    assert floor.total_bytes == floor.new_bytes + 1  # the blank line
+    # Tokens at the rate the backend reported for the request: 64 prompt tokens over its 32 bytes.
+    assert floor.tokens(64) == 62 and floor.tokens(0) == round(31 * 0.25)
     # The same system prompt, the model's reply (seen: it generated it) and a new question.
     second = [
         *first,
@@ -25,19 +25,19 @@ def test_floor_counts_lines_no_earlier_request_carried() -> None:
         {"role": "user", "content": "four five\nalpha beta"},
     ]
     floor = meter.measure(second)
-    assert (floor.tokens, floor.new_lines) == (2, 1)  # only "four five": "alpha beta" was carried before
-    assert meter.measure(second).tokens == 0
+    assert (floor.new_lines, floor.new_bytes) == (1, len("four five\n"))  # "alpha beta" was carried before
+    assert meter.measure(second).tokens(100) == 0
 
 
 def test_floor_counts_a_tool_once_and_a_reply_as_seen() -> None:
-    meter = FloorMeter(1000, words)
+    meter = FloorMeter(1000)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": 2}}}
     assert meter.measure([{"role": "user", "content": "x"}], [tool]).new_lines == 2
     reordered = {"function": {"parameters": {"a": 2, "b": 1}, "name": "f"}, "type": "function"}
     assert meter.measure([{"role": "user", "content": "x"}], [reordered]).new_lines == 0
     meter.saw_reply({"role": "assistant", "content": "the answer is here"})
     # A client that re-sends the reply as a user quote: the backend generated those tokens.
-    assert meter.measure([{"role": "user", "content": "the answer is here"}]).tokens == 0
+    assert meter.measure([{"role": "user", "content": "the answer is here"}]).new_bytes == 0
 
 
 def test_seen_set_is_bounded_and_keeps_what_is_used_again() -> None:
@@ -58,7 +58,7 @@ STABLE = "\n".join(f"rule {i}: be helpful in way {i}" for i in range(10))
 
 
 def test_apps_are_told_apart_by_template_and_lines_that_vary_are_marked() -> None:
-    book = AppBook(words, keep_text=True)
+    book = AppBook(keep_text=True)
     for minute in range(3):
         system = f"Current time: 10:0{minute}\n{STABLE}"
         book.record(
@@ -77,7 +77,7 @@ def test_apps_are_told_apart_by_template_and_lines_that_vary_are_marked() -> Non
 
 
 def test_moved_units_are_the_lines_absent_from_the_forwarded_system_prompt() -> None:
-    book = AppBook(words, keep_text=False)
+    book = AppBook(keep_text=False)
     for day in range(2):
         block = f"<context>\nretrieved chunk {day}\nand another {day}\n</context>"
         system = f"{block}\n{STABLE}"
@@ -108,11 +108,31 @@ def test_moved_units_are_the_lines_absent_from_the_forwarded_system_prompt() -> 
     assert picture.text is None and unit.label is None and app.title is None
     assert app.actions == {"volatile_context_block": 2, "volatile_moved": 2}
     assert (app.prompt_tokens, app.cached_tokens, app.prefill_tokens) == (400, 300, 100)
+    # The second request's floor: its new context lines only, at its own tokens per byte.
+    new_bytes = len("retrieved chunk 1\nand another 1\n")
+    total_bytes = len(forwarded["messages"][0]["content"]) + len(block) + 2 + len("hi") + 1
+    assert app.last[2] == round(new_bytes * 200 / total_bytes)
+
+
+def test_lines_moved_to_the_end_of_the_system_message_are_found() -> None:
+    """relocate_target: system_end keeps one system message: the moved lines sit at its end."""
+    book = AppBook()
+    system = f"Today is 2026-05-01\n{STABLE}"
+    forwarded = chat(f"{STABLE}\nToday is 2026-05-01")
+    app = book.record(
+        tenant="t",
+        model="m",
+        client=chat(system),
+        forwarded=forwarded,
+        stable_count=1,
+        actions=["volatile_moved:system_end"],
+    )
+    assert app.prompt is not None and app.prompt.moved == {0}
 
 
 def test_breaks_name_the_line_and_keep_text_only_when_allowed() -> None:
     for keep in (True, False):
-        book = AppBook(words, keep_text=keep)
+        book = AppBook(keep_text=keep)
         book.record(tenant="t", model="m", client=chat(STABLE), forwarded=chat(STABLE), stable_count=1)
         changed = STABLE.replace("rule 3: be helpful in way 3", "rule 3: <b>changed</b>")
         explanation = CacheBreak("system_changed", 0, 4)
@@ -142,7 +162,7 @@ def test_breaks_name_the_line_and_keep_text_only_when_allowed() -> None:
 
 
 def test_memory_is_bounded() -> None:
-    book = AppBook(words, max_apps=4, breaks=3, floor_lines=64)
+    book = AppBook(max_apps=4, breaks=3, floor_lines=64)
     for index in range(20):
         system = "\n".join(f"app {index} line {i}" for i in range(5))
         explanation = CacheBreak("new_conversation", 0)

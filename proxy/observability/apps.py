@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any
@@ -34,7 +34,7 @@ import xxhash
 
 from proxy.observability.breaks import NONE, CacheBreak
 from proxy.observability.digests import content_text
-from proxy.observability.floor import Floor, FloorMeter, text_hash
+from proxy.observability.floor import Floor, FloorMeter, LineHashes, text_hash
 from proxy.openai import STABLE_ROLES
 
 # Template matching, as learned volatility does it (proxy.canon.learned).
@@ -47,6 +47,8 @@ MAX_SESSIONS_COUNTED = 1024
 MAX_ACTION_KINDS = 32
 SNIPPET_CHARS = 240
 TITLE_CHARS = 72
+# Lines between the common head and tail aligned by difflib (quadratic); past it, a greedy pass.
+MAX_ALIGNED_LINES = 256
 
 _OPEN_TAG = re.compile(r"^\s*<([A-Za-z][\w.:-]*)(?:\s[^<>]*)?>")
 _FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
@@ -181,7 +183,6 @@ class AppBook:
 
     def __init__(
         self,
-        count_tokens: Callable[[str], int],
         *,
         keep_text: bool = False,
         max_apps: int = 64,
@@ -190,7 +191,6 @@ class AppBook:
         prompt_chars: int = 32_768,
     ) -> None:
         self.keep_text = keep_text
-        self._count = count_tokens
         self._max_apps = max(1, max_apps)
         self._floor_lines = floor_lines
         self._prompt_chars = prompt_chars
@@ -232,24 +232,26 @@ class AppBook:
             system_count += 1
         system_text = "\n".join(content_text(m.get("content")) for m in messages[:system_count])
         lines = system_text.split("\n") if system_count else []
-        hashes = tuple(text_hash(line) if line.strip() else 0 for line in lines)
+        line_hashes = LineHashes()
+        hashes = line_hashes.of(lines)
         members = frozenset(h for h in hashes if h)
         app = self._app(tenant, model, members, now)
         app.template.add(members)
-        floor = app.floor_meter.measure(messages, _tools(client))
+        floor = app.floor_meter.measure(messages, _tools(client), line_hashes)
         app.floor_meter.saw_reply(reply)
         self._account(app, floor, prompt_tokens, cached_tokens, actions, session, now)
         moving = any(a.startswith("volatile_moved") for a in actions)
         forwarded_messages = [m for m in forwarded.get("messages") or [] if isinstance(m, dict)]
         stable_texts = [content_text(m.get("content")) for m in forwarded_messages[:stable_count]]
-        moved = _moved(lines, hashes, stable_texts) if moving and system_count else frozenset()
+        forwarded_system = tuple(line_hashes.of(text.split("\n")) for text in stable_texts)
+        moved = _moved(hashes, forwarded_system) if moving and system_count else frozenset()
         varies = frozenset(i for i, h in enumerate(hashes) if h and h not in app.template.core)
         app.prompt = self._picture(lines, hashes, varies, moved, system_count)
         if self.keep_text:
             app.title = _title(lines, hashes, varies | moved)
         if explanation is not None and explanation.cause != NONE:
             self._record_break(app, explanation, forwarded_messages, session, now)
-        app.forwarded_system = tuple(tuple(text_hash(line) for line in text.split("\n")) for text in stable_texts)
+        app.forwarded_system = forwarded_system
         app.forwarded_text = tuple(_capped(t, self._prompt_chars) for t in stable_texts) if self.keep_text else None
         return app
 
@@ -263,7 +265,7 @@ class AppBook:
             app_id = _app_id(tenant, model, members)
             while app_id in self._apps:  # another template that opened with the same lines
                 app_id = short_digest(xxhash.xxh3_64_intdigest(app_id.encode()))
-            found = App(app_id, tenant, model, FloorMeter(self._floor_lines, self._count), template, now)
+            found = App(app_id, tenant, model, FloorMeter(self._floor_lines), template, now)
             self._apps[app_id] = found
             self._evict()
             ids = self._by_model.setdefault(key, [])
@@ -310,8 +312,9 @@ class AppBook:
         cached_tokens = max(0, min(cached_tokens, prompt_tokens))
         app.prompt_tokens += prompt_tokens
         app.cached_tokens += cached_tokens
-        app.floor_tokens += floor.tokens
-        app.last = (prompt_tokens, cached_tokens, floor.tokens)
+        floor_tokens = floor.tokens(prompt_tokens)
+        app.floor_tokens += floor_tokens
+        app.last = (prompt_tokens, cached_tokens, floor_tokens)
         if session and len(app.sessions) < MAX_SESSIONS_COUNTED:
             app.sessions.add(session)
         for action in actions:
@@ -353,11 +356,12 @@ class AppBook:
             if line is not None:
                 current = text.split("\n")
                 now_line = current[line - 1] if 0 < line <= len(current) else ""
-                now_digest = short_digest(text_hash(now_line))
+                now_hash = text_hash(now_line) if now_line.strip() else 0
+                now_digest = short_digest(now_hash)
                 now_text = now_line if self.keep_text else None
                 if message < len(app.forwarded_system):
                     previous = app.forwarded_system[message]
-                    if 0 < line <= len(previous) and previous[line - 1] != text_hash(now_line):
+                    if 0 < line <= len(previous) and previous[line - 1] != now_hash:
                         before_digest = short_digest(previous[line - 1])
                         if self.keep_text and app.forwarded_text is not None and message < len(app.forwarded_text):
                             old = app.forwarded_text[message].split("\n")
@@ -440,15 +444,33 @@ def _match(apps: list[App], current: frozenset[int]) -> App | None:
     return best
 
 
-def _moved(lines: list[str], hashes: tuple[int, ...], stable_texts: list[str]) -> frozenset[int]:
-    """Lines of the client's system prompt the forwarded stable system prompt does not hold in order:
-    the ones the proxy moved (byte for byte, so absent from it)."""
-    kept = [text_hash(line) if line.strip() else 0 for text in stable_texts for line in text.split("\n")]
-    matcher = SequenceMatcher(None, hashes, kept, autojunk=False)
+def _moved(hashes: tuple[int, ...], forwarded: tuple[tuple[int, ...], ...]) -> frozenset[int]:
+    """Lines of the client's system prompt (``hashes``, 0 for a blank line) that the forwarded stable
+    system messages do not hold in their order: the ones the proxy moved (byte for byte, so elsewhere
+    in the request: behind the stable part, or at the end of the system message). The common head and
+    tail are aligned at once; what lies between by ``difflib`` (a greedy pass where it is long)."""
+    ours = [(i, h) for i, h in enumerate(hashes) if h]
+    kept = [h for message in forwarded for h in message if h]
+    head = 0
+    limit = min(len(ours), len(kept))
+    while head < limit and ours[head][1] == kept[head]:
+        head += 1
+    tail = 0
+    while tail < limit - head and ours[-1 - tail][1] == kept[-1 - tail]:
+        tail += 1
+    middle, known = ours[head : len(ours) - tail], kept[head : len(kept) - tail]
     aligned: set[int] = set()
-    for start, _, size in matcher.get_matching_blocks():
-        aligned.update(range(start, start + size))
-    return frozenset(i for i, h in enumerate(hashes) if h and i not in aligned)
+    if len(middle) <= MAX_ALIGNED_LINES and len(known) <= MAX_ALIGNED_LINES:
+        matcher = SequenceMatcher(None, [h for _, h in middle], known, autojunk=False)
+        for start, _, size in matcher.get_matching_blocks():
+            aligned.update(range(start, start + size))
+    else:
+        at = 0
+        for position, (_, digest) in enumerate(middle):
+            if at < len(known) and known[at] == digest:
+                aligned.add(position)
+                at += 1
+    return frozenset(index for position, (index, _) in enumerate(middle) if position not in aligned)
 
 
 def _units(
