@@ -47,7 +47,7 @@ from proxy.observability import CacheBreakTracker, CaptureWriter, Metrics, start
 from proxy.openai import Continuations, expire_idle_lists
 from proxy.reload import on_sighup
 from proxy.replicas import build_shared
-from proxy.routes import admin, chat, compaction, health, messages, passthrough, responses, unrewritten
+from proxy.routes import admin, chat, compaction, health, messages, passthrough, responses, ui, unrewritten
 from proxy.sessions import MemorySessionStore, RedisSessionStore, SessionService, SessionStore, StoreUnavailable
 from proxy.startup import announce
 from proxy.tenants import SALT_SECRET_NAME, SaltKey, TenantDirectory
@@ -241,6 +241,7 @@ def create_app(
     state.cache_breaks = CacheBreakTracker(settings.cache_breaks, metrics, forwarded=conversations)
     state.capture = CaptureWriter.from_settings(settings.capture)
     state.tracing = start_tracing(settings.tracing)
+    state.apps = ui.book(settings)
     kv_bytes_per_token = (
         resolve_shape(settings.kv_model, settings.kv_config_json).bytes_per_token(settings.kv_dtype)
         if settings.kv_model or settings.kv_config_json
@@ -322,6 +323,8 @@ def create_app(
     app.direct = DirectRoutes(forwarded)
     if settings.metrics_port is None:
         app.router.routes.append(health.metrics_route(state))
+        if settings.ui.enabled:
+            app.router.routes.append(ui.route(state))
     for module in (health, admin):
         app.include_router(module.router)
     # Last: whatever else the backend serves (it matches every path).
@@ -345,6 +348,10 @@ def create_app(
 
 
 def create_metrics_app(app: FastAPI) -> Starlette:
-    """``GET /metrics`` of ``app`` alone, for its own listen address (``metrics_port``)."""
+    """``GET /metrics`` of ``app`` alone, for its own listen address (``metrics_port``); ``GET /ui``
+    beside it when the operator's page is on."""
     state: ProxyState = app.state.proxy
-    return Starlette(routes=[health.metrics_route(state)])
+    routes = [health.metrics_route(state)]
+    if state.settings.ui.enabled:
+        routes.append(ui.route(state))
+    return Starlette(routes=routes)

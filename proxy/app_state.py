@@ -17,7 +17,7 @@ from proxy.tenants import TenantDirectory
 from proxy.tokenization import TokenCounter
 
 if TYPE_CHECKING:
-    from proxy.observability import CacheBreakTracker, CaptureWriter, RequestTracer
+    from proxy.observability import AppBook, CacheBreakTracker, CaptureWriter, RequestTracer
 
 
 @dataclass
@@ -37,6 +37,8 @@ class ProxyState:
     cache_breaks: CacheBreakTracker = field(init=False)
     capture: CaptureWriter | None = field(init=False, default=None)
     tracing: RequestTracer | None = field(init=False, default=None)
+    # What the operator's page shows (ui.enabled; proxy.observability.apps).
+    apps: AppBook | None = field(init=False, default=None)
 
 
 def get_state(request: Request) -> ProxyState:

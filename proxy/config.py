@@ -623,6 +623,27 @@ class TracingSettings(Section):
         return self
 
 
+class UiSettings(Section):
+    """The operator's page, ``GET /ui`` (docs/metrics.md, "The operator's page"): per app, hit rate and
+    prefill against its floor, the system prompt's varying and moved units, the last cache breaks,
+    sessions and budgets. Off by default; needs ``admin_api_key`` (HTTP Basic, any user name, the admin
+    key as password; or ``Authorization: Bearer``). With ``metrics_port`` set it is served there, beside
+    ``/metrics``, and the API port answers 404. Prompt text appears only where ``log_prompts`` or
+    ``capture`` already keeps it; otherwise digests, line counts, unit kinds and positions."""
+
+    enabled: bool = False
+    # Apps remembered (tenant, model, template), least recently seen out.
+    max_apps: int = Field(64, gt=0)
+    # Line hashes each app remembers for its floor (about 50 bytes each); a forgotten line counts again.
+    floor_lines: int = Field(8192, gt=0)
+    # Last cache breaks kept, across apps (and per app, up to this many).
+    breaks: int = Field(50, gt=0)
+    # Sessions listed per tenant (read from the session store when the page is asked for).
+    sessions: int = Field(20, ge=0)
+    # The longest system prompt text kept per app (only where prompt text may be shown).
+    prompt_chars: int = Field(32_768, gt=0)
+
+
 class ReadinessSettings(Section):
     """What ``/readyz`` needs besides a backend that serves the API (docs/deploy.md, "Readiness")."""
 
@@ -727,6 +748,7 @@ class Settings(BaseSettings):
     capture: CaptureSettings = Field(default_factory=CaptureSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     readiness: ReadinessSettings = Field(default_factory=ReadinessSettings)
+    ui: UiSettings = Field(default_factory=UiSettings)
     engines: EngineSettings = Field(default_factory=EngineSettings)
 
     # The config file's settings, read once by load_settings() and set on a subclass; otherwise the
@@ -802,6 +824,11 @@ class Settings(BaseSettings):
                     f"the same key as tenant {tenant_keys[secret.get_secret_value()]!r}: that tenant would hold "
                     "it too; give it a key of its own",
                 )
+        if self.ui.enabled and (self.admin_api_key is None or not self.admin_api_key.get_secret_value()):
+            raise conflict(
+                ("ui", "enabled"),
+                "needs admin_api_key: the page shows every tenant's apps and sessions; set admin_api_key",
+            )
         if self.sessions.store != "redis":
             if self.replicas.share_memories:
                 raise conflict(

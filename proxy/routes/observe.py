@@ -6,6 +6,9 @@ Kept apart from the route so the route gains two calls, not the logic.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,13 +21,18 @@ if TYPE_CHECKING:
     from proxy.app_state import ProxyState
     from proxy.chat import ChatTurn
 
+logger = logging.getLogger("prefix_proxy.ui")
+
 
 @dataclass(frozen=True)
 class Observed:
-    """A request on its way: its capture ticket (arrival order and time)."""
+    """A request on its way: its capture ticket (arrival order and time); for the operator's page
+    (``ui.enabled``), the prompt as forwarded and its stable system messages."""
 
     seq: int = 0
     arrived: float = 0.0
+    forwarded: dict[str, Any] | None = None
+    stable_count: int = 0
 
 
 def before_upstream(state: ProxyState, ctx: RequestContext, turn: ChatTurn, forwarded: dict[str, Any]) -> Observed:
@@ -42,9 +50,10 @@ def before_upstream(state: ProxyState, ctx: RequestContext, turn: ChatTurn, forw
         system_count=turn.stable_count,
         tokens_per_byte=turn.session.tokens_per_byte if turn.session else None,
     )
+    seen = (forwarded, turn.stable_count) if state.apps is not None else (None, 0)
     if state.capture is None:
-        return Observed()
-    return Observed(state.capture.next_seq(), arrival())
+        return Observed(0, 0.0, *seen)
+    return Observed(state.capture.next_seq(), arrival(), *seen)
 
 
 def after_answer(
@@ -58,12 +67,61 @@ def after_answer(
     """The backend answered: remember its reply (it caches those tokens too) and capture."""
     if ctx.cache_break is not None:
         ctx.cache_break.record_reply(reply)
+    if state.apps is not None and observed.forwarded is not None and usage is not None:
+        # Off the answer's path: the page's bookkeeping runs once the loop has sent what it can.
+        asyncio.get_running_loop().call_soon(_record_app, state, ctx, observed, body, reply, usage)
     if state.capture is not None and observed.seq:
         state.capture.write(
             capture_record(
                 observed.seq, observed.arrived, ctx.tenant, ctx.session_id, body, usage, reply, backend=ctx.backend
             )
         )
+
+
+def _record_app(
+    state: ProxyState,
+    ctx: RequestContext,
+    observed: Observed,
+    body: dict[str, Any],
+    reply: dict[str, Any] | None,
+    usage: Usage,
+) -> None:
+    """What the operator's page learns of an answered request (``proxy.observability.apps``); a
+    failure here is logged and costs the request nothing (it was answered)."""
+    try:
+        _record(state, ctx, observed, body, reply, usage)
+    except Exception:
+        logger.exception("the operator page's bookkeeping failed (the request was not affected)")
+
+
+def _record(
+    state: ProxyState,
+    ctx: RequestContext,
+    observed: Observed,
+    body: dict[str, Any],
+    reply: dict[str, Any] | None,
+    usage: Usage,
+) -> None:
+    assert state.apps is not None and observed.forwarded is not None
+    pending = ctx.cache_break
+    explanation = None
+    if isinstance(pending, PendingBreak):
+        pending.settle(usage)  # what the response header and the counters read too (settled once)
+        explanation = pending.explanation
+    state.apps.record(
+        tenant=ctx.tenant,
+        model=str(ctx.model or body.get("model") or ""),
+        client=body,
+        forwarded=observed.forwarded,
+        stable_count=observed.stable_count,
+        actions=ctx.actions,
+        session=ctx.session_id,
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
+        explanation=explanation,
+        reply=reply,
+        now=time.time(),
+    )
 
 
 def diagnose(

@@ -59,7 +59,7 @@ from proxy.routes.forward import (
 
 # Paths the proxy answers itself (or, for /metrics on its own port, must not answer): never
 # forwarded, whatever the method.
-RESERVED = ("/metrics", "/healthz", "/readyz", "/admin", "/v1/sessions")
+RESERVED = ("/metrics", "/healthz", "/readyz", "/admin", "/v1/sessions", "/ui")
 
 # vLLM 0.32's routes by metric label (docs/protocols.md); any other forwarded path counts as
 # "other", so clients cannot grow the label set.
