@@ -20,6 +20,7 @@ conversations share an entry only when their histories are the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress, count
 from typing import Any
 
 import xxhash
@@ -38,11 +39,12 @@ BLOCKS_PER_POSITION = 16
 @dataclass(frozen=True, slots=True)
 class Digested:
     """What a conversation's next request resumes from (``ForwardedLayouts.digested``): the
-    digests of the last request's messages, and its chains under its header."""
+    digests of the last request's history (its messages after the leading system messages), and
+    the chain over them under its header (``chain[k]``: the header and the first ``k``)."""
 
     digests: list[int]
     header: int
-    chains: dict[int, tuple[list[int], list[int]]]
+    chain: list[int]
 
 
 class ForwardedLayouts:
@@ -74,6 +76,12 @@ class ForwardedLayouts:
     def blocks_at(self, position: int) -> tuple[Block, ...]:
         """The blocks inserted at this position, most recent first."""
         return self._blocks.get(position) or ()
+
+    def first_with_blocks(self, positions: list[int], start: int = 0) -> int:
+        """The index of the first of ``positions`` (from ``start``) where a block was inserted;
+        ``len(positions)`` without one. One pass in C, reading nothing (no use of an entry)."""
+        held = self._blocks.holds
+        return next(compress(count(start), map(held, positions[start:])), len(positions))
 
     def app_had_blocks(self, app: int) -> bool:
         return app in self._apps

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
+from operator import is_
 from typing import Any
 
 import xxhash
@@ -808,49 +810,52 @@ def _last_user_index(messages: list[dict[str, Any]]) -> int:
 
 
 class _Layout:
-    """One request's view of the forwarded-layout memory (chains of message digests)."""
+    """One request's view of the forwarded-layout memory (chains of message digests).
+
+    Two kinds of chain: a prompt's, over its leading system messages (what ``continues`` and
+    ``record_forwarded`` read: a prompt forwarded is remembered by them, so a request continues
+    one exactly when it continues its system messages), and the history's, over the messages after
+    them, whose links name the positions where blocks were inserted. The history is the same on
+    every request of a conversation but for what it adds: its digests and chain are taken from the
+    conversation's last request (``ForwardedLayouts.digested``) and only the messages it adds are
+    serialized, hashed and chained."""
 
     def __init__(self, layouts: ForwardedLayouts, header: int, app_key: str) -> None:
         self._layouts = layouts
         self._header = header
         self._app = xxhash.xxh3_64_intdigest(app_key.encode("utf-8", "surrogatepass"))
-        # One request asks for the chains of the same messages several times (does it continue,
-        # where were blocks, what to record): each message is serialized and hashed once, and a
-        # chain is extended from the longest prefix already chained.
+        # The few system messages a request chains again (as sent, split, with a block): each
+        # serialized and hashed once.
         self._digests: dict[int, tuple[Any, int]] = {}
-        # By the digest of the first message chained (0: none): the digests chained and the chain.
-        self._chains: dict[int, tuple[list[int], list[int]]] = {}
-        self._entry: list[dict[str, Any]] = []
+        # The request's history as it came (the messages after its leading system messages), its
+        # digests and its chain (``chain[k]``: the header and the first ``k``).
+        self._history: list[Any] = []
+        self._system_count = 0
+        self._history_digests: list[int] = []
+        self._history_chain: list[int] = [header]
         self._resumed: Resumption[Digested] | None = None
 
     def resume(self, namespace: str, messages: list[dict[str, Any]]) -> None:
-        """Take the digests of the messages this request shares with its conversation's last one
-        (``ForwardedLayouts.digested``), and that request's chains under the same header: only
-        what the conversation adds is serialized, hashed and chained."""
-        self._entry = list(messages)
-        self._resumed = resumed = self._layouts.digested.resume(namespace, self._entry)
-        if resumed.state is None:
-            return
-        shared = self._entry[: resumed.shared]
-        digests = resumed.state.digests[: resumed.shared]
-        self._digests.update(zip(map(id, shared), zip(shared, digests, strict=True), strict=True))
-        if resumed.state.header == self._header:
-            # A chain is a function of the header and its digests: each is taken as far as its
-            # digests are this request's (``_prefix_chain`` compares them), never changed in place.
-            self._chains.update(resumed.state.chains)
+        """Digest and chain the request's history, taking what its conversation's last request
+        shares with it (under another header, its digests only)."""
+        self._system_count = system_count = leading_system_count(messages)
+        self._history = history = messages[system_count:]
+        self._resumed = resumed = self._layouts.digested.resume(namespace, history)
+        digests: list[int] = []
+        chain = [self._header]
+        state, shared = resumed.state, resumed.shared
+        if state is not None and shared:
+            digests = state.digests[:shared]
+            if state.header == self._header:
+                chain = state.chain[: shared + 1]
+        digests.extend(map(message_digest, history[len(digests) :]))
+        self._history_digests = digests
+        self._history_chain = extend_links(chain, digests[len(chain) - 1 :])
 
     def keep(self) -> None:
-        """Keep the digests of the request's messages, as far as they were made, and its chains."""
-        if self._resumed is None:
-            return
-        digests: list[int] = []
-        known = self._digests.get
-        for message in self._entry:
-            found = known(id(message))
-            if found is None or found[0] is not message:
-                break
-            digests.append(found[1])
-        self._resumed.keep(self._entry[: len(digests)], Digested(digests, self._header, self._chains))
+        """Keep the history's digests and chain for the conversation's next request."""
+        if self._resumed is not None:
+            self._resumed.keep(self._history, Digested(self._history_digests, self._header, self._history_chain))
 
     def _digest(self, message: Any) -> int:
         known = self._digests.get(id(message))
@@ -860,19 +865,18 @@ class _Layout:
         self._digests[id(message)] = (message, digest)
         return digest
 
-    def _prefix_chain(self, messages: list[dict[str, Any]]) -> list[int]:
-        """``chain[k]`` names the header and ``messages[:k]``, sharing the work with earlier calls."""
-        digests = [self._digest(m) for m in messages]
-        start = digests[0] if digests else 0
-        chained, chain = self._chains.get(start, ([], [self._header]))
-        common = 0
-        for old, new in zip(chained, digests, strict=False):
-            if old != new:
-                break
-            common += 1
-        chain = extend_links(chain[: common + 1], digests[common:])
-        self._chains[start] = (digests, chain)
-        return list(chain)
+    def _prompt_chain(self, messages: list[dict[str, Any]], upto: int) -> list[int]:
+        """``chain[k]`` for ``k <= upto``: the header and ``messages[:k]`` (a few system messages)."""
+        return extend_links([self._header], [self._digest(m) for m in messages[:upto]])
+
+    def _history_links(self, messages: list[dict[str, Any]], system_count: int) -> list[int]:
+        """The chain over ``messages[system_count:]``: the request's history (the same messages,
+        before a block is inserted), whose chain is made; else chained here."""
+        history = self._history
+        same = system_count == self._system_count and len(messages) - system_count == len(history)
+        if same and all(map(is_, history, messages[system_count:])):
+            return self._history_chain
+        return extend_links([self._header], [self._digest(m) for m in messages[system_count:]])
 
     def app_had_blocks(self) -> bool:
         return self._layouts.app_had_blocks(self._app)
@@ -889,22 +893,32 @@ class _Layout:
     def continues(self, messages: list[dict[str, Any]], system_count: int) -> bool:
         """Whether the request, as laid out, extends a prompt forwarded before at least as far as its
         system messages: an earlier turn of this conversation went out this way, or another request
-        of the app sent this very system prompt (its lines did not differ from what was sent there)."""
-        chain = self._prefix_chain(messages)
-        return any(self._layouts.knows_prompt(chain[k]) for k in range(len(messages) - 1, system_count - 1, -1))
+        of the app sent this very system prompt (its lines did not differ from what was sent there).
+
+        A prompt forwarded is remembered with its leading system messages on their own (and those
+        at least as recently: ``record_forwarded``), so a request extends one exactly when one of
+        its prefixes from ``system_count`` messages to its leading system messages is remembered:
+        only those few are looked up (the longest first), not its whole history."""
+        top = min(leading_system_count(messages), len(messages) - 1)
+        if top < system_count:
+            return False
+        chain = self._prompt_chain(messages, top)
+        return any(self._layouts.knows_prompt(chain[k]) for k in range(top, system_count - 1, -1))
 
     def restorations(
         self, messages: list[dict[str, Any]], system_count: int, placement: Placement, memories: Memories
     ) -> Iterator[tuple[int, list[_Split | None]]]:
         """Where blocks were inserted in this conversation before, each with the same lines split out
         again (earliest position first; blocks whose lines are not all in the system prompt skipped)."""
-        history = messages[system_count:]
-        chain = self._prefix_chain(history)
+        # The position before history message ``offset`` is named by the link after it.
+        positions = self._history_links(messages, system_count)[1:]
         present = _SystemLines(messages[:system_count], memories.texts)
-        for offset, message in enumerate(history):
-            for block in self._layouts.blocks_at(extend(chain[offset], self._digest(message))):
+        offset = self._layouts.first_with_blocks(positions)
+        while offset < len(positions):
+            for block in self._layouts.blocks_at(positions[offset]):
                 if present.hold(block):
                     yield system_count + offset, self.split_again(messages, system_count, block, placement, memories)
+            offset = self._layouts.first_with_blocks(positions, offset + 1)
 
     def forwarded_conversation(self, messages: list[dict[str, Any]], stable_count: int) -> bool:
         """Whether this conversation (its first user turn) was forwarded before right after these
@@ -913,22 +927,19 @@ class _Layout:
         return key is not None and self._layouts.knows_prompt(key)
 
     def _conversation_key(self, messages: list[dict[str, Any]], stable_count: int) -> int | None:
-        first_user = next((m for m in messages[stable_count:] if m.get("role") == "user"), None)
+        first_user = next((m for m in islice(messages, stable_count, None) if m.get("role") == "user"), None)
         if first_user is None:
             return None
-        chain = self._prefix_chain(messages[:stable_count])[-1]
+        chain = self._prompt_chain(messages, stable_count)[-1]
         # Marked: a key of its own, never taken for the forwarded prompt [system, first user].
         return extend(extend(chain, self._digest(first_user)), _CONVERSATION_MARK)
 
     def had_blocks(self, messages: list[dict[str, Any]], system_count: int) -> bool:
         """Whether a block was inserted anywhere in this conversation's history before (its lines
         since changed, or :meth:`restorations` would have put them back): it is not new here."""
-        history = messages[system_count:]
-        chain = self._prefix_chain(history)
-        return any(
-            self._layouts.blocks_at(extend(chain[offset], self._digest(message)))
-            for offset, message in enumerate(history)
-        )
+        positions = self._history_links(messages, system_count)[1:]
+        offset = self._layouts.first_with_blocks(positions)
+        return offset < len(positions) and bool(self._layouts.blocks_at(positions[offset]))
 
     @staticmethod
     def split_again(
@@ -946,18 +957,15 @@ class _Layout:
         """Remember ``lines`` inserted before ``messages[position]`` (the client's layout)."""
         if position >= len(messages):
             return
-        history = messages[system_count:position]
-        chain = self._prefix_chain(history)
-        self._layouts.remember_block(extend(chain[-1], self._digest(messages[position])), lines, self._app)
+        history = self._history_links(messages, system_count)
+        self._layouts.remember_block(history[position - system_count + 1], lines, self._app)
 
     def record_forwarded(self, messages: list[dict[str, Any]], stable_count: int | None = None) -> None:
-        """Remember the forwarded prompt, its leading system messages on their own, and (with the
-        stable system messages ahead of any block inserted before the first user turn) which
-        conversation went out after them."""
-        chain = self._prefix_chain(messages)
+        """Remember the forwarded prompt by its leading system messages (what ``continues`` reads)
+        and (with the stable system messages ahead of any block inserted before the first user turn)
+        which conversation went out after them."""
         system_count = leading_system_count(messages)
-        self._layouts.remember_prompt(chain[-1])
-        self._layouts.remember_prompt(chain[system_count])
+        self._layouts.remember_prompt(self._prompt_chain(messages, system_count)[system_count])
         key = self._conversation_key(messages, system_count if stable_count is None else stable_count)
         if key is not None:
             self._layouts.remember_prompt(key)
