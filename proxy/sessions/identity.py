@@ -28,7 +28,9 @@ from __future__ import annotations
 import functools
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import compress, count, repeat
+from operator import eq
 from typing import Any
 
 import xxhash
@@ -46,15 +48,31 @@ def pair_fingerprint(previous: int, current: int) -> int:
 MessageFingerprint = tuple[Mapping[str, Any], int]
 
 
+@dataclass(slots=True)
+class Recorded:
+    """Where a request's pairs went once its turn was recorded: every one of its first ``pairs``
+    fingerprints, and its reply's pair, were ``session_id``'s in ``tenant`` when the store's
+    ``token`` for that session read as kept here (``MemorySessionStore.pair_token``). Filled in
+    by the turn's record; empty until then (and for a request whose pairs were not all recorded)."""
+
+    tenant: str = ""
+    session_id: str | None = None
+    pairs: int = 0
+    reply_pair: int = 0
+    token: tuple[int, int] | None = None
+
+
 @dataclass(slots=True, frozen=True)
 class Fingerprinted:
     """:func:`conversation_fingerprints` of a message list, and where it stood after each of its
     first ``i`` messages (``counts[i]`` pairs, ``previous[i]`` the last fingerprint): what a request
-    that re-sends those messages resumes from."""
+    that re-sends those messages resumes from; and, once its turn is recorded, which session its
+    pairs went to (``recorded``)."""
 
     pairs: list[int]
     counts: array[int]
     previous: array[int]
+    recorded: Recorded = field(default_factory=Recorded)
 
 
 def conversation_fingerprints(
@@ -111,16 +129,30 @@ def reply_fingerprint(
     return pair_fingerprint(last_print, message_fingerprint(reply))
 
 
-def vote(matches: list[str | None], last_seen: Mapping[str, float]) -> str | None:
+def vote(matches: list[str | None], last_seen: Mapping[str, float], first: int = 1) -> str | None:
     """The session whose pairs match best; ties go to the most recently active one.
 
     A pair counts by its position: later pairs are more specific to one conversation
     (an opening "hi" is shared by many; the pair after the model's first reply is not).
+    ``first``: the position of ``matches[0]`` (the pairs before it matched elsewhere:
+    :func:`weigh` them and pass ``weights``).
     """
-    counts: dict[str, int] = {}
-    for position, session_id in enumerate(matches, start=1):
+    return elect(weights(matches, first), last_seen)
+
+
+def weights(matches: list[str | None], first: int = 1) -> dict[str, int]:
+    """Each matched session's weight: the sum of the positions of its pairs (``matches[0]``'s
+    position being ``first``). A pass in C per session matched (a conversation's pairs name one
+    or a few)."""
+    found: dict[str, int] = {}
+    for session_id in dict.fromkeys(matches):
         if session_id:
-            counts[session_id] = counts.get(session_id, 0) + position
+            found[session_id] = sum(compress(count(first), map(eq, matches, repeat(session_id))))
+    return found
+
+
+def elect(counts: Mapping[str, int], last_seen: Mapping[str, float]) -> str | None:
+    """The session of the greatest weight; ties to the most recently active, then the greatest id."""
     if not counts:
         return None
     return max(counts, key=lambda sid: (counts[sid], last_seen.get(sid, 0.0), sid))

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import fields
+from itertools import repeat
 from typing import Any
 
 from cachetools import TLRUCache, TTLCache
@@ -66,6 +67,12 @@ class MemorySessionStore:
         # record's own id string per pair: 100,000 sessions of a few pairs each cost ~30 MiB, not ~60.
         # A pair is live while its session is (the record's last_seen and the TTL decide).
         self._fingerprints: dict[int, str] = {}
+        # Per session, how many of its pairs another session took since (a pair recorded again in
+        # another conversation); and a count of the times pairs were forgotten otherwise (past
+        # max_fingerprints, or the counts themselves cleared): while both read the same, a session
+        # still holds every pair it held (``pair_token``).
+        self._taken: dict[SessionKey, int] = {}
+        self._pairs_forgotten = 0
         self._usage: dict[tuple[str, int], int] = {}
         self._locks: dict[str, tuple[str, float]] = {}
         # Least recently used out; each for the TTL from when it was last set.
@@ -120,16 +127,23 @@ class MemorySessionStore:
 
     async def lookup(self, tenant: str, fingerprints: list[int]) -> tuple[list[str | None], dict[str, float]]:
         now = time.time()
-        matches: list[str | None] = []
-        # Each session's record read once: a conversation's pairs all name the same session.
-        live: dict[str, bytes | None] = {}
-        for fingerprint in fingerprints:
-            session_id = self._fingerprints.get(_tenant_key(tenant, fingerprint))
-            if session_id and session_id not in live:
-                live[session_id] = self._live((tenant, session_id), now)
-            matches.append(session_id if session_id and live[session_id] else None)
-        last_seen = {session_id: _last_seen(packed) for session_id, packed in live.items() if packed}
-        return matches, last_seen
+        # In passes of C: each pair's key (``_tenant_key``) and session, each session's record read
+        # once (a conversation's pairs all name the same session), the sessions not live left out.
+        found = list(map(self._fingerprints.get, map(hash, zip(repeat(tenant), fingerprints))))
+        live: dict[str | None, str | None] = {None: None}
+        last_seen: dict[str, float] = {}
+        for session_id in dict.fromkeys(found):
+            if session_id is not None:
+                packed = self._live((tenant, session_id), now) if session_id else None
+                live[session_id] = session_id if packed else None
+                if packed:
+                    last_seen[session_id] = _last_seen(packed)
+        return list(map(live.__getitem__, found)), last_seen
+
+    def pair_token(self, tenant: str, session_id: str) -> tuple[int, int]:
+        """What changes when a pair of the session may have stopped being its own (taken by another
+        session, or forgotten): two reads that agree mean it holds every pair it held."""
+        return self._taken.get((tenant, session_id), 0), self._pairs_forgotten
 
     async def record_turn(self, tenant: str, session_id: str, turn: TurnRecord, now: float) -> None:
         key = (tenant, session_id)
@@ -150,13 +164,19 @@ class MemorySessionStore:
         self._store(record)
         for fingerprint in turn.new_fingerprints:
             fingerprint_key = _tenant_key(tenant, fingerprint)
-            self._fingerprints.pop(fingerprint_key, None)  # re-inserted: the newest again
+            holder = self._fingerprints.pop(fingerprint_key, None)  # re-inserted: the newest again
             self._fingerprints[fingerprint_key] = session_id
+            if holder is not None and holder != session_id:
+                self._taken[(tenant, holder)] = self._taken.get((tenant, holder), 0) + 1
         if len(self._fingerprints) > self._max_fingerprints:
             # Forget the oldest tenth at once: a dict has no cheap "pop the oldest" one at a time.
             excess = len(self._fingerprints) - self._max_fingerprints + self._max_fingerprints // 10
             for fingerprint_key in list(itertools.islice(self._fingerprints, excess)):
                 del self._fingerprints[fingerprint_key]
+            self._pairs_forgotten += 1
+        if len(self._taken) > self._max_sessions:
+            self._taken.clear()
+            self._pairs_forgotten += 1
 
     async def list_sessions(self, tenant: str, limit: int = 100) -> list[SessionRecord]:
         now = time.time()

@@ -19,6 +19,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import eq
 from typing import Any, TypeVar
 
 from cachetools import LRUCache
@@ -29,10 +31,12 @@ from proxy.observability import Metrics
 from proxy.openai import Continuations, Usage
 from proxy.sessions.identity import (
     MessageFingerprint,
+    Recorded,
     conversation_fingerprints,
+    elect,
     explicit_session_id,
     reply_fingerprint,
-    vote,
+    weights,
 )
 from proxy.sessions.memory import MemorySessionStore
 from proxy.sessions.model import Reservation, SessionRecord, TurnRecord, UsageLimit
@@ -54,8 +58,14 @@ class SessionView:
     session_id: str
     record: SessionRecord | None
     fingerprints: list[int] = field(default_factory=list)
+    # The pairs the session holds already: the first ``known_prefix`` fingerprints, and these.
     known: set[int] = field(default_factory=set)
     explicit: bool = False
+    known_prefix: int = 0
+    # Where the request's pairs go once its turn is recorded (for its conversation's next request),
+    # and the store's token for the session when it was found (``MemorySessionStore.pair_token``).
+    recorded: Recorded | None = None
+    token: tuple[int, int] | None = None
     # The request's last non-system message and its fingerprint, as resolved: the reply's pair
     # starts from it.
     last_message: MessageFingerprint | None = None
@@ -176,10 +186,13 @@ class SessionService:
         ``lanes``: a named request that does not extend the session's conversation is a side lane
         of it (:func:`_extends`); off for a session the proxy knows the request continues."""
         resumed = self._forwarded.resume(tenant, messages, "fingerprints")
-        fingerprints, last, state = conversation_fingerprints(messages, resumed.state, resumed.shared)
+        previous, shared = resumed.state, resumed.shared
+        fingerprints, last, state = conversation_fingerprints(messages, previous, shared)
         resumed.keep(messages, state)
+        # The conversation's last request, where its pairs went, and how many of them this one re-sends.
+        sent = (previous.recorded, previous.counts[shared]) if previous is not None and shared else None
         try:
-            view = await self._find(self.store, self.call, tenant, fingerprints, explicit, lanes)
+            view = await self._find(self.store, self.call, tenant, fingerprints, explicit, lanes, sent)
             if self.local is not None and view.record is not None:
                 await self._newest_summary(view.record)
         except StoreUnavailable:
@@ -189,6 +202,7 @@ class SessionService:
             view = await self._find(self.local, _direct, tenant, fingerprints, explicit, lanes)
             self._metrics.store_fallbacks.inc()
         view.last_message = last
+        view.recorded = state.recorded
         return view
 
     async def _find(
@@ -199,27 +213,65 @@ class SessionService:
         fingerprints: list[int],
         explicit: str | None,
         lanes: bool = True,
+        sent: tuple[Recorded, int] | None = None,
     ) -> SessionView:
+        """``sent``: where the pairs of the conversation's last request went, and how many of them
+        lead this request's fingerprints: those the session still holds (the in-process store
+        says whether any of its pairs changed hands since) are not looked up, nor recorded again."""
+        held = _held(store, tenant, fingerprints, sent)
         if explicit:
             record = await call(store.get(tenant, explicit))
             view = SessionView(tenant, explicit, record, fingerprints, set(), explicit=True)
             if lanes and record is not None and not await _extends(store, call, record, fingerprints):
                 view.lane = fingerprints[0] if fingerprints else 0
+            if held is not None and held[0] == explicit and record is not None and not view.side_lane:
+                view.known_prefix = held[1]
+            _tokened(store, view)
             return view
         # The last message is the new turn: only the history before it can identify a conversation,
         # so a request without history (a first message) always opens a new session.
         history = fingerprints[:-1]
         if not history:
             return SessionView(tenant, unique_id(), None, fingerprints)
-        matches, last_seen = await call(store.lookup(tenant, history))
-        session_id = vote(matches, last_seen)
+        view = await self._found(store, call, tenant, fingerprints, history, held)
+        _tokened(store, view)
+        return view
+
+    async def _found(
+        self,
+        store: SessionStore,
+        call: Callable[[Awaitable[Any]], Awaitable[Any]],
+        tenant: str,
+        fingerprints: list[int],
+        history: list[int],
+        held: tuple[str, int] | None,
+    ) -> SessionView:
+        """The session the history's pairs name (:func:`vote`); ``held``: a session that holds the
+        history's first pairs, which are not looked up."""
+        first = 0
+        if held is not None:
+            first = min(held[1], len(history))
+            if await call(store.get(tenant, held[0])) is None:
+                first = 0  # not live: its pairs name nothing, as a lookup would find
+        matches, last_seen = await call(store.lookup(tenant, history[first:]))
+        counts = weights(matches, first + 1)
+        if first:
+            assert held is not None
+            counts[held[0]] = counts.get(held[0], 0) + first * (first + 1) // 2
+            if held[0] not in last_seen:
+                record = await call(store.get(tenant, held[0]))
+                last_seen = {**last_seen, held[0]: record.last_seen if record is not None else 0.0}
+        session_id = elect(counts, last_seen)
         if session_id is None:
             return SessionView(tenant, unique_id(), None, fingerprints)
         record = await call(store.get(tenant, session_id))
         if record is not None and _forked(record, history):
             return SessionView(tenant, unique_id(), None, fingerprints)
-        known = {fp for fp, match in zip(history, matches, strict=True) if match == session_id}
-        return SessionView(tenant, session_id, record, fingerprints, known)
+        known = set(compress(history[first:], map(eq, matches, repeat(session_id))))
+        view = SessionView(tenant, session_id, record, fingerprints, known)
+        if first and held is not None and session_id == held[0]:
+            view.known_prefix = first
+        return view
 
     async def used(self, limit: UsageLimit, window_s: int) -> int:
         """What ``limit``'s key has spent in the current window."""
@@ -282,7 +334,7 @@ class SessionService:
 
         A side lane counts its tokens and its request, and records no fingerprint (its pairs are not
         the session's conversation, which must not seem to extend it)."""
-        new = [] if view.side_lane else [fp for fp in view.fingerprints if fp not in view.known]
+        new = [] if view.side_lane else _new_pairs(view)
         reply_fp = reply_fingerprint(messages, reply, view.last_message) if reply is not None else None
         if reply_fp is not None and not view.side_lane:
             new.append(reply_fp)
@@ -308,6 +360,7 @@ class SessionService:
             await self.settle(reservation, usage.prompt_tokens + usage.completion_tokens, window_s)
         with contextlib.suppress(StoreUnavailable):
             await self.call(self.store.record_turn(view.tenant, view.session_id, turn, now))
+            _recorded(self.store, view, reply_fp)
 
     async def _newest_summary(self, record: SessionRecord) -> None:
         """A summary this replica made while the store was down is newer than the store's: it wins
@@ -381,6 +434,49 @@ class SessionService:
 
 async def _direct(operation: Awaitable[T]) -> T:
     return await operation
+
+
+def _held(
+    store: SessionStore, tenant: str, fingerprints: list[int], sent: tuple[Recorded, int] | None
+) -> tuple[str, int] | None:
+    """The session that holds the first pairs of ``fingerprints`` and how many: those of the
+    conversation's last request that this one re-sends (and that request's reply pair, next), where
+    the in-process store says none of the session's pairs changed hands since they were recorded."""
+    if sent is None or not isinstance(store, MemorySessionStore):
+        return None
+    recorded, shared_pairs = sent
+    session_id = recorded.session_id
+    if session_id is None or recorded.tenant != tenant or store.pair_token(tenant, session_id) != recorded.token:
+        return None
+    count = min(recorded.pairs, shared_pairs)
+    if count == recorded.pairs and count < len(fingerprints) and fingerprints[count] == recorded.reply_pair:
+        count += 1
+    return (session_id, count) if count else None
+
+
+def _tokened(store: SessionStore, view: SessionView) -> None:
+    """The in-process store's token for the session as found (``MemorySessionStore.pair_token``)."""
+    if isinstance(store, MemorySessionStore) and not view.side_lane:
+        view.token = store.pair_token(view.tenant, view.session_id)
+
+
+def _new_pairs(view: SessionView) -> list[int]:
+    """The request's pairs its session does not hold yet (each once)."""
+    fingerprints, known, prefix = view.fingerprints, view.known, view.known_prefix
+    held = fingerprints[:prefix]
+    return [fp for fp in fingerprints[prefix:] if fp not in known and fp not in held]
+
+
+def _recorded(store: SessionStore, view: SessionView, reply_pair: int | None) -> None:
+    """Every pair of the recorded request (and its reply's) is the session's now, unless one of
+    the session's pairs changed hands while the request was in flight: say so for the next."""
+    if view.recorded is None or view.side_lane or view.token is None or not isinstance(store, MemorySessionStore):
+        return
+    token = store.pair_token(view.tenant, view.session_id)
+    if token == view.token:
+        recorded = view.recorded
+        recorded.tenant, recorded.session_id, recorded.token = view.tenant, view.session_id, token
+        recorded.pairs, recorded.reply_pair = len(view.fingerprints), reply_pair or 0
 
 
 async def _extends(
