@@ -243,3 +243,48 @@ def test_a_changed_system_prompt_with_other_tools_is_system_changed() -> None:
     same_system = Conversation(memory, "c3", SYSTEM.replace("10:00:00", "10:00:07"))
     result = same_system.send("hello " * 30, tools=list(reversed(TOOLS)))
     assert (result.cause, result.message) == ("tools_changed", -1)
+
+
+class _WritingEveryLink(BreakMemory):
+    """Writes every link of every prompt, as before a conversation's prompt wrote only what it adds."""
+
+    @staticmethod
+    def _written(*_: Any) -> int:
+        return 0
+
+
+def test_a_prompt_writes_only_the_links_it_adds_and_explains_as_writing_them_all() -> None:
+    """A conversation's history is not written again on every request (its links keep naming the
+    prompt that wrote them): every explanation is the one writing every link gives, on conversations
+    that grow, regenerate a reply, ask for another answer, edit their history, slide, change their
+    tools, and open alike (each request with its conversation's key, as the proxy sends them)."""
+    import random
+
+    for seed in range(12):
+        rng = random.Random(seed)
+        ours, theirs = BreakMemory(), _WritingEveryLink()
+        chats: dict[str, list[dict[str, Any]]] = {}
+        for step in range(40):
+            key = f"c{rng.randrange(3)}"
+            messages = chats.setdefault(key, [{"role": "system", "content": SYSTEM}])
+            kind = rng.choice(["grow", "grow", "grow", "regenerate", "again", "edit", "slide", "tools", "same"])
+            if kind == "regenerate" and len(messages) > 2:
+                messages[-1] = assistant(f"another answer {step}")
+            elif kind == "again" and len(messages) > 2:
+                del messages[-1]  # the same request sent again (another answer asked for)
+            elif kind == "edit" and len(messages) > 3:
+                messages[rng.randrange(1, len(messages) - 1)] = user(f"edited {step}")
+            elif kind == "slide" and len(messages) > 5:
+                del messages[1:3]
+            if messages[-1]["role"] != "user":
+                messages.append(user(f"question {rng.randrange(4)} of {key}"))
+            tools = TOOLS if kind == "tools" and rng.random() < 0.5 else None
+            results = []
+            answer = assistant(f"answer {step} of {key}")
+            for memory in (ours, theirs):
+                prompt = digest_prompt(body([dict(m) for m in messages], tools))
+                result, prompt_id = memory.observe(prompt, key)
+                memory.record_reply(prompt_id, *message_hash(answer))
+                results.append((result.cause, result.message, result.line, result.lost_bytes, result.expected_bytes))
+            assert results[0] == results[1], (seed, step, kind)
+            messages.append(answer)

@@ -20,6 +20,7 @@ Pure logic: no I/O, no clock; the caller serializes access (one event loop).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cachetools import LRUCache
@@ -202,7 +203,7 @@ class BreakMemory:
         per_token = per_byte
         result.expected_cached = int(result.expected_bytes * per_token)
         result.tokens_lost = int(result.lost_bytes * per_token)
-        prompt_id = self._remember(prompt, links, conversation, per_byte)
+        prompt_id = self._remember(prompt, links, conversation, per_byte, self._written(prompt, previous, reach))
         return result, prompt_id
 
     def record_reply(self, prompt_id: int, reply_hash: int, reply_bytes: int) -> None:
@@ -238,6 +239,22 @@ class BreakMemory:
         return Comparison("messages", common, None, old.bytes_at(common), old.total_bytes, per_byte)
 
     # -- internals -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _written(prompt: PromptDigest, previous: Forwarded | None, reach: int) -> int:
+        """How many of the prompt's leading links were written already, by the prompt it continues
+        (this conversation's last, under the same header): they keep naming the prompt that wrote
+        them, and only the links the prompt adds are written (a conversation's history is not
+        written again on every request). So a link names the last prompt that added it or ended
+        there, not the last that went through it: the same explanations for a conversation's
+        requests (its last prompt is found by its key); a request without a conversation key may
+        be compared with an earlier prompt of the conversation whose history it shares."""
+        if previous is None or reach < 0:
+            return 0
+        old = previous.prompt
+        if (old.namespace, old.model, old.tools) != (prompt.namespace, prompt.model, prompt.tools):
+            return 0
+        return min(_common_prefix(old, prompt), reach) + 1
 
     def _reach(self, links: list[int]) -> int:
         """Messages of the longest forwarded prefix; -1 when even the header is new."""
@@ -388,11 +405,16 @@ class BreakMemory:
                 best = (score, found)
         return best[1] if best else None
 
-    def _remember(self, prompt: PromptDigest, links: list[int], conversation: str | None, per_byte: float) -> int:
+    def _remember(
+        self, prompt: PromptDigest, links: list[int], conversation: str | None, per_byte: float, written: int = 0
+    ) -> int:
+        """Remember the prompt; ``written``: its leading links already written (``_written``). Its
+        last link is written whatever: the prompt that ended there last (a regenerated answer's)
+        holds the reply the backend cached there."""
         prompt_id = self._next_id
         self._next_id += 1
         self._prompts[prompt_id] = Forwarded(prompt, per_byte)
-        self._links.write(links, prompt_id)
+        self._links.write(links[min(written, len(links) - 1) :] if written else links, prompt_id)
         if conversation is not None:
             self._conversations[conversation] = prompt_id
         key = (prompt.namespace, prompt.model)
@@ -430,11 +452,24 @@ def _similarity(namespace: str, ours: Lines, theirs: Lines) -> float:
 
 
 def _common_prefix(old: PromptDigest, new: PromptDigest) -> int:
-    count = min(len(old), len(new))
-    for index in range(count):
-        if old.digests[index] != new.digests[index]:
-            return index
-    return count
+    """How many leading messages the two prompts have alike (their digests compared in C)."""
+    return shared_length(old.digests, new.digests)
+
+
+def shared_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items two arrays of digests have equal: slices compared in C (equal most
+    of the way, as a conversation's prompts are: one comparison), halving the rest."""
+    count = min(len(a), len(b))
+    if a[:count] == b[:count]:
+        return count
+    low, high = 0, count  # a[:low] == b[:low]; a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def _same_system(old: PromptDigest, new: PromptDigest) -> bool:
@@ -466,5 +501,4 @@ def _shifted(old: PromptDigest, new: PromptDigest, at: int) -> bool:
     messages were dropped), so everything after the system prompt moved up."""
     if at >= len(new):
         return False
-    target = new.digests[at]
-    return any(old.digests[index] == target for index in range(at + 1, len(old)))
+    return new.digests[at] in old.digests[at + 1 :]
