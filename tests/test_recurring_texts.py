@@ -100,3 +100,41 @@ def test_the_kept_texts_are_bounded_by_characters() -> None:
         recurring.same_text(text, "t")
     assert recurring._kept.currsize <= recurring.MAX_CHARS
     assert 0 < sum(recurring.same_text(text[:1] + text[1:], "t") is text for text in reversed(texts)) < 5
+
+
+def test_a_conversation_looks_into_the_history_it_sent_before_only_where_its_long_texts_are() -> None:
+    """The history a conversation sent before is not walked again: its long non-ASCII texts (found
+    then) are the strings kept, the rest is left as parsed, and what it adds is looked at."""
+    reply = "好的，我们先看第一天的安排：上午参观博物馆，下午去老城区。\n" * 40
+    history: list[dict[str, Any]] = [{"role": "system", "content": PROMPT}]
+    for turn in range(6):
+        history.append({"role": "user", "content": f"第{turn}天怎么安排？"})
+        history.append({"role": "assistant", "content": reply + str(turn)})
+    body = {"model": "m", "messages": [*history, {"role": "user", "content": "那第七天呢？"}]}
+    first = parsed(body)["messages"]
+    looked: list[int] = []
+    original = recurring._reuse_in
+
+    def counting(container: dict[str, Any], key: str, namespace: str) -> bool:
+        looked.append(id(container))
+        return original(container, key, namespace)
+
+    recurring._reuse_in = counting  # type: ignore[assignment]
+    try:
+        grown = {
+            **body,
+            "messages": [
+                *body["messages"],
+                {"role": "assistant", "content": "好。"},
+                {"role": "user", "content": "谢谢"},
+            ],
+        }
+        again = parsed(grown)["messages"]
+    finally:
+        recurring._reuse_in = original  # type: ignore[assignment]
+    # The body's own texts (system, instructions), the system prompt, the six long replies and the
+    # two new messages: not the six short questions.
+    assert len(looked) == 2 + 1 + 6 + 2
+    for index in range(2, 13, 2):
+        assert again[index]["content"] is first[index]["content"]
+    assert orjson.dumps(again) == orjson.dumps(json.loads(json.dumps(grown))["messages"])

@@ -10,6 +10,9 @@ the same tenant, length and ends are replaced, in the parsed body, by that text'
 strings are interchangeable, so nothing forwarded or answered changes, and the second request of a
 prompt converts nothing.
 
+A conversation's history is looked into once: the messages its last request sent too (found by
+``proxy.openai.continuation``) are looked into again only where they hold such a text.
+
 Relocation hands its stable texts through the same memory (``same_text``, scoped by the place): a
 clock moved out of an unchanged prompt leaves the same stable text on every request, and its string
 is the one made the first time. Found by a key made of the text's length and first and last
@@ -25,6 +28,9 @@ from collections.abc import Hashable
 from typing import Any, Generic, TypeVar
 
 from cachetools import LRUCache
+
+from proxy.openai.continuation import Continuations
+from proxy.openai.messages import STABLE_ROLES
 
 V = TypeVar("V")
 
@@ -43,6 +49,12 @@ _TEXTS = ("system", "instructions")
 _kept: LRUCache[tuple[str, int, str, str], str] = LRUCache(MAX_CHARS, getsizeof=len)
 
 
+# Per tenant and conversation, the messages after the leading system ones that the last request
+# sent, with the places among them of those that hold a long non-ASCII text: the next request looks
+# into only those and the messages it adds.
+_LOOKED: Continuations[tuple[int, ...]] = Continuations()
+
+
 def reuse_texts(body: dict[str, Any], namespace: str) -> None:
     """Replace the body's long non-ASCII texts seen last from this tenant by the strings kept."""
     for key in _TEXTS:
@@ -50,9 +62,29 @@ def reuse_texts(body: dict[str, Any], namespace: str) -> None:
     for key in _LISTS:
         items = body.get(key)
         if type(items) is list:
-            for item in items:
-                if type(item) is dict:
-                    _reuse_in(item, "content", namespace)
+            _reuse_in_items(items, key, namespace)
+
+
+def _reuse_in_items(items: list[Any], key: str, namespace: str) -> None:
+    """The texts of a list of messages (or items): its leading system messages, then those of its
+    history that the conversation's last request found long and not ASCII, and what it adds."""
+    start = 0
+    for item in items:
+        if type(item) is not dict or item.get("role") not in STABLE_ROLES:
+            break
+        _reuse_in(item, "content", namespace)
+        start += 1
+    history = items[start:]
+    resumed = _LOOKED.resume(namespace, history, key)
+    shared = resumed.shared if resumed.state is not None else 0
+    held = [index for index in resumed.state or () if index < shared]
+    for index in held:
+        _reuse_in(history[index], "content", namespace)
+    for index in range(shared, len(history)):
+        item = history[index]
+        if type(item) is dict and _reuse_in(item, "content", namespace):
+            held.append(index)
+    resumed.keep(history, tuple(held))
 
 
 def same_text(text: str, scope: str) -> str:
@@ -69,15 +101,24 @@ def same_text(text: str, scope: str) -> str:
     return text
 
 
-def _reuse_in(container: dict[str, Any], key: str, namespace: str) -> None:
-    """The text at ``container[key]``, or each text part's text where it holds a list of parts."""
+def _reuse_in(container: dict[str, Any], key: str, namespace: str) -> bool:
+    """The text at ``container[key]``, or each text part's text where it holds a list of parts;
+    whether one is long and not ASCII (kept)."""
     value = container.get(key)
     if type(value) is str:
         container[key] = same_text(value, namespace)
-    elif type(value) is list:
+        return _kept_kind(value)
+    held = False
+    if type(value) is list:
         for part in value:
             if type(part) is dict and type(text := part.get("text")) is str:
                 part["text"] = same_text(text, namespace)
+                held = held or _kept_kind(text)
+    return held
+
+
+def _kept_kind(text: str) -> bool:
+    return len(text) >= MIN_CHARS and not text.isascii()
 
 
 class ByText(Generic[V]):
