@@ -29,8 +29,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from itertools import compress, count, repeat
-from operator import is_, is_not, ne, or_
 from typing import Any, Generic, TypeVar
 
 from proxy.openai.jsonio import dumps
@@ -182,84 +180,85 @@ class Continuations(Generic[State]):
 
 
 def shared_prefix(kept: Sequence[Any], messages: Sequence[Any]) -> int:
-    """How many leading messages the two lists have equal (``==``), in passes of C comparisons.
+    """How many leading messages the two lists have equal (``==``), compared a slice at a time in
+    C (list equality, which takes the same object for equal without looking inside it).
 
-    Messages that are the same objects are equal without a look inside (a pass of ``is``: another
-    part of the same request reading the same list, or a list made from it with a message or two
-    changed). So are messages that are the very objects of a prefix found equal by value lately
-    (:data:`_EQUAL`): the last request's list as another memory kept it against this request's
-    list as the first part compared it. What neither settles is compared by value: a request's
-    history is read whole once, by the first part that compares it, and not again by the others."""
+    Messages that are the same objects cost next to nothing: another part of the same request
+    reading the same list, or a list made from it with a message or two changed. So do messages
+    that are the very objects of a prefix found equal by value lately (:data:`_EQUAL`): the last
+    request's list as another memory kept it against this request's list as the first part
+    compared it. What neither settles is compared by value: a request's history is read whole
+    once, by the first part that compares it, and not again by the others."""
     n = min(len(kept), len(messages))
-    differ = list(map(is_not, kept[:n], messages[:n]))
-    at = _first(differ, 0, n)
+    at = 0
     valued = False
-    known = _Known(kept, messages, n)
     while at < n:
-        through = known.through(at)
+        if kept[at] is messages[at]:
+            at += _agreeing(kept, at, messages, at, n - at)
+            if at < n and kept[at] != messages[at]:
+                break
+            continue
+        through = _through_equal(kept, messages, at, n)
         if through > at:
-            at = _first(differ, through, n)
+            at = through
             continue
         valued = True
-        if kept[at] != messages[at]:
-            break
-        at += 1
-        if at < n and differ[at] and known.through(at) == at:
-            # Two in a row that only their values tell apart: the rest by value, in one pass.
-            at = next(compress(count(at), map(ne, kept[at:n], messages[at:n])), n)
-            break
-        at = _first(differ, at, n)
+        at += _agreeing(kept, at, messages, at, n - at)
+        break
     if valued and at:
-        _EQUAL.append((tuple(kept[:at]), tuple(messages[:at])))
+        _EQUAL.append((list(kept[:at]), list(messages[:at])))
     return at
 
 
-# Prefixes found equal lately, each as the two lists' messages (snapshots: a list changed later
-# changes nothing here): a message at an index of one equals the message at that index in the
-# other. Objects are not changed in place to other values on the way (the proxy's steps copy a
-# message before they change it), and each entry holds its messages, so no id is reused.
-_EQUAL: deque[tuple[tuple[Any, ...], tuple[Any, ...]]] = deque(maxlen=4)
+# Prefixes found equal lately, each as the two lists' messages (copies: a list changed later
+# changes nothing here; lists, as what they are compared with): a message at an index of one
+# equals the message at that index in the other. Objects are not changed in place to other values
+# on the way (the proxy's steps copy a message before they change it), and each entry holds its
+# messages, so no id is reused.
+_EQUAL: deque[tuple[list[Any], list[Any]]] = deque(maxlen=4)
 
 
-def _first(flags: list[bool], start: int, end: int) -> int:
-    """The first index from ``start`` (below ``end``) whose flag is set; ``end`` without one."""
-    try:
-        return flags.index(True, start, end)
-    except ValueError:
-        return end
+def _agreeing(a: Sequence[Any], a_start: int, b: Sequence[Any], b_start: int, length: int) -> int:
+    """How many items from ``a[a_start]`` and ``b[b_start]`` on (at most ``length``) are equal: one
+    slice comparison where all are, else halving the rest (each slice compared in C, the same
+    objects without a look inside)."""
+    if a[a_start : a_start + length] == b[b_start : b_start + length]:
+        return length
+    low, high = 0, length  # equal before low; not all equal before high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[a_start + low : a_start + middle] == b[b_start + low : b_start + middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
-class _Known:
-    """Where two lists hold, side by side, the messages of a prefix found equal lately (at the same
-    index in both, wherever that is in the prefix: a list without its system messages against a
-    whole one): each such run's pass of ``is`` made once, when the comparison first reaches it."""
+def _through_equal(kept: Sequence[Any], messages: Sequence[Any], at: int, n: int) -> int:
+    """How far from ``at`` both lists hold, side by side, the messages of a prefix found equal
+    lately (``at``: not there). The prefix's index may be a few places off ours: a list without
+    its leading system messages against a whole one, a block of lines inserted."""
+    for old, new in reversed(_EQUAL):  # the most recent first
+        where = _near(old, kept[at], at)
+        if where < 0 or new[where] is not messages[at]:
+            continue
+        length = min(n - at, len(old) - where)
+        held = min(_agreeing(kept, at, old, where, length), _agreeing(messages, at, new, where, length))
+        if held:
+            return at + held
+    return at
 
-    __slots__ = ("_kept", "_messages", "_n", "_passes")
 
-    def __init__(self, kept: Sequence[Any], messages: Sequence[Any], n: int) -> None:
-        self._kept, self._messages, self._n = kept, messages, n
-        # By (prefix, offset of its index against ours): where the pass starts, and its flags
-        # (set where one of the two lists does not hold the prefix's message).
-        self._passes: dict[tuple[int, int], tuple[int, list[bool]]] = {}
+# How far from its own index a message is looked for in a prefix found equal.
+NEAR = 8
 
-    def through(self, at: int) -> int:
-        """How far from ``at`` both lists hold one such prefix's messages (``at``: none there)."""
-        kept, message = self._kept[at], self._messages[at]
-        for number, (old, new) in enumerate(_EQUAL):
-            where = next(compress(count(), map(is_, old, repeat(kept))), -1)  # by identity, in C
-            if where < 0 or new[where] is not message:
-                continue
-            found = self._passes.get((number, where - at))
-            if found is None:
-                stop = min(self._n, at + len(old) - where)
-                ours, theirs = self._kept[at:stop], self._messages[at:stop]
-                old_run, new_run = old[where : where + stop - at], new[where : where + stop - at]
-                found = (at, list(map(or_, map(is_not, ours, old_run), map(is_not, theirs, new_run))))
-                self._passes[(number, where - at)] = found
-            first, unheld = found
-            if at - first < len(unheld):
-                return first + _first(unheld, at - first, len(unheld))
-        return at
+
+def _near(items: Sequence[Any], item: Any, at: int) -> int:
+    """Where ``item`` itself is in ``items``, within ``NEAR`` places of ``at``; -1 where not."""
+    for where in range(max(0, at - NEAR), min(len(items), at + NEAR + 1)):
+        if items[where] is item:
+            return where
+    return -1
 
 
 def _opening(messages: Sequence[Any]) -> Hashable:
