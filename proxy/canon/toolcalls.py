@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
 from operator import methodcaller
 from typing import Any
 
@@ -223,7 +224,7 @@ def _restore(
         bases, ids, renames, restored_at, arguments_at, tool_ids = [], [], [], [0], [0], []
         edits = {}
     occurrences: Counter[int] = Counter(bases)
-    used: set[Any] = {new_id for new_id in ids if isinstance(new_id, str)}
+    used: set[Any] = set(compress(ids, map(isinstance, ids, repeat(str))))
     anchor, position_ordinal = user_anchor[-1], ordinal[-1]
     restored, arguments_restored = restored_at[-1], arguments_at[-1]
     for index in range(shared, len(messages)):

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
+from itertools import compress, count
+from operator import is_not
 from typing import Any
 
 from starlette.requests import Request
@@ -194,7 +196,7 @@ async def forward_turn(
         for attempt in range(2):
             forwarded = turn.forwarded
             outgoing = state.tenants.cache_salted(tenant, view.restore(forwarded))
-            ctx.restructured = _roles(forwarded) != _roles(chat)
+            ctx.restructured = _restructured(forwarded["messages"], chat["messages"])
             if state.settings.log_prompts:
                 ctx.logged_messages = forwarded["messages"]
             # Explained in chat shape for every protocol (what the digests read); not a request whose
@@ -250,8 +252,18 @@ def _past_context(answer: UpstreamAnswer) -> bool:
     return isinstance(answer, WholeAnswer) and context_overflow(answer.status, answer.raw) is not None
 
 
-def _roles(body: dict[str, Any]) -> list[Any]:
-    return [m.get("role") if isinstance(m, dict) else None for m in body["messages"]]
+def _restructured(forwarded: list[Any], sent: list[Any]) -> bool:
+    """Whether the roles of the messages forwarded differ from the client's (a message inserted,
+    or replaced by one of another role): only the messages that are not the client's own objects
+    are read."""
+    if len(forwarded) != len(sent):
+        return True
+    changed = compress(count(), map(is_not, forwarded, sent))
+    return any(_role(forwarded[index]) != _role(sent[index]) for index in changed)
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None
 
 
 def count_canonicalization(state: ProxyState, tenant: str, body: dict[str, Any], canon: CanonResult) -> bool:
