@@ -26,6 +26,7 @@ texts themselves are the request's: the memories of one request's lists share th
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -50,16 +51,32 @@ MIN_MESSAGES = 4
 @dataclass(slots=True)
 class _Kept:
     """One message list, and what parts derived from it (``states``, by part, filled in as each
-    keeps its own). ``chars[i]``: the rough size of ``messages[:i]``, what the memory counts.
-    ``base``: the list this one continued, equal in its first ``base_shared`` messages, with what
-    the parts that have not kept theirs here yet derived from it (one level: a list that becomes
-    a base gives up its own)."""
+    keeps its own). ``ends`` and ``chars``: the rough size of ``messages[:ends[k]]`` is
+    ``chars[k]`` (what the memory counts), at the boundaries of the runs of messages added at
+    once (the first request's whole list, then what each next one added). ``base``: the list this
+    one continued, equal in its first ``base_shared`` messages, with what the parts that have not
+    kept theirs here yet derived from it (one level: a list that becomes a base gives up its own)."""
 
     messages: list[Any]
+    ends: list[int]
     chars: list[int]
     states: dict[str, Any]
     base: _Kept | None = None
     base_shared: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.chars[-1]
+
+    def prefix(self, count: int) -> tuple[list[int], list[int]]:
+        """``ends`` and ``chars`` of ``messages[:count]`` (within a run, that run's first messages
+        sized again: a few)."""
+        at = bisect_right(self.ends, count) - 1
+        ends, chars = self.ends[: at + 1], self.chars[: at + 1]
+        if ends[-1] < count:
+            chars.append(chars[-1] + _rough_size(self.messages[ends[-1] : count]))
+            ends.append(count)
+        return ends, chars
 
 
 class Resumption(Generic[State]):
@@ -140,17 +157,16 @@ class Continuations(Generic[State]):
                 self._put(key, (previous,))
             return
         matched = min(matched, len(messages))  # a part may keep less than it read
-        chars = previous.chars[: matched + 1] if previous is not None and matched else [0]
-        total = chars[-1]
-        for message in messages[len(chars) - 1 :]:
-            total += _rough_chars(message)
-            chars.append(total)
-        if total + 1 > self._max_chars:
+        ends, chars = previous.prefix(matched) if previous is not None and matched else ([0], [0])
+        if ends[-1] < len(messages):
+            chars.append(chars[-1] + _rough_size(messages[ends[-1] :]))
+            ends.append(len(messages))
+        if chars[-1] + 1 > self._max_chars:
             return  # larger than the whole memory: nothing to keep it for
         base = previous if previous is not None and matched else None
         if base is not None:
             base.base = None  # one level
-        kept = _Kept(list(messages), chars, {part: state}, base, matched if base is not None else 0)
+        kept = _Kept(list(messages), ends, chars, {part: state}, base, matched if base is not None else 0)
         # The list this one continues whole is replaced (it stays as the base); one it forked
         # from stays a candidate (a conversation that opened the same way, or the branch a
         # regenerated reply left).
@@ -287,18 +303,22 @@ def _opening(messages: Sequence[Any]) -> Hashable:
 MESSAGE_OVERHEAD = 256
 
 
+def _rough_size(messages: Sequence[Any]) -> int:
+    """About how much messages hold: their JSON (one serialization in C), and their objects."""
+    try:
+        return len(dumps(list(messages))) + MESSAGE_OVERHEAD * len(messages)
+    except (TypeError, ValueError):
+        return sum(map(_rough_chars, messages))
+
+
 def _rough_chars(message: Any) -> int:
-    """About how much a message holds: its text, or the JSON of anything else, and its objects."""
-    if isinstance(message, dict):
-        content = message.get("content")
-        if isinstance(content, str) and "tool_calls" not in message:
-            return len(content) + MESSAGE_OVERHEAD
+    """About how much a message holds: the JSON of it, and its objects."""
     try:
         return len(dumps(message)) + MESSAGE_OVERHEAD
-    except TypeError:
+    except (TypeError, ValueError):
         return 4 * MESSAGE_OVERHEAD
 
 
 def _chars_of(kept: tuple[_Kept, ...]) -> int:
     # A list that became a base is counted with the list that continued it.
-    return sum(k.chars[-1] + (k.base.chars[-1] if k.base is not None else 0) for k in kept) + 1
+    return sum(k.total + (k.base.total if k.base is not None else 0) for k in kept) + 1
