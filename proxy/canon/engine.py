@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import compress, count
+from operator import not_
 from typing import Any
 
 from proxy.canon.actions import Action
@@ -133,14 +135,16 @@ def canonicalize(
 
 def _inserted(sent: list[Any], canonical: list[Any], stable_count: int) -> tuple[int, ...]:
     """System messages after the stable prefix that the client did not send (relocation only ever
-    inserts system messages there; one equal to a message the client sent counts as the client's)."""
-    sent_system = [m for m in sent if isinstance(m, dict) and m.get("role") == "system"]
+    inserts system messages there; one equal to a message the client sent counts as the client's).
+    Only the messages that are not the client's own objects are looked at (found in C)."""
+    own = set(map(id, sent))
+    made = compress(count(stable_count), map(not_, map(own.__contains__, map(id, canonical[stable_count:]))))
     return tuple(
         index
-        for index in range(stable_count, len(canonical))
+        for index in made
         if isinstance(canonical[index], dict)
         and canonical[index].get("role") == "system"
-        and canonical[index] not in sent_system
+        and canonical[index] not in sent
     )
 
 
