@@ -48,6 +48,12 @@ DEFAULT_MAX_CHARS = 16 << 20
 MIN_MESSAGES = 4
 
 
+class _KeptList(list[Any]):
+    """The messages of a list kept: a copy of the request's, never changed."""
+
+    __slots__ = ()
+
+
 @dataclass(slots=True)
 class _Kept:
     """One message list, and what parts derived from it (``states``, by part, filled in as each
@@ -166,7 +172,7 @@ class Continuations(Generic[State]):
         base = previous if previous is not None and matched else None
         if base is not None:
             base.base = None  # one level
-        kept = _Kept(list(messages), ends, chars, {part: state}, base, matched if base is not None else 0)
+        kept = _Kept(_KeptList(messages), ends, chars, {part: state}, base, matched if base is not None else 0)
         # The list this one continues whole is replaced (it stays as the base); one it forked
         # from stays a candidate (a conversation that opened the same way, or the branch a
         # regenerated reply left).
@@ -222,13 +228,15 @@ def shared_prefix(kept: Sequence[Any], messages: Sequence[Any]) -> int:
         at += _agreeing(kept, at, messages, at, n - at)
         break
     if valued and at:
-        _EQUAL.append((list(kept[:at]), list(messages[:at])))
+        # What is kept (``_Kept.messages``) is never changed: held as it is; the other, copied.
+        _EQUAL.append((kept if type(kept) is _KeptList else list(kept[:at]), list(messages[:at])))
     return at
 
 
-# Prefixes found equal lately, each as the two lists' messages (copies: a list changed later
-# changes nothing here; lists, as what they are compared with): a message at an index of one
-# equals the message at that index in the other. Objects are not changed in place to other values
+# Prefixes found equal lately, each as the two lists' messages (copies, or a kept list, which is
+# never changed: a list changed later changes nothing here; lists, as what they are compared
+# with), the second as long as the prefix: a message at an index of one equals the message at that
+# index in the other. Objects are not changed in place to other values
 # on the way (the proxy's steps copy a message before they change it), and each entry holds its
 # messages, so no id is reused.
 _EQUAL: deque[tuple[list[Any], list[Any]]] = deque(maxlen=4)
@@ -254,11 +262,11 @@ def _through_equal(kept: Sequence[Any], messages: Sequence[Any], at: int, n: int
     """How far from ``at`` both lists hold, side by side, the messages of a prefix found equal
     lately (``at``: not there). The prefix's index may be a few places off ours: a list without
     its leading system messages against a whole one, a block of lines inserted."""
-    for old, new in reversed(_EQUAL):  # the most recent first
-        where = _near(old, kept[at], at)
+    for old, new in reversed(_EQUAL):  # the most recent first (``new``: as long as the prefix)
+        where = _near(old, kept[at], at, len(new))
         if where < 0 or new[where] is not messages[at]:
             continue
-        length = min(n - at, len(old) - where)
+        length = min(n - at, len(new) - where)
         held = min(_agreeing(kept, at, old, where, length), _agreeing(messages, at, new, where, length))
         if held:
             return at + held
@@ -269,9 +277,9 @@ def _through_equal(kept: Sequence[Any], messages: Sequence[Any], at: int, n: int
 NEAR = 8
 
 
-def _near(items: Sequence[Any], item: Any, at: int) -> int:
-    """Where ``item`` itself is in ``items``, within ``NEAR`` places of ``at``; -1 where not."""
-    for where in range(max(0, at - NEAR), min(len(items), at + NEAR + 1)):
+def _near(items: Sequence[Any], item: Any, at: int, end: int) -> int:
+    """Where ``item`` itself is in ``items[:end]``, within ``NEAR`` places of ``at``; -1 where not."""
+    for where in range(max(0, at - NEAR), min(end, at + NEAR + 1)):
         if items[where] is item:
             return where
     return -1

@@ -258,6 +258,8 @@ def _restructured(forwarded: list[Any], sent: list[Any]) -> bool:
     are read."""
     if len(forwarded) != len(sent):
         return True
+    if forwarded == sent:
+        return False  # equal messages have equal roles (the same objects compared without a look inside)
     changed = compress(count(), map(is_not, forwarded, sent))
     return any(_role(forwarded[index]) != _role(sent[index]) for index in changed)
 

@@ -463,8 +463,11 @@ def _tokened(store: SessionStore, view: SessionView) -> None:
 def _new_pairs(view: SessionView) -> list[int]:
     """The request's pairs its session does not hold yet (each once)."""
     fingerprints, known, prefix = view.fingerprints, view.known, view.known_prefix
-    held = fingerprints[:prefix]
-    return [fp for fp in fingerprints[prefix:] if fp not in known and fp not in held]
+    fresh = [fp for fp in fingerprints[prefix:] if fp not in known]
+    if fresh and prefix:
+        held = set(fingerprints[:prefix])
+        fresh = [fp for fp in fresh if fp not in held]
+    return fresh
 
 
 def _recorded(store: SessionStore, view: SessionView, reply_pair: int | None) -> None:
@@ -516,5 +519,9 @@ def _forked(record: SessionRecord, history: list[int]) -> bool:
     session of its own. A client that alters the model's reply still re-sends the latest request.
     """
     if not record.last_pair and not record.last_request_pair:
+        return False
+    # Most often near the end of the history (the latest turn), looked for there first.
+    recent = history[-8:]
+    if record.last_pair in recent or record.last_request_pair in recent:
         return False
     return record.last_pair not in history and record.last_request_pair not in history
