@@ -17,7 +17,7 @@ from proxy.chat.budget import RequestSizes, request_bytes
 from proxy.config import CanonSettings
 from proxy.observability.digests import chain, digest_prompt
 from proxy.openai import ToolCall
-from proxy.openai.continuation import MIN_MESSAGES, Continuations, shared_prefix
+from proxy.openai.continuation import MIN_MESSAGES, Continuations, _KeptList, shared_prefix
 from proxy.sessions.identity import conversation_fingerprints
 
 
@@ -101,6 +101,8 @@ def test_shared_prefix_equals_comparing_by_value_whatever_was_compared_before(
         for other in (lists[0], lists[-2], lists[amount % len(lists)]):
             assert shared_prefix(other, derived) == _naive_shared(other, derived)
             assert shared_prefix(derived, other) == _naive_shared(derived, other)
+            # A list a memory keeps (held as it is by the prefixes found equal).
+            assert shared_prefix(_KeptList(other), derived) == _naive_shared(other, derived)
 
 
 def test_a_conversation_resumes_from_its_last_request_and_no_other_tenants() -> None:
