@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import compress, count
-from operator import not_
+from itertools import compress, count, repeat
+from operator import eq, methodcaller, not_
 from typing import Any
 
 from proxy.canon.actions import Action
@@ -139,13 +139,19 @@ def _inserted(sent: list[Any], canonical: list[Any], stable_count: int) -> tuple
     Only the messages that are not the client's own objects are looked at (found in C)."""
     own = set(map(id, sent))
     made = compress(count(stable_count), map(not_, map(own.__contains__, map(id, canonical[stable_count:]))))
-    return tuple(
-        index
-        for index in made
-        if isinstance(canonical[index], dict)
-        and canonical[index].get("role") == "system"
-        and canonical[index] not in sent
-    )
+    systems = [
+        index for index in made if isinstance(canonical[index], dict) and canonical[index].get("role") == "system"
+    ]
+    if not systems:
+        return ()
+    try:  # the client's system messages, found in C (a history holds few or none past the prompt)
+        sent_system = list(compress(sent, map(eq, map(_ROLE, sent), repeat("system"))))
+    except AttributeError:  # not every message is an object
+        sent_system = [m for m in sent if isinstance(m, dict) and m.get("role") == "system"]
+    return tuple(index for index in systems if canonical[index] not in sent_system)
+
+
+_ROLE = methodcaller("get", "role")
 
 
 def _copy_message(message: Any) -> Any:

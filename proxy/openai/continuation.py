@@ -225,8 +225,13 @@ def shared_prefix(kept: Sequence[Any], messages: Sequence[Any]) -> int:
             at = through
             continue
         valued = True
-        at += _agreeing(kept, at, messages, at, n - at)
-        break
+        if kept[at] != messages[at]:
+            break
+        at += 1  # one message equal by value (a system prompt made again): the rest may be known
+        if at < n and kept[at] is not messages[at] and _through_equal(kept, messages, at, n) == at:
+            # Two in a row that only their values tell apart: the rest by value.
+            at += _agreeing(kept, at, messages, at, n - at)
+            break
     if valued and at:
         # What is kept (``_Kept.messages``) is never changed: held as it is; the other, copied.
         _EQUAL.append((kept if type(kept) is _KeptList else list(kept[:at]), list(messages[:at])))
