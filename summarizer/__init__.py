@@ -7,7 +7,7 @@
 - :mod:`summarizer.state`: the stored summary state.
 """
 
-from summarizer.anchor import SUMMARY_HEADER, Anchored, anchor, summary_message
+from summarizer.anchor import SUMMARY_HEADER, Anchored, Known, anchor, summary_message
 from summarizer.compactor import Compaction, CompactionFailed, Compactor, CompactorOptions, client_messages
 from summarizer.policy import SummaryPolicy, is_due, needed_soon, plan_chunk
 from summarizer.prompt import DEFAULT_INSTRUCTION, RENDERING_FIELDS, build_request
@@ -22,6 +22,7 @@ __all__ = [
     "CompactionFailed",
     "Compactor",
     "CompactorOptions",
+    "Known",
     "SummaryPolicy",
     "SummaryState",
     "anchor",

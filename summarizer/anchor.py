@@ -8,7 +8,10 @@ byte-identical, so the backend keeps hitting its cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import compress, count
+from operator import eq, not_, or_
 from typing import Any
 
 from proxy.openai import is_text_parts, message_fingerprint, message_text, utf8_size
@@ -28,6 +31,20 @@ def summary_message(state: SummaryState) -> dict[str, Any]:
 def is_summary_message(message: dict[str, Any]) -> bool:
     content = message.get("content")
     return message.get("role") == "system" and isinstance(content, str) and content.startswith(SUMMARY_HEADER)
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the proxy worked out of these very messages already (the session's fingerprints, the
+    budget's sizes), so that the messages a summary stands for are found in passes of C, not by
+    fingerprinting and sizing each again: after message ``i``, ``counts[i + 1]`` pairs (one more
+    than ``counts[i]`` where it is not a system message, and then ``after[i + 1]`` is its
+    :func:`message_fingerprint`), and ``ends[i]``, the size of ``messages[:i]`` as
+    ``message_text``'s UTF-8 bytes and 8 a message."""
+
+    after: Sequence[int]
+    counts: Sequence[int]
+    ends: Sequence[int]
 
 
 @dataclass
@@ -61,6 +78,7 @@ def anchor(
     repair_needs_reply: bool = False,
     into_system: bool = False,
     system_tail: str = "",
+    known: Known | None = None,
 ) -> Anchored:
     """Replace the leading covered messages after ``insert_at`` with the summary (and repair the window).
 
@@ -70,10 +88,15 @@ def anchor(
     """
     head, rest = messages[:insert_at], messages[insert_at:]
     removed = 0
-    if state.covered:
+    if state.covered and known is not None:
+        removed = _covered(rest, insert_at, state.covered, known)
+    elif state.covered:
         while removed < len(rest) and message_fingerprint(rest[removed]) in state.covered:
             removed += 1
-    removed_bytes = sum(utf8_size(message_text(m)) for m in rest[:removed])
+    if known is not None:
+        removed_bytes = known.ends[insert_at + removed] - known.ends[insert_at] - 8 * removed
+    else:
+        removed_bytes = sum(utf8_size(message_text(m)) for m in rest[:removed])
     rest = rest[removed:]
     restored = _restore_dropped(rest, state.tail, repair_needs_reply) if repair else []
     out = list(head)
@@ -94,6 +117,27 @@ def anchor(
     out.extend(restored)
     out.extend(rest)
     return Anchored(out, removed, removed_bytes, len(restored), actions, history_start, insert_at)
+
+
+def _covered(rest: list[dict[str, Any]], offset: int, covered: set[int], known: Known) -> int:
+    """How many leading messages of ``rest`` (``messages[offset:]``) the summary stands for: their
+    fingerprints looked up in passes of C, a system message's made here (its own is not kept)."""
+    after, counts = known.after, known.counts
+    removed, end = 0, len(rest)
+    while removed < end:
+        first, last = offset + removed, offset + end
+        stops = map(
+            or_,
+            map(not_, map(covered.__contains__, after[first + 1 : last + 1])),
+            map(eq, counts[first + 1 : last + 1], counts[first:last]),
+        )
+        removed = next(compress(count(removed), stops), end)
+        if removed == end or counts[offset + removed + 1] != counts[offset + removed]:
+            break  # not a system message: not covered
+        if message_fingerprint(rest[removed]) not in covered:
+            break
+        removed += 1
+    return removed
 
 
 def _merged_into(system: dict[str, Any], state: SummaryState, tail: str) -> dict[str, Any] | None:

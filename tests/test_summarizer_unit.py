@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.openai.messages import message_fingerprint
 from summarizer import Compactor, CompactorOptions, SummaryPolicy, SummaryState, anchor, needed_soon, plan_chunk
@@ -244,3 +246,31 @@ def test_a_summary_is_needed_soon_only_where_the_growth_reaches_its_use() -> Non
     assert needed_soon(24_600, 50, 24_500, 24_500, requests=4)
     assert needed_soon(20_000, 50, 0, 24_500, requests=4)
     assert needed_soon(20_000, 50, 19_700, 24_500, requests=0)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.integers(1, 12),
+    st.integers(0, 30),
+    st.lists(st.integers(0, 40), max_size=3),
+    st.booleans(),
+)
+def test_anchor_finds_what_the_summary_stands_for_from_the_known_fingerprints_as_by_reading(
+    turns: int, covered_count: int, system_at: list[int], tools: bool
+) -> None:
+    """The messages a summary stands for, found from the session's fingerprints and the budget's
+    sizes in passes of C (``Known``), are those fingerprinting each message finds: system messages
+    inside the history (blocks of moved lines, a summary) included."""
+    from proxy.chat.budget import message_ends
+    from proxy.sessions.identity import conversation_fingerprints
+    from summarizer.anchor import Known
+
+    messages = conversation(turns, with_tools=tools)
+    for at in sorted(system_at, reverse=True):
+        messages.insert(1 + at % len(messages), {"role": "system", "content": f"moved block {at}"})
+    covered = {message_fingerprint(m) for m in messages[1 : 1 + covered_count]}
+    state = SummaryState(text="the summary", covered=covered, version=1)
+    _, _, fingerprinted = conversation_fingerprints(messages)
+    known = Known(fingerprinted.previous, fingerprinted.counts, message_ends(messages))
+    fast, slow = anchor(messages, state, 1, known=known), anchor(messages, state, 1)
+    assert (fast.messages, fast.removed, fast.removed_bytes) == (slow.messages, slow.removed, slow.removed_bytes)

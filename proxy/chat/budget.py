@@ -130,10 +130,14 @@ class RequestSizes:
         self._forwarded: Continuations[Any] = forwarded if forwarded is not None else Continuations()
 
     def of_messages(self, tenant: str, messages: list[Any]) -> int:
+        return self.ends_of(tenant, messages)[-1]
+
+    def ends_of(self, tenant: str, messages: list[Any]) -> array[int]:
+        """:func:`message_ends` of the messages (not to be changed)."""
         resumed = self._forwarded.resume(tenant, messages, "sizes")
         ends = message_ends(messages, resumed.state, resumed.shared)
         resumed.keep(messages, ends)
-        return ends[-1]
+        return ends
 
 
 def fast_estimate(size_bytes: int, tokens_per_byte: float | None) -> int:

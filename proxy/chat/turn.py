@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachetools import LRUCache
+
 from proxy.backends import BackendPool, ModelCatalog
 from proxy.canon import Canonicalizer, CanonResult
 from proxy.chat.admission import budget_refused
@@ -33,7 +35,24 @@ from proxy.protocols import CHAT, SummaryChannel
 from proxy.sessions import Reservation, SessionService, SessionView, StoreUnavailable, UsageLimit, conversation_root
 from proxy.tenants import Tenant
 from proxy.tokenization import CAUTIOUS_TOKENS_PER_BYTE, TYPICAL_TOKENS_PER_BYTE, TokenCounter
-from summarizer import Anchored, SummaryState, anchor, is_due, needed_soon
+from summarizer import Anchored, Known, SummaryState, anchor, is_due, needed_soon
+
+# A session's summary as read from its record, by the record's dict (an in-process store hands out
+# the same dict until the summary changes): its covered fingerprints (one a message it stands for)
+# are made into a set once, not on every request. Each entry holds its dict, so no id is reused.
+_SUMMARIES: LRUCache[int, tuple[dict[str, Any], SummaryState]] = LRUCache(1024)
+
+
+def summary_of(data: dict[str, Any] | None) -> SummaryState:
+    """``SummaryState.from_json(data)``, made once per summary read (not to be changed)."""
+    if data is None:
+        return SummaryState()
+    found = _SUMMARIES.get(id(data))
+    if found is not None and found[0] is data:
+        return found[1]
+    state = SummaryState.from_json(data)
+    _SUMMARIES[id(data)] = (data, state)
+    return state
 
 
 @dataclass(frozen=True)
@@ -203,7 +222,7 @@ class ChatTurn:
             inserted=canon.inserted,
         )
         if session is not None and session.record is not None:
-            turn.summary = SummaryState.from_json(session.record.summary)
+            turn.summary = summary_of(session.record.summary)
         turn._anchor()
         turn.engine_context = await services.models.max_model_len(model)
         turn.limit = context_limit(budget, turn.engine_context, canonical)
@@ -244,8 +263,22 @@ class ChatTurn:
             # configured with relocate_target system_end) gets the summary inside it.
             into_system=self.services.canonicalizer.one_system_message(model),
             system_tail=self.system_tail,
+            known=self._known(),
         )
         self.actions = self.anchored.actions
+
+    def _known(self) -> Known | None:
+        """The session's fingerprints and the budget's sizes of the canonical messages, for the
+        summary to find what it stands for in passes of C (a summary in place stands for most of a
+        long conversation's history)."""
+        fingerprinted = self.session.fingerprinted if self.session is not None else None
+        if fingerprinted is None or not self.summary.covered:
+            return None
+        messages = self.canonical["messages"]
+        if len(fingerprinted.counts) != len(messages) + 1:
+            return None  # resolved on another list
+        ends = self.services.request_sizes.ends_of(self.tenant.name, messages)
+        return Known(fingerprinted.previous, fingerprinted.counts, ends)
 
     def _defers_summary(self) -> bool:
         """Whether to forward the client's whole history although a summary could replace part of it.

@@ -30,6 +30,7 @@ from proxy.ids import unique_id
 from proxy.observability import Metrics
 from proxy.openai import Continuations, Usage
 from proxy.sessions.identity import (
+    Fingerprinted,
     MessageFingerprint,
     Recorded,
     conversation_fingerprints,
@@ -66,6 +67,8 @@ class SessionView:
     # and the store's token for the session when it was found (``MemorySessionStore.pair_token``).
     recorded: Recorded | None = None
     token: tuple[int, int] | None = None
+    # The fingerprints of the messages it was resolved on, message by message (``Fingerprinted``).
+    fingerprinted: Fingerprinted | None = None
     # The request's last non-system message and its fingerprint, as resolved: the reply's pair
     # starts from it.
     last_message: MessageFingerprint | None = None
@@ -203,6 +206,7 @@ class SessionService:
             self._metrics.store_fallbacks.inc()
         view.last_message = last
         view.recorded = state.recorded
+        view.fingerprinted = state
         return view
 
     async def _find(
