@@ -251,7 +251,7 @@ def _agreeing(a: Sequence[Any], a_start: int, b: Sequence[Any], b_start: int, le
     """How many items from ``a[a_start]`` and ``b[b_start]`` on (at most ``length``) are equal: one
     slice comparison where all are, else halving the rest (each slice compared in C, the same
     objects without a look inside)."""
-    if a[a_start : a_start + length] == b[b_start : b_start + length]:
+    if _run(a, a_start, length) == _run(b, b_start, length):
         return length
     low, high = 0, length  # equal before low; not all equal before high
     while high - low > 1:
@@ -261,6 +261,13 @@ def _agreeing(a: Sequence[Any], a_start: int, b: Sequence[Any], b_start: int, le
         else:
             high = middle
     return low
+
+
+def _run(items: Sequence[Any], start: int, length: int) -> Sequence[Any]:
+    """``items[start : start + length]``, or ``items`` itself where that is all of it: list
+    equality compares the same objects without touching them, a slice takes a reference to each
+    (a kept list's messages are long out of the processor's cache)."""
+    return items if start == 0 and length == len(items) else items[start : start + length]
 
 
 def _through_equal(kept: Sequence[Any], messages: Sequence[Any], at: int, n: int) -> int:
