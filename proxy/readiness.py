@@ -19,8 +19,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.backends import Backend, BackendPool
-from proxy.backends.engines import GENERIC, context_of, engine_of
+from proxy.backends import GENERIC, Backend, BackendPool, context_of, engine_of
 from proxy.config_sources import masked_url
 from proxy.sessions import SessionService, StoreUnavailable
 

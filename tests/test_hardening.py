@@ -75,7 +75,7 @@ def nested(depth: int) -> str:
         ),
         ({"model": MODEL, "messages": USER, "tool_choice": 5}, "tool_choice"),
         ({"model": MODEL, "messages": USER, "max_tokens": "ten"}, "max_tokens"),
-        ({"model": MODEL, "messages": USER, "max_tokens": True}, "max_tokens"),
+        ({"model": MODEL, "messages": USER, "max_tokens": [5]}, "max_tokens"),
         ({"model": "m" * 1000, "messages": USER}, "model"),
     ],
 )

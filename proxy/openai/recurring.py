@@ -70,7 +70,8 @@ def _reuse_in_items(items: list[Any], key: str, namespace: str) -> None:
     history that the conversation's last request found long and not ASCII, and what it adds."""
     start = 0
     for item in items:
-        if type(item) is not dict or item.get("role") not in STABLE_ROLES:
+        # (a role of any JSON type: validation, which names it, comes after)
+        if type(item) is not dict or type(item.get("role")) is not str or item["role"] not in STABLE_ROLES:
             break
         _reuse_in(item, "content", namespace)
         start += 1

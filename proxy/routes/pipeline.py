@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.app_state import ProxyState
-from proxy.backends.engines import context_overflow
+from proxy.backends import context_overflow
 from proxy.canon import CanonResult, stable_prefix_hash
 from proxy.chat import ChatTurn
 from proxy.http import ProxyError, RequestContext, ServerError, parse_json_object, read_body

@@ -27,9 +27,16 @@ from proxy.app_state import ProxyState
 from proxy.chat import effective_budget, usage_limits
 from proxy.config import Settings
 from proxy.http import ProxyError
-from proxy.observability import AppBook
-from proxy.observability.apps import Totals
-from proxy.observability.page import CONTENT_SECURITY_POLICY, SessionRow, Snapshot, TenantView, render, tenant_names
+from proxy.observability import (
+    CONTENT_SECURITY_POLICY,
+    AppBook,
+    SessionRow,
+    Snapshot,
+    TenantView,
+    Totals,
+    render,
+    tenant_names,
+)
 from proxy.sessions import StoreUnavailable
 from proxy.tenants import ANONYMOUS
 
