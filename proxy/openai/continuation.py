@@ -274,7 +274,9 @@ def _through_equal(kept: Sequence[Any], messages: Sequence[Any], at: int, n: int
     """How far from ``at`` both lists hold, side by side, the messages of a prefix found equal
     lately (``at``: not there). The prefix's index may be a few places off ours: a list without
     its leading system messages against a whole one, a block of lines inserted."""
-    for old, new in reversed(_EQUAL):  # the most recent first (``new``: as long as the prefix)
+    # The most recent first (``new``: as long as the prefix); a copy of the few entries, as another
+    # thread's proxy (tests run several apps in one process) may append meanwhile.
+    for old, new in reversed(tuple(_EQUAL)):
         where = _near(old, kept[at], at, len(new))
         if where < 0 or new[where] is not messages[at]:
             continue
