@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.canon.canonicalizer import Canonicalizer
+from proxy.canon.engine import _inserted
 from proxy.canon.toolcalls import anchors_of
 from proxy.chat.budget import RequestSizes, request_bytes
 from proxy.config import CanonSettings
@@ -265,6 +266,10 @@ def test_canonicalization_resumed_forwards_what_it_forwards_from_scratch() -> No
         assert ours.body == theirs.body
         assert [str(a) for a in ours.actions] == [str(a) for a in theirs.actions]
         assert (ours.prefix_hash, ours.stable_count) == (theirs.prefix_hash, theirs.stable_count)
+        # The messages it made, where relocation put them, as a look through all of them finds them.
+        sent, forwarded = body["messages"], ours.body["messages"]
+        scanned = _inserted(sent, forwarded, ours.stable_count) if len(forwarded) != len(sent) else ()
+        assert ours.inserted == theirs.inserted == scanned
         calls = [ToolCall(id=f"gen_{len(body['messages'])}", name="lookup", arguments='{"q": 1}')]
         resumed.record_reply(ours.body, "t", calls)
         fresh.record_reply(theirs.body, "t", calls)
@@ -314,3 +319,26 @@ def test_a_list_validated_as_chat_is_validated_again_as_anthropic() -> None:
     validate_chat_request({"model": "m", "messages": copy.deepcopy(messages)}, "t")
     with pytest.raises(InvalidRequest):
         validate_request({"model": "m", "max_tokens": 8, "messages": copy.deepcopy(messages)}, namespace="t")
+
+
+def test_a_block_equal_to_a_system_message_the_client_sent_counts_as_the_clients() -> None:
+    """What canonicalization made is where relocation put it, less what equals a system message
+    the client sent (in its history too): as a look through all the messages finds it."""
+    requests = [
+        body for body in _agent_requests(conversations=2, turns=8) if "agent 1" in body["messages"][0]["content"]
+    ]
+    ours, theirs = Canonicalizer(CanonSettings()), Canonicalizer(CanonSettings())
+    for body in requests[:-1]:
+        ours.apply(copy.deepcopy(body), "t")
+        theirs.apply(copy.deepcopy(body), "t")
+    last = requests[-1]
+    made = ours.apply(copy.deepcopy(last), "t")
+    assert made.inserted, "the clock moved: a block before the last user turn"
+    block = made.body["messages"][made.inserted[0]]
+    echoed = copy.deepcopy(last)
+    echoed["messages"].insert(2, dict(block))  # the client sent that very system message before
+    found = theirs.apply(echoed, "t")
+    forwarded = found.body["messages"]
+    assert block in forwarded
+    assert found.inserted == _inserted(echoed["messages"], forwarded, found.stable_count)
+    assert all(forwarded[index] != block for index in found.inserted)

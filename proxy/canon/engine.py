@@ -121,6 +121,7 @@ def canonicalize(
 
     stable_count = leading_system_count(messages)
     system_tail = ""
+    relocation = None
     if options.mode == "relocate":
         placement = Placement(options.relocate_target, options.restore_query_blocks, options.detectors)
         texts = text_memo.scope(namespace, options.detectors) if text_memo is not None else None
@@ -129,7 +130,16 @@ def canonicalize(
         actions.extend(relocation.actions)
         stable_count, system_tail = relocation.stable_count, relocation.system_tail
 
-    inserted = _inserted(body["messages"], messages, stable_count) if len(messages) != len(body["messages"]) else ()
+    inserted: tuple[int, ...] = ()
+    if len(messages) != len(body["messages"]):
+        # Where relocation put what it made, less any equal to a system message the client sent
+        # (normalized copies are not what the client sent: looked for among all).
+        placed = relocation.inserted if relocation is not None and not normalizing else None
+        sent_system = relocation.sent_system if relocation is not None else None
+        if placed is not None and sent_system is not None:
+            inserted = tuple(index for index in placed if messages[index] not in sent_system)
+        else:
+            inserted = _inserted(body["messages"], messages, stable_count)
     return CanonResult(out, actions, stable_prefix_hash(out, stable_count), stable_count, system_tail, inserted)
 
 

@@ -45,6 +45,8 @@ class Digested:
     digests: list[int]
     header: int
     chain: list[int]
+    # Where the history's system messages are (a client's own, mid-conversation).
+    systems: list[int]
 
 
 class ForwardedLayouts:

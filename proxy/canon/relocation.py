@@ -17,6 +17,7 @@ Whole lines move, byte for byte (``relocate.partition_lines``). Which lines, and
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -94,6 +95,12 @@ class Relocation:
     stable_count: int
     # Volatile lines moved to the end of the last stable system message (system_end).
     system_tail: str = ""
+    # Where the messages relocation made are (a block of moved lines), in the messages as they
+    # leave it; None: not known here (restated questions were inserted too).
+    inserted: tuple[int, ...] | None = ()
+    # The system messages the client sent (its leading ones and those of its history), where the
+    # layout memory knows them; None otherwise.
+    sent_system: list[Any] | None = None
 
 
 def relocate(
@@ -109,8 +116,10 @@ def relocate(
         return _relocate(messages, placement, memories, app_key, system_count, None)
     layout = _Layout(layouts, chain_header(namespace, body), app_key)
     layout.resume(namespace, messages)
+    sent_system = [*messages[:system_count], *layout.history_systems()]
     relocation = _relocate(messages, placement, memories, app_key, system_count, layout)
     layout.keep()
+    relocation.sent_system = sent_system
     return relocation
 
 
@@ -149,7 +158,7 @@ def _relocate(
                 layout.record_block(messages, system_count, position, _moved_lines(forced))
                 layout.record_forwarded(trial, outcome.stable_count)
                 messages[:] = trial
-                return Relocation(actions + outcome.actions, outcome.stable_count)
+                return Relocation(actions + outcome.actions, outcome.stable_count, inserted=outcome.inserted)
         if (
             inserting
             and proposed
@@ -167,11 +176,11 @@ def _relocate(
                 layout.record_block(messages, system_count, system_count, _moved_lines(splits))
                 layout.record_forwarded(trial, outcome.stable_count)
                 messages[:] = trial
-                return Relocation(actions + outcome.actions, outcome.stable_count)
+                return Relocation(actions + outcome.actions, outcome.stable_count, inserted=outcome.inserted)
         if inserting and any(s is not None and s.held for s in splits):
             kept = _moved_mid_conversation(messages, splits, system_count, placement, memories, layout)
             if kept is not None:
-                return Relocation(actions + kept.actions, kept.stable_count)
+                return Relocation(actions + kept.actions, kept.stable_count, inserted=kept.inserted)
     if not proposed:
         # Recorded with or without candidates: lines learned later (another prompt of the app seen
         # since) must not move in a conversation that was forwarded with them in place.
@@ -185,7 +194,7 @@ def _relocate(
         return Relocation(actions + moved, system_count, system_tail)
     position, target = _fresh_position(messages, system_count, placement, layout)
     outcome = _insert(messages, splits, position, placement, layout, fresh=True, target=target)
-    return Relocation(actions + outcome.actions, outcome.stable_count)
+    return Relocation(actions + outcome.actions, outcome.stable_count, inserted=outcome.inserted)
 
 
 def _moved_mid_conversation(
@@ -660,6 +669,8 @@ def _append_text(stable: str | list[Any], moved: str) -> str | list[Any]:
 class _Inserted:
     actions: list[Action]
     stable_count: int
+    # Where the block is (None: restated questions were inserted too).
+    inserted: tuple[int, ...] | None = ()
 
 
 def _insert(
@@ -703,6 +714,7 @@ def _insert(
     block = "\n\n".join(moved_blocks)
     position -= len(emptied)
     messages.insert(position, {"role": "system", "content": block})
+    inserted: tuple[int, ...] | None = (position,)
     target = target or placement.target
     actions.append(Action("volatile_moved", target if fresh else "restored"))
     detected = any(split is not None and split.spans for split in splits)
@@ -711,9 +723,10 @@ def _insert(
         count = restore_query_blocks(messages, block, stable_count, _last_user_index(messages))
         if count:
             actions.append(Action("query_blocks_restored", str(count)))
+            inserted = None
     if layout is not None:
         layout.record_forwarded(messages, stable_count)
-    return _Inserted(actions, stable_count)
+    return _Inserted(actions, stable_count, inserted)
 
 
 def _system_lines(messages: list[dict[str, Any]]) -> set[MovedLine]:
@@ -833,6 +846,7 @@ class _Layout:
         self._system_count = 0
         self._history_digests: list[int] = []
         self._history_chain: list[int] = [header]
+        self._history_systems: list[int] = []
         self._resumed: Resumption[Digested] | None = None
 
     def resume(self, namespace: str, messages: list[dict[str, Any]]) -> None:
@@ -842,20 +856,32 @@ class _Layout:
         self._history = history = messages[system_count:]
         self._resumed = resumed = self._layouts.digested.resume(namespace, history)
         digests: list[int] = []
+        systems: list[int] = []
         chain = [self._header]
         state, shared = resumed.state, resumed.shared
         if state is not None and shared:
             digests = state.digests[:shared]
+            systems = state.systems[: bisect_left(state.systems, shared)]
             if state.header == self._header:
                 chain = state.chain[: shared + 1]
+        for offset in range(len(digests), len(history)):
+            message = history[offset]
+            if isinstance(message, dict) and message.get("role") == "system":
+                systems.append(offset)
         digests.extend(map(message_digest, history[len(digests) :]))
         self._history_digests = digests
+        self._history_systems = systems
         self._history_chain = extend_links(chain, digests[len(chain) - 1 :])
+
+    def history_systems(self) -> list[Any]:
+        """The system messages of the request's history (after its leading ones), as sent."""
+        return [self._history[offset] for offset in self._history_systems]
 
     def keep(self) -> None:
         """Keep the history's digests and chain for the conversation's next request."""
         if self._resumed is not None:
-            self._resumed.keep(self._history, Digested(self._history_digests, self._header, self._history_chain))
+            digested = Digested(self._history_digests, self._header, self._history_chain, self._history_systems)
+            self._resumed.keep(self._history, digested)
 
     def _digest(self, message: Any) -> int:
         known = self._digests.get(id(message))
