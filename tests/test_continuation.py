@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.canon import layout
 from proxy.canon.canonicalizer import Canonicalizer
 from proxy.canon.engine import _inserted
 from proxy.canon.toolcalls import anchors_of
@@ -259,7 +260,13 @@ def _agent_requests(conversations: int, turns: int) -> list[dict[str, Any]]:
     return requests
 
 
-def test_canonicalization_resumed_forwards_what_it_forwards_from_scratch() -> None:
+@pytest.mark.parametrize("writes_kept", [4096, 1])
+def test_canonicalization_resumed_forwards_what_it_forwards_from_scratch(
+    writes_kept: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where blocks are in a history is taken from the last request and the blocks written since
+    # (``ForwardedLayouts.written_since``); with one write kept, looked for again whenever more came.
+    monkeypatch.setattr(layout, "WRITES_KEPT", writes_kept)
     resumed, fresh = Canonicalizer(CanonSettings()), _without_resumption(Canonicalizer(CanonSettings()))
     for body in _agent_requests(conversations=4, turns=10):
         ours, theirs = resumed.apply(copy.deepcopy(body), "t"), fresh.apply(copy.deepcopy(body), "t")
@@ -342,3 +349,33 @@ def test_a_block_equal_to_a_system_message_the_client_sent_counts_as_the_clients
     assert block in forwarded
     assert found.inserted == _inserted(echoed["messages"], forwarded, found.stable_count)
     assert all(forwarded[index] != block for index in found.inserted)
+
+
+@pytest.mark.parametrize("writes_kept", [4096, 2])
+def test_blocks_a_conversation_had_are_restored_resumed_as_from_scratch(
+    writes_kept: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Conversations that open alike (one writes blocks into the history the others share) and
+    whose clock lines come back (a block's lines in the system prompt again: restored where it
+    was): forwarded alike, resumed (blocks taken from the last request and those written since)
+    or from scratch."""
+    import random
+
+    monkeypatch.setattr(layout, "WRITES_KEPT", writes_kept)
+    rules = "\n".join(f"Rule {n}: check the order before you answer." for n in range(20))
+    for seed in range(6):
+        rng = random.Random(seed)
+        resumed, fresh = Canonicalizer(CanonSettings()), _without_resumption(Canonicalizer(CanonSettings()))
+        turns = [1, 1, 1]
+        for _ in range(40):
+            which = rng.randrange(3)
+            turns[which] += rng.choice([0, 1, 1, 2])
+            clock = rng.choice([0, 1, 2])
+            system = f"You are the order desk.\nCurrent time: 2026-12-04 10:0{clock}\n{rules}"
+            # Conversations 0 and 1 share their history (the same seed): one's blocks sit in the other's.
+            history = _conversation(which // 2, turns[which])[1:]
+            body = {"model": "m", "messages": [{"role": "system", "content": system}, *history]}
+            ours, theirs = resumed.apply(copy.deepcopy(body), "t"), fresh.apply(copy.deepcopy(body), "t")
+            assert ours.body == theirs.body
+            assert [str(a) for a in ours.actions] == [str(a) for a in theirs.actions]
+            assert ours.inserted == theirs.inserted

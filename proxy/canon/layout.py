@@ -19,8 +19,11 @@ conversations share an entry only when their histories are the same.
 
 from __future__ import annotations
 
+from array import array
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress, count
+from itertools import compress, count, islice
 from typing import Any
 
 import xxhash
@@ -34,6 +37,8 @@ Block = tuple[MovedLine, ...]
 
 # Conversations of different apps can open alike ("hi"): a position keeps this many blocks.
 BLOCKS_PER_POSITION = 16
+# Positions of the blocks written last that are kept (``ForwardedLayouts.written_since``).
+WRITES_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +47,15 @@ class Digested:
     digests of the last request's history (its messages after the leading system messages), and
     the chain over them under its header (``chain[k]``: the header and the first ``k``)."""
 
-    digests: list[int]
+    digests: array[int]
     header: int
-    chain: list[int]
+    chain: array[int]
     # Where the history's system messages are (a client's own, mid-conversation).
     systems: list[int]
+    # Where blocks had been inserted in the history (its offsets), as of ``mark`` blocks written
+    # (``ForwardedLayouts.written``).
+    blocks: list[int]
+    mark: int
 
 
 class ForwardedLayouts:
@@ -63,6 +72,10 @@ class ForwardedLayouts:
         # Per tenant and conversation, the digests of the last request's messages (relocation's
         # chains resume from them).
         self.digested: Continuations[Digested] = Continuations()
+        # Blocks written so far, and the positions of the last ``WRITES_KEPT``: a conversation's
+        # request looks for blocks in its history only where they were written since its last one.
+        self.written = 0
+        self._writes: deque[int] = deque(maxlen=WRITES_KEPT)
 
     def remember_prompt(self, key: int) -> None:
         self._prompts.add(key)
@@ -74,16 +87,25 @@ class ForwardedLayouts:
         known = self._blocks.peek(position) or ()
         self._blocks[position] = (block, *(b for b in known if b != block))[:BLOCKS_PER_POSITION]
         self._apps.add(app)
+        self.written += 1
+        self._writes.append(position)
+
+    def written_since(self, mark: int) -> list[int] | None:
+        """The positions blocks were written at since ``written`` read ``mark``; None when more
+        were written than are kept."""
+        count = self.written - mark
+        if count > len(self._writes):
+            return None
+        return list(islice(reversed(self._writes), count))
 
     def blocks_at(self, position: int) -> tuple[Block, ...]:
         """The blocks inserted at this position, most recent first."""
         return self._blocks.get(position) or ()
 
-    def first_with_blocks(self, positions: list[int], start: int = 0) -> int:
-        """The index of the first of ``positions`` (from ``start``) where a block was inserted;
-        ``len(positions)`` without one. One pass in C, reading nothing (no use of an entry)."""
-        held = self._blocks.holds
-        return next(compress(count(start), map(held, positions[start:])), len(positions))
+    def with_blocks(self, positions: Sequence[int], start: int = 0) -> list[int]:
+        """The indices of ``positions`` (from ``start``) where blocks were inserted, in order. One
+        pass in C, reading nothing (no use of an entry)."""
+        return list(compress(count(start), map(self._blocks.holds, positions[start:])))
 
     def app_had_blocks(self, app: int) -> bool:
         return app in self._apps

@@ -17,12 +17,12 @@ Whole lines move, byte for byte (``relocate.partition_lines``). Which lines, and
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from operator import is_
 from typing import Any
 
 import xxhash
@@ -61,6 +61,9 @@ from proxy.openai import Resumption, extend_links, is_text_parts, same_text
 # Mixed into a conversation's key (its stable system messages and first user turn), so that it never
 # equals the chain of a forwarded prompt.
 _CONVERSATION_MARK = 0x636F6E766572736E
+
+# A mark no count of blocks written is near: where blocks are is looked for again.
+_UNKNOWN_MARK = -(1 << 62)
 
 # A user turn is a template when its first this-many characters, with more after them, are what the
 # app sent in that place before: a human's question rarely opens with 256 characters seen before.
@@ -841,47 +844,78 @@ class _Layout:
         # serialized and hashed once.
         self._digests: dict[int, tuple[Any, int]] = {}
         # The request's history as it came (the messages after its leading system messages), its
-        # digests and its chain (``chain[k]``: the header and the first ``k``).
+        # digests and its chain (``chain[k]``: the header and the first ``k``), where its own
+        # system messages are, and where blocks had been inserted in it (offsets: the position
+        # before history message ``k`` is named by ``chain[k + 1]``) as of ``mark`` blocks written.
         self._history: list[Any] = []
         self._system_count = 0
-        self._history_digests: list[int] = []
-        self._history_chain: list[int] = [header]
+        self._history_digests: array[int] = array("Q")
+        self._history_chain: array[int] = array("Q", [header])
         self._history_systems: list[int] = []
+        self._blocks: list[int] = []
+        self._mark = 0
         self._resumed: Resumption[Digested] | None = None
 
     def resume(self, namespace: str, messages: list[dict[str, Any]]) -> None:
         """Digest and chain the request's history, taking what its conversation's last request
-        shares with it (under another header, its digests only)."""
+        shares with it (under another header, its digests only); and where blocks had been inserted
+        in it: those the last request knew of, those written since (a few), and those before the
+        messages it adds."""
         self._system_count = system_count = leading_system_count(messages)
         self._history = history = messages[system_count:]
         self._resumed = resumed = self._layouts.digested.resume(namespace, history)
-        digests: list[int] = []
-        systems: list[int] = []
-        chain = [self._header]
+        digests, systems, chain = array("Q"), [], array("Q", [self._header])
+        blocks: list[int] | None = None
         state, shared = resumed.state, resumed.shared
         if state is not None and shared:
             digests = state.digests[:shared]
             systems = state.systems[: bisect_left(state.systems, shared)]
             if state.header == self._header:
                 chain = state.chain[: shared + 1]
+                since = self._layouts.written_since(state.mark)
+                if since is not None:
+                    blocks = state.blocks[: bisect_left(state.blocks, shared)]
+                    blocks += self._offsets(chain, since, shared)
         for offset in range(len(digests), len(history)):
             message = history[offset]
             if isinstance(message, dict) and message.get("role") == "system":
                 systems.append(offset)
         digests.extend(map(message_digest, history[len(digests) :]))
-        self._history_digests = digests
-        self._history_systems = systems
-        self._history_chain = extend_links(chain, digests[len(chain) - 1 :])
+        self._history_digests, self._history_systems = digests, systems
+        self._history_chain = chain = extend_links(chain, digests[len(chain) - 1 :])
+        known = 0 if blocks is None else shared
+        self._blocks = sorted({*(blocks or ()), *self._layouts.with_blocks(chain[1:], known)})
+        self._mark = self._layouts.written
+
+    @staticmethod
+    def _offsets(chain: array[int], positions: list[int], below: int) -> list[int]:
+        """The history offsets (below ``below``) of these block positions, where the chain names them."""
+        found = []
+        for position in set(positions):
+            try:
+                index = chain.index(position, 1, below + 1)  # a pass over the array's memory, in C
+            except ValueError:
+                continue
+            found.append(index - 1)
+        return found
 
     def history_systems(self) -> list[Any]:
         """The system messages of the request's history (after its leading ones), as sent."""
         return [self._history[offset] for offset in self._history_systems]
 
     def keep(self) -> None:
-        """Keep the history's digests and chain for the conversation's next request."""
-        if self._resumed is not None:
-            digested = Digested(self._history_digests, self._header, self._history_chain, self._history_systems)
-            self._resumed.keep(self._history, digested)
+        """Keep the history's digests, chain and blocks (with those this request wrote) for the
+        conversation's next request."""
+        if self._resumed is None:
+            return
+        chain = self._history_chain
+        since = self._layouts.written_since(self._mark)
+        blocks = self._blocks
+        if since:
+            blocks = sorted({*blocks, *self._offsets(chain, since, len(chain) - 1)})
+        mark = self._layouts.written if since is not None else _UNKNOWN_MARK
+        digested = Digested(self._history_digests, self._header, chain, self._history_systems, blocks, mark)
+        self._resumed.keep(self._history, digested)
 
     def _digest(self, message: Any) -> int:
         known = self._digests.get(id(message))
@@ -895,14 +929,27 @@ class _Layout:
         """``chain[k]`` for ``k <= upto``: the header and ``messages[:k]`` (a few system messages)."""
         return extend_links([self._header], [self._digest(m) for m in messages[:upto]])
 
-    def _history_links(self, messages: list[dict[str, Any]], system_count: int) -> list[int]:
-        """The chain over ``messages[system_count:]``: the request's history (the same messages,
-        before a block is inserted), whose chain is made; else chained here."""
+    def _is_history(self, messages: list[dict[str, Any]], system_count: int) -> bool:
+        """Whether ``messages[system_count:]`` is the request's history as it came (the callers
+        pass the request's messages, their system messages split, before a block is inserted)."""
         history = self._history
-        same = system_count == self._system_count and len(messages) - system_count == len(history)
-        if same and all(map(is_, history, messages[system_count:])):
+        if system_count != self._system_count or len(messages) - system_count != len(history):
+            return False
+        return not history or (messages[system_count] is history[0] and messages[-1] is history[-1])
+
+    def _history_links(self, messages: list[dict[str, Any]], system_count: int) -> Sequence[int]:
+        """The chain over ``messages[system_count:]``: the request's history's, or chained here."""
+        if self._is_history(messages, system_count):
             return self._history_chain
         return extend_links([self._header], [self._digest(m) for m in messages[system_count:]])
+
+    def _block_offsets(self, messages: list[dict[str, Any]], system_count: int) -> tuple[Sequence[int], list[int]]:
+        """The history's block positions (its chain after the header) and the offsets among them
+        where blocks were inserted."""
+        positions = self._history_links(messages, system_count)[1:]
+        if self._is_history(messages, system_count):
+            return positions, self._blocks
+        return positions, self._layouts.with_blocks(positions)
 
     def app_had_blocks(self) -> bool:
         return self._layouts.app_had_blocks(self._app)
@@ -937,14 +984,12 @@ class _Layout:
         """Where blocks were inserted in this conversation before, each with the same lines split out
         again (earliest position first; blocks whose lines are not all in the system prompt skipped)."""
         # The position before history message ``offset`` is named by the link after it.
-        positions = self._history_links(messages, system_count)[1:]
+        positions, offsets = self._block_offsets(messages, system_count)
         present = _SystemLines(messages[:system_count], memories.texts)
-        offset = self._layouts.first_with_blocks(positions)
-        while offset < len(positions):
+        for offset in offsets:
             for block in self._layouts.blocks_at(positions[offset]):
                 if present.hold(block):
                     yield system_count + offset, self.split_again(messages, system_count, block, placement, memories)
-            offset = self._layouts.first_with_blocks(positions, offset + 1)
 
     def forwarded_conversation(self, messages: list[dict[str, Any]], stable_count: int) -> bool:
         """Whether this conversation (its first user turn) was forwarded before right after these
@@ -963,9 +1008,8 @@ class _Layout:
     def had_blocks(self, messages: list[dict[str, Any]], system_count: int) -> bool:
         """Whether a block was inserted anywhere in this conversation's history before (its lines
         since changed, or :meth:`restorations` would have put them back): it is not new here."""
-        positions = self._history_links(messages, system_count)[1:]
-        offset = self._layouts.first_with_blocks(positions)
-        return offset < len(positions) and bool(self._layouts.blocks_at(positions[offset]))
+        positions, offsets = self._block_offsets(messages, system_count)
+        return any(self._layouts.blocks_at(positions[offset]) for offset in offsets)
 
     @staticmethod
     def split_again(

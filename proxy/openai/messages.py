@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
+
+if TYPE_CHECKING:
+    from array import array
 
 import xxhash
 
@@ -96,7 +99,10 @@ def link_hash(previous: int, current: int) -> int:
     return xxhash.xxh3_64_intdigest(_PAIR.pack(previous, current))
 
 
-def extend_links(links: list[int], digests: Iterable[int]) -> list[int]:
+Links = TypeVar("Links", list[int], "array[int]")
+
+
+def extend_links(links: Links, digests: Iterable[int]) -> Links:
     """``links`` with one :func:`link_hash` more per digest, each on the last (in place, returned):
     ``links[k]`` names what ``links[0]`` names and the first ``k`` digests."""
     last = links[-1]
