@@ -231,6 +231,7 @@ def test_resumed_parts_equal_their_work_from_scratch(steps: list[tuple[str, int]
 def _without_resumption(canonicalizer: Canonicalizer) -> Canonicalizer:
     """The canonicalizer with memories that never keep a conversation: everything from scratch."""
     canonicalizer.tool_memory.anchored = Continuations(max_chars=0)
+    canonicalizer.tool_memory.called = Continuations(max_chars=0)
     assert canonicalizer.layouts is not None
     canonicalizer.layouts.digested = Continuations(max_chars=0)
     return canonicalizer

@@ -52,6 +52,10 @@ class ToolCallMemory:
         # Per tenant and conversation, what was decided for the last request's calls (and the
         # anchors of its messages): the next request looks up only the calls it adds.
         self.anchored: Continuations[Restored] = Continuations()
+        # Per tenant and conversation, the messages after the leading system ones and the first of
+        # them that holds calls (-1: none): a history without calls is not looked through again
+        # (a Dify app's clock changes its system prompt, and so the list, on every request).
+        self.called: Continuations[int] = Continuations()
 
     def remember(self, key: int, call: GeneratedCall) -> None:
         self._entries[key] = call
@@ -171,7 +175,7 @@ def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: T
     The calls of the messages a conversation's last request sent too keep what was decided for
     them then (:class:`Restored`, in ``memory.anchored``): those bytes went upstream, and only the
     calls the request adds are looked up."""
-    if not _has_calls(messages):
+    if not (_has_calls(messages) if memory is None else _holds_calls(messages, namespace, memory)):
         return []
     if memory is None:
         return _restore(messages, namespace, None, anchors_of(messages), None, 0)[0]
@@ -196,6 +200,26 @@ def _has_calls(messages: list[dict[str, Any]]) -> bool:
 
 
 _GET_CALLS = methodcaller("get", "tool_calls")
+
+
+def _holds_calls(messages: list[dict[str, Any]], namespace: str, memory: ToolCallMemory) -> bool:
+    """:func:`_has_calls`, looking only at the messages the conversation's last request did not send
+    (its leading system messages hold none: they are not assistant messages)."""
+    start = 0
+    while start < len(messages) and isinstance(messages[start], dict) and messages[start].get("role") == "system":
+        start += 1
+    history = messages[start:]
+    resumed = memory.called.resume(namespace, history)
+    first, shared = resumed.state, resumed.shared
+    if first is None or first >= shared:
+        found = [offset for offset in range(shared, len(history)) if _calls_in(history[offset])]
+        first = found[0] if found else -1
+    resumed.keep(history, first)
+    return first >= 0
+
+
+def _calls_in(message: Any) -> bool:
+    return isinstance(message, dict) and message.get("role") == "assistant" and bool(message.get("tool_calls"))
 
 
 def _restore(
