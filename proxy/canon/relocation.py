@@ -224,7 +224,7 @@ def _moved_mid_conversation(
     last_user = _last_user_index(messages)
     if last_user >= len(messages):
         return None  # no user turn to put them before (a tool result last): system_end's case
-    if not any(m.get("role") == "assistant" for m in messages[system_count:last_user]):
+    if not any(m.get("role") == "assistant" for m in islice(messages, system_count, last_user)):
         return None  # a conversation's first turn: nothing was forwarded that moving could keep
     block = tuple(
         (index, part, line)
@@ -812,7 +812,7 @@ def _span_actions(spans: Iterable[Span]) -> list[Action]:
 
 
 def _has_user_after(messages: list[dict[str, Any]], start: int) -> bool:
-    return any(m.get("role") == "user" for m in messages[start:])
+    return any(m.get("role") == "user" for m in islice(messages, start, None))
 
 
 def _last_user_index(messages: list[dict[str, Any]]) -> int:
