@@ -54,6 +54,24 @@ class _KeptList(list[Any]):
     __slots__ = ()
 
 
+# The lists kept last: parts of one request keep the same messages (a list and another made from
+# it), and one copy serves them all.
+_RECENT: deque[_KeptList] = deque(maxlen=4)
+
+
+def _kept_list(messages: Sequence[Any]) -> _KeptList:
+    """A kept copy of ``messages``: one made lately of the same objects, else a new one."""
+    if messages:
+        first, last = messages[0], messages[-1]
+        for recent in _RECENT:
+            # The ends first: a comparison of lists with other objects would look inside them.
+            if len(recent) == len(messages) and recent[0] is first and recent[-1] is last and recent == messages:
+                return recent
+    made = _KeptList(messages)
+    _RECENT.append(made)
+    return made
+
+
 @dataclass(slots=True)
 class _Kept:
     """One message list, and what parts derived from it (``states``, by part, filled in as each
@@ -172,7 +190,7 @@ class Continuations(Generic[State]):
         base = previous if previous is not None and matched else None
         if base is not None:
             base.base = None  # one level
-        kept = _Kept(_KeptList(messages), ends, chars, {part: state}, base, matched if base is not None else 0)
+        kept = _Kept(_kept_list(messages), ends, chars, {part: state}, base, matched if base is not None else 0)
         # The list this one continues whole is replaced (it stays as the base); one it forked
         # from stays a candidate (a conversation that opened the same way, or the branch a
         # regenerated reply left).
