@@ -36,21 +36,32 @@ def pins() -> dict[str, str]:
     return found
 
 
-def applies(requirement: Requirement, extras: set[str]) -> bool:
+def applies(requirement: Requirement, extras: set[str], python: str | None = None) -> bool:
     if requirement.marker is None:
         return True
-    return any(requirement.marker.evaluate({"extra": extra}) for extra in extras or {""})
+    base = {"python_full_version": python} if python else {}
+    return any(requirement.marker.evaluate({**base, "extra": extra}) for extra in extras or {""})
 
 
-def requirements_of(distribution: str, extras: set[str]) -> Iterator[Requirement]:
-    for text in importlib.metadata.requires(distribution) or []:
+def requirements_of(distribution: str, extras: set[str], python: str | None = None) -> Iterator[Requirement]:
+    try:
+        texts = importlib.metadata.requires(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        texts = []  # needed only on another interpreter (``python``): not installed here
+    for text in texts:
         requirement = Requirement(text)
-        if applies(requirement, extras):
+        if applies(requirement, extras, python):
             yield requirement
 
 
-def closure() -> dict[str, list[Requirement]]:
-    """Every package the project with EXTRAS needs, directly or not, with what asked for it."""
+# Python 3.11 releases the project installs on besides this one: Debian 12's python3 is 3.11.2, where
+# redis-py needs async-timeout (below 3.11.3).
+OTHER_PYTHONS = ("3.11.2",)
+
+
+def closure(python: str | None = None) -> dict[str, list[Requirement]]:
+    """Every package the project with EXTRAS needs, directly or not, with what asked for it (on
+    ``python``, a Python version, where given: else this interpreter)."""
     wanted: dict[str, list[Requirement]] = {}
     pending = [(PROJECT, set(EXTRAS))]
     expanded: set[tuple[str, frozenset[str]]] = set()
@@ -59,7 +70,7 @@ def closure() -> dict[str, list[Requirement]]:
         if (canonicalize_name(name), frozenset(extras)) in expanded:
             continue
         expanded.add((canonicalize_name(name), frozenset(extras)))
-        for requirement in requirements_of(name, extras):
+        for requirement in requirements_of(name, extras, python):
             key = canonicalize_name(requirement.name)
             if key != PROJECT:
                 wanted.setdefault(key, []).append(requirement)
@@ -76,6 +87,9 @@ def test_constraints_are_exact_pins() -> None:
 def test_constraints_pin_every_package_the_install_needs_within_its_specifiers() -> None:
     pinned = pins()
     needed = closure()
+    for python in OTHER_PYTHONS:
+        for name, asked in closure(python).items():
+            needed.setdefault(name, asked)
     assert {"fastapi", "opentelemetry-sdk", "pytest", "uvicorn", "uvloop"} <= set(needed)
     missing = sorted(set(needed) - set(pinned))
     assert not missing, f"constraints.txt lacks {missing}: regenerate it (its header says how)"

@@ -18,11 +18,17 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tools"
 
 
 def _tool_list(i: int) -> list[Any]:
-    if DATA.is_dir():
-        base = [tool for path in sorted(DATA.glob("*.json")) for tool in json.loads(path.read_text())]
-    else:
-        base = [{"type": "function", "function": {"name": "t", "description": "d" * 400, "parameters": {}}}]
-    tools = copy.deepcopy((base * 4)[:300])
+    """300 tools of real size: BFCL's where the shared data is here, else as long made up."""
+    base = (
+        [tool for path in sorted(DATA.glob("*.json")) for tool in json.loads(path.read_text())] if DATA.is_dir() else []
+    )
+    if not base:
+        schema = {
+            "type": "object",
+            "properties": {f"arg{k}": {"type": "string", "description": "x" * 60} for k in range(6)},
+        }
+        base = [{"type": "function", "function": {"name": "t", "description": "d" * 600, "parameters": schema}}]
+    tools = copy.deepcopy((base * 300)[:300])
     for j, tool in enumerate(tools):
         tool["function"]["name"] = f"{tool['function']['name']}_{i}_{j}"
     return tools
