@@ -2,6 +2,7 @@
 
     python -m bench.hop [--requests 400] [--tokens 8000] [--before CHECKOUT] [--litellm PATH]
                         [--vllm-router PATH] [--sessions N] [--profile DIR [--profile-native]]
+                        [--saved-requests 40] [--prefill-rate 25000]
 
 Kept as a short name; ``python -m bench.overhead --help`` describes the measurement.
 """

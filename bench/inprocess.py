@@ -18,6 +18,10 @@ what one part costs by turning it off, e.g. ``--settings '{"cache_breaks": {"ena
 itself spends per request, which ``bench.instructions`` takes off its counts. ``--patch FILE`` runs
 a Python file (a prototype patching the proxy's functions) before the app is built.
 
+``--history TURNS`` drives one conversation of ``bench.history`` instead (``--style dify`` or
+``agent``, ``--session`` with an ``x-session-id`` header, ``--summary`` with a summary in place):
+resumed at TURNS earlier turns, each request a turn longer.
+
 Without uvicorn in front, the difference between two runs is the difference in the app's code.
 The machine drifts: compare runs made one after the other, several times.
 """
@@ -65,8 +69,12 @@ def body_of(salt: int, tokens: int, messages: int) -> bytes:
     return json.dumps({"model": MODEL, "max_tokens": 16, "messages": history}).encode()
 
 
-async def send_one(app: Any, body: bytes, path: str = "/v1/chat/completions") -> None:
+async def send_one(
+    app: Any, body: bytes, path: str = "/v1/chat/completions", headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     scope = json_post_scope(path, body)
+    if headers:
+        scope["headers"] = [*scope["headers"], *headers]
     received = False
     sent: list[Message] = []
 
@@ -89,6 +97,16 @@ async def send_one(app: Any, body: bytes, path: str = "/v1/chat/completions") ->
 def body_maker(args: argparse.Namespace) -> tuple[Callable[[int], list[bytes]], str]:
     """What makes the next ``count`` request bodies (the driver's sequence), and their path."""
     salts = iter(range(10**9))
+    if args.history:
+        # One conversation of ``bench.history``, resumed at ``--history`` turns (the warm-up's
+        # first request), each next request a turn longer.
+        from bench.history import Conversation
+
+        conversation = Conversation(args.style, 1, args.tokens)
+        turns = iter(range(max(1, args.history - 1), 10**9))
+        return (lambda count: [json.dumps(conversation.body(next(turns))).encode() for _ in range(count)]), (
+            "/v1/chat/completions"
+        )
     shape = shapes.build(args.shape, args.tokens) if args.shape else None
     path = "/v1" + shape.path if shape is not None else "/v1/chat/completions"
 
@@ -103,7 +121,7 @@ def body_maker(args: argparse.Namespace) -> tuple[Callable[[int], list[bytes]], 
 def make_bodies_only(args: argparse.Namespace) -> None:
     """The bodies :func:`measure` makes, in the same rounds, sent nowhere."""
     bodies, _ = body_maker(args)
-    bodies(WARM_UP)
+    bodies(warm_up(args))
     for _ in range(args.rounds):
         bodies(args.requests)
 
@@ -114,10 +132,11 @@ WARM_UP = 100
 
 async def measure(app: Any, args: argparse.Namespace) -> list[float]:
     bodies, path = body_maker(args)
+    headers = [(b"x-session-id", b"bench-inprocess")] if args.session else None
 
     async with app.router.lifespan_context(app):
-        for body in bodies(WARM_UP):
-            await send_one(app, body, path)
+        for body in bodies(warm_up(args)):
+            await send_one(app, body, path, headers)
         gc.collect()
         gc.freeze()
         rounds = []
@@ -125,18 +144,23 @@ async def measure(app: Any, args: argparse.Namespace) -> list[float]:
             batch = bodies(args.requests)  # made before the clock starts: only the app is timed
             started_at = time.process_time()
             for body in batch:
-                await send_one(app, body, path)
+                await send_one(app, body, path, headers)
             rounds.append((time.process_time() - started_at) / args.requests * 1e6)
         if args.cprofile:
             batch = bodies(args.requests)
             profiler = cProfile.Profile()
             profiler.enable()
             for body in batch:
-                await send_one(app, body, path)
+                await send_one(app, body, path, headers)
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
     gc.unfreeze()
     return rounds
+
+
+def warm_up(args: argparse.Namespace) -> int:
+    """Requests sent before the rounds: a conversation resumed (``--history``) is warm after two."""
+    return 2 if args.history else WARM_UP
 
 
 @contextlib.contextmanager
@@ -168,6 +192,14 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--cprofile", type=int, default=0, metavar="TOP")
     parser.add_argument("--bodies-only", action="store_true", help="make the bodies, send none")
     parser.add_argument("--patch", help="a Python file run before the app is built (a prototype)")
+    parser.add_argument(
+        "--history", type=int, default=0, metavar="TURNS", help="one conversation of bench.history resumed at TURNS"
+    )
+    parser.add_argument("--style", choices=("dify", "agent"), default="dify", help="with --history: its style")
+    parser.add_argument("--session", action="store_true", help="send an x-session-id header")
+    parser.add_argument(
+        "--summary", action="store_true", help="with --history: a summary in place (bench.history's summary rows)"
+    )
     return parser
 
 
@@ -183,12 +215,20 @@ def main(argv: list[str] | None = None) -> None:
         runpy.run_path(args.patch)
     port = free_port()
     backend = [sys.executable, "-m", "bench.instant_backend", "--port", str(port)]
+    overrides = json.loads(args.settings)
+    if args.history:
+        from bench.history import LONG_CONTEXT, SUMMARY_CONTEXT, SUMMARY_USAGE
+
+        context, usage = (SUMMARY_CONTEXT, SUMMARY_USAGE) if args.summary else (LONG_CONTEXT, 8000)
+        backend += ["--max-model-len", str(context), "--prompt-tokens", str(usage)]
+        if args.summary:
+            overrides = {**overrides, "summarizer": {**overrides.get("summarizer", {}), "apply_ratio": 0}}
     with spawn(backend, f"http://127.0.0.1:{port}/health"), contextlib.ExitStack() as stack:
         upstream = f"http://127.0.0.1:{port}/v1"
         if args.bare:
             app: Any = create_bare_app(upstream, json=args.json)
         else:
-            settings = Settings(upstream=upstream, **json.loads(args.settings))
+            settings = Settings(upstream=upstream, **overrides)
             app = create_app(settings)
             stack.enter_context(access_log_to_devnull(settings.log_level))
         rounds = asyncio.run(measure(app, args))

@@ -2,6 +2,7 @@
 
     python -m bench.instructions [--shape dify] [--requests 200] [--before CHECKOUT] [--bare [--json]]
                                  [--settings JSON] [--cache-sim] [--patch FILE]
+                                 [--history TURNS [--style dify|agent] [--session] [--summary]]
 
 CPU time on a shared 2-core machine drifts by 20-40% between runs of the same build, which hides a
 change worth 5%. The instructions the proxy's code executes do not drift: this runs
@@ -19,6 +20,9 @@ change made the code do less, and by how much; the wall-clock figures stay ``ben
 (instructions + 10 per first-level miss + 100 per last-level miss, callgrind's own weighting): a
 change that does less but touches more memory shows there. Needs valgrind (``apt-get install
 valgrind``); a run takes about a minute per hundred requests (twice that with ``--cache-sim``).
+
+``--history TURNS`` counts one conversation of ``bench.history`` resumed at TURNS earlier turns
+(``bench.inprocess --history``): what a request costs at that length, against a machine's noise.
 
 ``--patch FILE`` counts a prototype without changing the proxy: ``bench.inprocess --patch`` runs
 the file before it builds the app (this checkout's count only; ``--before .`` counts the same
@@ -57,6 +61,9 @@ def count(
     python = str(own_python) if own_python.exists() else sys.executable
     command = [python, "-m", "bench.inprocess", "--rounds", "1", "--requests", str(requests)]
     command += ["--shape", args.shape, "--settings", args.settings]
+    if args.history:
+        command += ["--history", str(args.history), "--style", args.style]
+        command += (["--session"] if args.session else []) + (["--summary"] if args.summary else [])
     command += (["--bare"] if args.bare else []) + (["--json"] if args.json else [])
     command += ["--bodies-only"] if bodies_only else []
     command += ["--patch", str(args.patch.resolve())] if patched and args.patch is not None else []
@@ -103,6 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-sim", action="store_true", help="estimate cycles with callgrind's cache simulation")
     parser.add_argument("--with-driver", action="store_true", help="keep the driver's body making in the count")
     parser.add_argument("--patch", type=Path, help="a prototype run before the app is built (this checkout only)")
+    parser.add_argument("--history", type=int, default=0, metavar="TURNS", help="bench.inprocess --history TURNS")
+    parser.add_argument("--style", choices=("dify", "agent"), default="dify", help="with --history")
+    parser.add_argument("--session", action="store_true", help="with --history: an x-session-id header")
+    parser.add_argument("--summary", action="store_true", help="with --history: a summary in place")
     args = parser.parse_args(argv)
     if args.json and not args.bare:
         parser.error("--json parses the body in the bare stack: give it with --bare")
@@ -112,7 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     after = proxy_per_request(here, args, here, patched=True)
     unit = "estimated cycles" if args.cache_sim else "instructions"
     stack = (" (bare + JSON)" if args.json else " (bare)") if args.bare else ""
-    line = f"{args.shape}{stack}: {after / 1e6:.3f} M {unit} per request"
+    name = args.shape
+    if args.history:
+        extras = "".join(f", {flag}" for flag in ("session", "summary") if getattr(args, flag))
+        name = f"{args.style}, {args.history} turns{extras}"
+    line = f"{name}{stack}: {after / 1e6:.3f} M {unit} per request"
     if args.before is not None:
         before = proxy_per_request(args.before.resolve(), args, here)
         line += f", before {before / 1e6:.3f} M ({after / before:.3f}x)"

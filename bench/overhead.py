@@ -22,7 +22,11 @@ Two backends, both modes by default:
   the throughput against direct at concurrency 16, the CPU time the proxy process (and its
   children) spent per request over ``--requests`` sequential requests, and its resident memory
   before and after. ``--sessions N`` then sends N distinct conversations to each prefix-proxy
-  (in-memory session store) and gives its RSS; ``--profile DIR`` then records each prefix-proxy
+  (in-memory session store) and gives its RSS; ``--saved-requests N`` (40) sends N requests of each
+  real shape to a fake vLLM backend (it tokenizes and keeps vLLM's prefix cache) directly and,
+  through a fresh prefix-proxy, to another, and sets the proxy's CPU per request beside the prefill
+  it saves per request and the GPU time that takes on a stated reference (``PREFILL_TOKENS_PER_S``:
+  an H100-class GPU running Llama-3.1-8B, ``--prefill-rate`` another); ``--profile DIR`` then records each prefix-proxy
   with py-spy over ``--requests`` more sequential requests (after the CPU figure, which sampling
   would disturb): ``DIR/<name>.txt`` (collapsed stacks), ``DIR/<name>.svg`` (flame graph) and the
   top entries (``bench.stacks``).
@@ -50,7 +54,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -66,6 +70,15 @@ FILLER = (
     "Each section lists the figures, the change against last quarter and the reasons given by managers. "
 )
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# What the prefill a proxy saves is worth, as GPU time on a stated reference: an H100-class GPU
+# (H100 SXM: 989 TFLOPS dense BF16, NVIDIA's H100 datasheet) running Llama-3.1-8B in BF16 (8.03 B
+# parameters, 32 layers of 4,096: Meta's model card). A prompt token's prefill is about
+# 2 x 8.03 = 16.1 GFLOP for the weights and 2 x 32 x 4,096 x 8,192 = 2.1 GFLOP for attention over
+# an 8k-token context; at half the peak (a prefill's usual model FLOPs utilization) that is about
+# 27,000 tokens/s, taken as 25,000: 40 us of GPU time a token. An estimate from the hardware's and
+# the model's published figures, not a measurement (--prefill-rate states another).
+REFERENCE_GPU = "an H100-class GPU running Llama-3.1-8B (BF16)"
+PREFILL_TOKENS_PER_S = 25_000
 CPU_ROUNDS = 4
 LITELLM_KEY = "sk-bench-hop-0000000000000000"  # a local benchmark process, not a credential
 BARE_HOP = "bare stack (no logic)"
@@ -345,6 +358,80 @@ async def work_mode(requests: int, before: str | None) -> str:
 # --instant: the hop itself, behind a backend that answers at once.
 
 
+@dataclass(frozen=True)
+class Saved:
+    """Prefill tokens per request, direct and through prefix-proxy (each in front of its own fake
+    vLLM backend), over ``requests`` requests of a shape."""
+
+    direct: float
+    proxied: float
+    requests: int
+
+    @property
+    def tokens(self) -> float:
+        return self.direct - self.proxied
+
+
+def _prefill(path: str, answer: dict[str, Any]) -> int:
+    """Prompt tokens the backend computed for one answer (not served from its prefix cache)."""
+    from proxy.openai.usage import Usage
+    from proxy.protocols.anthropic import read_usage
+
+    usage = read_usage(answer.get("usage")) if path == "/messages" else Usage.from_openai(answer.get("usage"))
+    return usage.prefill_tokens if usage is not None else 0
+
+
+async def prefill_saved(shape: Shape, requests: int) -> Saved:
+    """What prefix-proxy saves the backend on ``shape``: the same ``requests`` requests (whole
+    conversations, as the CPU figure sends them; not streamed) sent one after the other to a fake
+    vLLM backend (it tokenizes and keeps vLLM's prefix cache: blocks of 16 tokens) directly, and
+    through a fresh prefix-proxy on its defaults to another; prefill = prompt - cached tokens, as
+    each backend reports them."""
+    with fake_backend() as direct, fake_backend() as behind, prefix_proxy(behind) as hop:
+        totals = [0, 0]
+        async with httpx.AsyncClient(timeout=300) as client:
+            start = shape.phase_start(6)
+            for i in range(start, start + requests):
+                body = {key: value for key, value in shape.body(i).items() if key != "stream_options"}
+                body["stream"] = False
+                headers = {"content-type": "application/json", **(shape.headers(i) or {})}
+                for k, base in enumerate((direct, hop.base_url)):
+                    response = await client.post(base + shape.path, content=orjson.dumps(body), headers=headers)
+                    response.raise_for_status()
+                    totals[k] += _prefill(shape.path, response.json())
+    return Saved(totals[0] / requests, totals[1] / requests, requests)
+
+
+def saved_table(rows: list[tuple[Shape, shapes.Size, list[HopResult]]], saved: dict[str, Saved], rate: float) -> str:
+    """Per shape: prefix-proxy's CPU per request beside the prefill it saves per request and the
+    GPU time that prefill takes on the reference (``rate`` prompt tokens a second); vLLM Router's
+    CPU (the floor of a hop) where it ran."""
+    names = [r.name for r in rows[0][2]]
+    router = names.index("vLLM Router") if "vLLM Router" in names else None
+    header = ["shape", "prefix-proxy CPU/req (ms)", "prefill/req direct -> via prefix-proxy (tokens)"]
+    header += ["saved/req (tokens)", "GPU time saved/req (ms)", "saved / CPU"]
+    header += ["vLLM Router CPU/req (ms)"] if router is not None else []
+    lines = [f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
+    for shape, _, results in rows:
+        found = saved.get(shape.name)
+        proxy = next((r for r in results if r.name == "prefix-proxy"), None)
+        if found is None or proxy is None:
+            continue
+        gpu_ms = found.tokens / rate * 1e3
+        cells = [
+            shape.name,
+            f"{proxy.cpu_ms_per_request:.2f}",
+            f"{found.direct:,.0f} -> {found.proxied:,.0f}",
+            f"{found.tokens:,.0f}",
+            f"{gpu_ms:.1f}",
+            f"{gpu_ms / proxy.cpu_ms_per_request:.0f}x" if proxy.cpu_ms_per_request > 0 and gpu_ms > 0 else "-",
+        ]
+        if router is not None:
+            cells.append(f"{results[router].cpu_ms_per_request:.2f}")
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 @dataclass
 class HopResult:
     name: str
@@ -608,10 +695,23 @@ async def instant_mode(args: argparse.Namespace) -> str:
                     print(f"  {hop.name}: {args.sessions:,} sessions ...", file=sys.stderr, flush=True)
                     after = await rss_after_sessions(hop, args.sessions)
                     result.notes.append(f"RSS after {args.sessions:,} more sessions: {after:.0f} MiB")
+    saved: dict[str, Saved] = {}
+    if args.saved_requests:
+        for shape in built:
+            if shape.name != "oneline":
+                print(f"prefill saved on {shape.name} ...", file=sys.stderr, flush=True)
+                saved[shape.name] = await prefill_saved(shape, args.saved_requests)
     lines = ["\n\n".join(sections)]
     if len(rows) > 1:
         title = "Every shape (CPU per request in the proxy process; added = proxied - direct):"
         lines += ["", title, summary_table(rows)]
+    if saved:
+        title = (
+            f"What the proxy costs against what it saves, per request (prefill: {args.saved_requests} requests of "
+            f"each shape to a fake vLLM backend, directly and through prefix-proxy; GPU time on {REFERENCE_GPU} "
+            f"at {args.prefill_rate:,.0f} prompt tokens/s):"
+        )
+        lines += ["", title, saved_table(rows, saved, args.prefill_rate)]
     lines.append(cpu_resolution_note(requests))
     lines += [f"{result.name}: {note}" for result in rows[-1][2] for note in result.notes]
     return "\n".join([*lines, *notes])
@@ -653,6 +753,19 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", help="--instant: a folder for py-spy profiles of prefix-proxy")
     parser.add_argument("--profile-native", action="store_true", help="--profile with C frames (py-spy --native)")
     parser.add_argument("--py-spy", help="the py-spy executable (default: found)")
+    parser.add_argument(
+        "--saved-requests",
+        type=int,
+        default=40,
+        help="--instant: requests of each real shape sent to a fake vLLM backend, directly and through prefix-proxy, "
+        "for the prefill it saves (0: not measured)",
+    )
+    parser.add_argument(
+        "--prefill-rate",
+        type=float,
+        default=PREFILL_TOKENS_PER_S,
+        help=f"prompt tokens/s of the reference GPU the saved prefill is timed on (default: {REFERENCE_GPU})",
+    )
     return parser
 
 
