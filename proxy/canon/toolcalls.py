@@ -20,6 +20,7 @@ and a request looks up only the calls it adds.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -94,18 +95,19 @@ class Anchors:
     """Each message's anchor (the hash of its text), and ``histories[i]``, the chain of the first
     ``i`` anchors: what names the texts of ``messages[:i]``, ids and argument bytes left out."""
 
-    anchors: list[int]
-    histories: list[int]
+    anchors: array[int]
+    histories: array[int]
 
 
 def anchors_of(messages: list[dict[str, Any]], resumed: Anchors | None = None, shared: int = 0) -> Anchors:
     """The :class:`Anchors` of ``messages``; ``resumed``: those of a list whose first ``shared``
-    messages equal these (:mod:`proxy.openai.continuation`)."""
+    messages equal these (:mod:`proxy.openai.continuation`). Arrays: a slice is a copy of memory,
+    and the collector has nothing to walk."""
     if resumed is None:
         shared = 0
-    anchors = resumed.anchors[:shared] if resumed is not None else []
+    anchors = resumed.anchors[:shared] if resumed is not None else array("Q")
     anchors.extend(map(_anchor, messages[shared:]))
-    histories = resumed.histories[: shared + 1] if resumed is not None else [0]
+    histories = resumed.histories[: shared + 1] if resumed is not None else array("Q", [0])
     return Anchors(anchors, extend_links(histories, anchors[len(histories) - 1 :]))
 
 
@@ -154,18 +156,18 @@ class Restored:
     message whose calls changed, each call's edit (re-applied to the request's own message)."""
 
     anchors: Anchors
-    user_anchor: list[int]
-    ordinal: list[int]
-    calls: list[int]
-    bases: list[int]
+    user_anchor: array[int]
+    ordinal: array[int]
+    calls: array[int]
+    bases: array[int]
     ids: list[Any]
     renames: list[tuple[str, Any] | None]
-    restored: list[int]  # ids restored among the first c calls (len calls + 1)
-    arguments: list[int]  # arguments restored among the first c calls
+    restored: array[int]  # ids restored among the first c calls (len calls + 1)
+    arguments: array[int]  # arguments restored among the first c calls
     edits: dict[int, tuple[Edit, ...]]
     # (message index, tool_call_id) of each tool message with a string id, and how many before ``i``.
     tool_ids: list[tuple[int, str]]
-    tools: list[int]
+    tools: array[int]
 
 
 def restore_tool_calls(messages: list[dict[str, Any]], namespace: str, memory: ToolCallMemory | None) -> list[Action]:
@@ -244,8 +246,9 @@ def _restore(
             messages[index] = _edited(messages[index], kept)
     else:
         shared = 0
-        user_anchor, ordinal, calls, tools = [0], [0], [0], [0]
-        bases, ids, renames, restored_at, arguments_at, tool_ids = [], [], [], [0], [0], []
+        user_anchor, ordinal, calls, tools = array("Q", [0]), array("Q", [0]), array("Q", [0]), array("Q", [0])
+        bases, restored_at, arguments_at = array("Q"), array("Q", [0]), array("Q", [0])
+        ids, renames, tool_ids = [], [], []
         edits = {}
     occurrences: Counter[int] = Counter(bases)
     used: set[Any] = set(compress(ids, map(isinstance, ids, repeat(str))))

@@ -256,14 +256,14 @@ class BreakMemory:
             return 0
         return min(_common_prefix(old, prompt), reach) + 1
 
-    def _reach(self, links: list[int]) -> int:
+    def _reach(self, links: Sequence[int]) -> int:
         """Messages of the longest forwarded prefix; -1 when even the header is new."""
         for count in range(len(links) - 1, -1, -1):
             if links[count] in self._links:
                 return count
         return -1
 
-    def _expected_messages(self, prompt: PromptDigest, links: list[int], reach: int) -> int:
+    def _expected_messages(self, prompt: PromptDigest, links: Sequence[int], reach: int) -> int:
         """Messages the backend should hold: the forwarded prefix, and the reply it generated when
         this prompt re-sends it unchanged right where that prompt ended."""
         if reach < 0:
@@ -280,7 +280,7 @@ class BreakMemory:
         return reach
 
     def _previous(
-        self, conversation: str | None, links: list[int], reach: int, prompt: PromptDigest
+        self, conversation: str | None, links: Sequence[int], reach: int, prompt: PromptDigest
     ) -> Forwarded | None:
         """The conversation's last prompt; else the last prompt that shares history with this one."""
         if conversation is not None:
@@ -406,7 +406,7 @@ class BreakMemory:
         return best[1] if best else None
 
     def _remember(
-        self, prompt: PromptDigest, links: list[int], conversation: str | None, per_byte: float, written: int = 0
+        self, prompt: PromptDigest, links: Sequence[int], conversation: str | None, per_byte: float, written: int = 0
     ) -> int:
         """Remember the prompt; ``written``: its leading links already written (``_written``). Its
         last link is written whatever: the prompt that ended there last (a regenerated answer's)

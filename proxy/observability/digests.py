@@ -150,7 +150,7 @@ class PromptDigest:
     # Index of the proxy's summary message, -1 without one.
     summary_at: int = -1
     # :func:`chain`'s links, as far as they are made (a resumed digest starts with its prefix's).
-    links: list[int] | None = None
+    links: array[int] | None = None
 
     def __len__(self) -> int:
         return len(self.digests)
@@ -242,8 +242,8 @@ def header_key(prompt: PromptDigest) -> int:
     return digest.intdigest()
 
 
-def chain(prompt: PromptDigest) -> list[int]:
+def chain(prompt: PromptDigest) -> array[int]:
     """``chain[k]`` names the header and ``messages[:k]`` (made once per prompt; not to be changed)."""
-    links = prompt.links if prompt.links is not None else [header_key(prompt)]
+    links = prompt.links if prompt.links is not None else array("Q", [header_key(prompt)])
     prompt.links = extend_links(links, prompt.digests[len(links) - 1 :])
     return prompt.links
