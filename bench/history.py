@@ -15,8 +15,9 @@ rotated``), over ``--rounds`` rounds, each with new conversations.
 
 Styles, from the real data (``bench.shapes``): ``dify``: a Dify app's system prompt of about
 ``--tokens`` (the one of ``bench.hop``'s dify row, its clock line ticking every request) and
-ShareGPT's turns (``sharegpt_dummy.json``: the human's messages and the model's replies, in order;
-MT-bench questions answered by a fixed line where the data set is absent); ``agent``: a
+ShareGPT's turns (``sharegpt_dummy.json``: a human's message and the model's reply, in an order each
+conversation shuffles its own, so that no two share a run of turns; MT-bench questions answered by
+a fixed line where the data set is absent); ``agent``: a
 function-calling agent (``bench.hop``'s agent20: its system prompt and 21 BFCL tools) whose every
 turn is an MT-bench question, a tool call, the tool's result and the answer.
 
@@ -45,6 +46,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import random
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -130,12 +132,18 @@ class Conversation:
         self._system = shapes.agent_system() if style == "agent" else ""
         self._tools = shapes.agent_tools() if style == "agent" else []
         self._turns: list[list[dict[str, Any]]] = []
+        # ShareGPT's turns in an order of the conversation's own: two conversations never re-send the
+        # same run of turns (the proxy would take one for the other with its window slid).
+        self._order = list(range(len(sharegpt_turns()))) if style == "dify" else []
+        random.Random(number).shuffle(self._order)
+
+    def _pair(self, turn: int) -> tuple[str, str]:
+        return sharegpt_turns()[self._order[turn % len(self._order)]]
 
     def _question(self, turn: int) -> str:
         opening = f"(chat {self.number}) " if turn == 0 else ""
         if self.style == "dify":
-            pairs = sharegpt_turns()
-            return opening + pairs[(self.number * 7 + turn) % len(pairs)][0]
+            return opening + self._pair(turn)[0]
         asked = questions()
         return opening + asked[(self.number * 3 + turn) % len(asked)]
 
@@ -143,11 +151,8 @@ class Conversation:
         while len(self._turns) <= turn:
             t = len(self._turns)
             if self.style == "dify":
-                pairs = sharegpt_turns()
-                reply = pairs[(self.number * 7 + t) % len(pairs)][1]
-                self._turns.append(
-                    [{"role": "user", "content": self._question(t)}, {"role": "assistant", "content": reply}]
-                )
+                asked, reply = self._question(t), self._pair(t)[1]
+                self._turns.append([{"role": "user", "content": asked}, {"role": "assistant", "content": reply}])
             else:
                 self._turns.append(shapes.agent_turn(self.number, t, self._question(t)))
         return self._turns[turn]
