@@ -24,9 +24,10 @@ turn is an MT-bench question, a tool call, the tool's result and the answer.
 Cases: ``plain`` (no session header: the proxy infers the conversation), ``session`` (an
 ``x-session-id`` header), and the same two with a summary in place (``summary``,
 ``summary-session``): there the backend's model has a 4,096-token context and its usage reports
-1,000 prompt tokens, so the resuming request is over the context and compacted at once (the
-summary stands for all but its last 4 turns), the window's requests are not, and the proxy runs
-with ``summarizer.apply_ratio: 0`` (a ready summary replaces what it stands for on every request):
+1,000 prompt tokens, the proxy makes a summary once a conversation passes a tenth of it
+(``budget.soft_ratio: 0.1``, ``summarizer.lookahead_requests: 0``) and applies a ready one at once
+(``summarizer.apply_ratio: 0``); the resuming request is re-sent, untimed, until its summary (of
+all but its last 4 turns) is in place, so that
 each request of the window applies the summary to a history it mostly stands for. Elsewhere the
 backend's model has a 1M-token context (a 1,000-turn agent conversation is about 300k tokens), so
 no summary is made. Every proxy is prefix-proxy on its defaults otherwise, as a subprocess behind
@@ -72,7 +73,16 @@ SUMMARY_CONTEXT = 4096
 SUMMARY_USAGE = 1000
 # Elsewhere: a model whose context holds 1,000 agent turns, so nothing is compacted.
 LONG_CONTEXT = 1 << 20
-SUMMARY_SETTINGS = {"PREFIX_PROXY_SUMMARIZER__APPLY_RATIO": "0"}
+# A summary made once a conversation passes a tenth of that context, whatever its growth, and applied
+# as soon as it is ready: what its usage calibrates the proxy's counts to cannot leave a short
+# conversation under the point where one is made.
+SUMMARY_SETTINGS = {
+    "PREFIX_PROXY_SUMMARIZER__APPLY_RATIO": "0",
+    "PREFIX_PROXY_BUDGET__SOFT_RATIO": "0.1",
+    "PREFIX_PROXY_SUMMARIZER__LOOKAHEAD_REQUESTS": "0",
+}
+# How long the untimed resuming request is re-sent, on a summary row, until the summary is in place.
+SUMMARY_WAIT_S = 60.0
 
 
 # -- the conversations -------------------------------------------------------------------------
@@ -232,6 +242,14 @@ class Sender:
         if row.session:
             self._headers["x-session-id"] = f"bench-history-{conversation.number}"
 
+    @property
+    def row(self) -> Row:
+        return self._row
+
+    @property
+    def summary(self) -> bool:
+        return self._row.summary
+
     def made(self, turns: int) -> bytes:
         return orjson.dumps(self._conversation.body(turns))
 
@@ -242,9 +260,14 @@ class Sender:
 
 
 async def window(sender: Sender, hop: Hop, turns: int, size: int, cell: Cell | None) -> None:
-    """The conversation resumed at ``turns - 1`` earlier turns, then ``size`` requests from ``turns``
-    on, their CPU added to ``cell``."""
-    await sender.send(hop, sender.made(turns - 1))
+    """The conversation resumed at ``turns - 1`` earlier turns (on a summary row, re-sent until its
+    summary is in place), then ``size`` requests from ``turns`` on, their CPU added to ``cell``."""
+    resumed = sender.made(turns - 1)
+    deadline = asyncio.get_running_loop().time() + SUMMARY_WAIT_S
+    while not await sender.send(hop, resumed) and sender.summary and cell is not None:
+        if asyncio.get_running_loop().time() > deadline:
+            raise RuntimeError(f"{sender.row.name}: no summary in place after {SUMMARY_WAIT_S:.0f} s")
+        await asyncio.sleep(0.05)
     bodies = [sender.made(t) for t in range(turns, turns + size)]  # made before the clock starts
     before = cpu_reading(hop.pid)
     summarized = [await sender.send(hop, body) for body in bodies]

@@ -374,10 +374,10 @@ class Saved:
 
 def _prefill(path: str, answer: dict[str, Any]) -> int:
     """Prompt tokens the backend computed for one answer (not served from its prefix cache)."""
-    from proxy.openai.usage import Usage
-    from proxy.protocols.anthropic import read_usage
+    from proxy.protocols import CHAT_COMPLETIONS, MESSAGES
 
-    usage = read_usage(answer.get("usage")) if path == "/messages" else Usage.from_openai(answer.get("usage"))
+    protocol = MESSAGES if path == "/messages" else CHAT_COMPLETIONS
+    usage = protocol.read_usage(answer.get("usage"))
     return usage.prefill_tokens if usage is not None else 0
 
 

@@ -102,6 +102,7 @@ async def test_instant_mode_measures_real_request_shapes_side_by_side() -> None:
     assert report.startswith("dify: Dify app: ")
     assert "\nclaude-code: Claude Code on /v1/messages: " in report
     summary = report.split("Every shape (CPU per request in the proxy process; added = proxied - direct):\n")[1]
+    summary = summary.split("\n\n")[0]  # that table alone: what is saved follows in its own
     rows = [line for line in summary.splitlines() if line.startswith("| dify |") or line.startswith("| claude-code |")]
     assert len(rows) == 2
     assert "prompts: " in report  # says which data the prompts came from
