@@ -67,6 +67,7 @@ BEHAVIOURS = frozenset(
         "drip",
         "unterminated",
         "malformed-chunk",
+        "linger",
     }
 )
 
@@ -201,7 +202,7 @@ class HostileUpstream:
         if model == "json-for-stream":  # ignores "stream": true
             await self._respond(writer, 200, "application/json", json.dumps(OK_CHAT).encode())
             return True
-        if model == "ok" and not stream:
+        if model in ("ok", "linger") and not stream:
             await self._respond(writer, 200, "application/json", json.dumps(_ok_body(path)).encode())
             return True
         if model == "drip":  # one byte every 0.3 s, for ever: every read is quick, the answer never ends
@@ -224,6 +225,12 @@ class HostileUpstream:
             await self._send(writer, model, _chunked(b'data: {"choices":[{"index":0,"delta":{"tool_calls":[5]}}]}\n\n'))
             await self._send(writer, model, _chunked(_chunk("b")))
             await self._send(writer, model, _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            return True
+        if model == "linger":  # a whole stream, [DONE] included, and the body's end a second later
+            await self._start_chunked(writer, model, "text/event-stream")
+            await self._send(writer, model, _chunked(_chunk("fine") + b"data: [DONE]\n\n"))
+            await asyncio.sleep(1.0)
+            await self._send(writer, model, b"0\r\n\r\n")
             return True
         if model == "ok":
             await self._start_chunked(writer, model, "text/event-stream")

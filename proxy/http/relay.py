@@ -22,7 +22,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple
 
 import httpx
@@ -166,6 +166,11 @@ class SSERelay:
         self.upstream_error = False
         self.assistant = AssistantRecorder()
         self.completed = False
+        # Awaited once the protocol's last event has been read, before it goes to the client: a
+        # client may send its next request the moment it has that event (naming this answer, or
+        # extending this conversation), before the response's end reaches the proxy's own code.
+        self.before_last_event: Callable[[], Awaitable[None]] | None = None
+        self._last_event_told = False
         # Events relayed so far: vLLM streams about one token per event, which is what a stream cut
         # short before its usage chunk is charged for.
         self.events = 0
@@ -243,6 +248,7 @@ class SSERelay:
                     if first:
                         self.first_event_at = time.perf_counter()
                     first = False
+                    await self._tell_last_event()
                     yield complete
                 if self.failure is not None:
                     yield self._invalid_event()
@@ -255,6 +261,7 @@ class SSERelay:
             if tail and not self.completed and self._is_final(tail):
                 complete = self._relay(tail + _EVENT_END)
                 if complete:
+                    await self._tell_last_event()
                     yield complete
                 if self.failure is not None:
                     yield self._invalid_event()
@@ -276,6 +283,15 @@ class SSERelay:
             yield self._dialect.stream_event(STREAM_INTERRUPTED_MESSAGE, "upstream_stream_interrupted")
         finally:
             await self._response.aclose()
+
+    async def _tell_last_event(self) -> None:
+        if self.completed and not self._last_event_told:
+            self._last_event_told = True
+            if self.before_last_event is not None:
+                try:
+                    await self.before_last_event()
+                except Exception:  # the answer still reaches the client whole
+                    logger.exception("recording a streamed answer before its last event failed")
 
     def _relay(self, complete: bytes) -> bytes:
         """What to relay of these complete events (setting ``failure`` at the first that is not the

@@ -409,6 +409,18 @@ async def send_json(
 def _relayed(state: ProxyState, ctx: RequestContext, answer: StreamingAnswer, ending: AnswerEnding | None) -> Response:
     """Each SSE event reaches the client as soon as it is complete."""
     relay = answer.relay
+    told = False
+
+    async def before_last_event() -> None:
+        # The answer is whole: what the client's next request must find is recorded before the
+        # client has the event that tells it so (it may ask at once, on another connection).
+        nonlocal told
+        told = True
+        if ending is not None:
+            ending.completed(answer)
+            await ending.before_response()
+
+    relay.before_last_event = before_last_event
 
     def ended(end: StreamEnd) -> None:
         ctx.upstream_done_at = time.perf_counter()
@@ -425,7 +437,7 @@ def _relayed(state: ProxyState, ctx: RequestContext, answer: StreamingAnswer, en
             state.backends.answer_unusable(ctx.backend, _UNUSABLE_STARTS[relay.failure], ctx.model)
         # A disconnect noticed after the last event was relayed is just the client hanging up.
         if relay.completed:
-            if ending is not None:
+            if ending is not None and not told:
                 ending.completed(answer)
             return
         if end == "disconnected":
