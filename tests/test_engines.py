@@ -6,7 +6,11 @@ small llama-server context kept going by the proxy on its defaults.
 The llama-server double serves what the proxy reads: ``GET /v1/models`` (``owned_by: "llamacpp"``,
 ``meta.n_ctx`` per slot), ``/props``, ``/health``, ``/apply-template`` and ``/tokenize``, and chat
 completions that refuse a prompt past ``n_ctx`` with its 400 ``exceed_context_size_error``; tokens are
-counted with tiktoken over the rendered messages, as a tokenizer of its own would.
+counted with tiktoken over the rendered messages, as a tokenizer of its own would. It caches as
+llama-server does with one slot (``--parallel 1``): the slot keeps the last prompt and what it generated,
+a request reuses their longest common prefix (``cached_tokens``), and a request that keeps less than half
+of the slot's prompt saves it to the host-RAM prompt cache and loads the best one kept there
+(server-context.cpp ``get_available_slot``, server-task.cpp ``server_prompt_cache::load``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from proxy.backends.engines import (
     props_context,
 )
 from proxy.config import Settings
-from proxy.tokenization import TokenCounter
+from proxy.tokenization import TokenCounter, load_encoding
 from tests.helpers import LiveServer
 
 # As llama-server writes them (server-context.cpp get_res_model_info, get_res_props; server-task.cpp).
@@ -101,6 +105,46 @@ def test_context_errors_are_read_in_each_engines_shape() -> None:
 # -- a llama-server double -------------------------------------------------------------------------
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class OneSlot:
+    """llama-server's KV cache with ``--parallel 1`` and its host-RAM prompt cache (``--cache-ram``)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []  # the slot's prompt, then what it generated
+        self.ram: list[list[int]] = []  # prompts saved to host RAM
+
+    def take(self, prompt: list[int]) -> int:
+        """Select the slot for ``prompt``; how many of its tokens are reused."""
+        lcp = common_prefix(self.tokens, prompt)
+        similar = lcp / len(prompt) > 0.1  # --slot-prompt-similarity 0.10, else picked as least recently used
+        if self.tokens and (not similar or lcp / len(self.tokens) < 0.5):
+            # About to lose most of the slot: saved to RAM, and the best kept prompt loaded instead.
+            self.ram = [kept for kept in self.ram if common_prefix(kept, self.tokens) < len(kept)] + [self.tokens]
+            keep, sim = lcp / len(self.tokens), lcp / len(prompt)
+            for kept in self.ram:
+                shared = common_prefix(kept, prompt)
+                if shared / len(kept) >= 0.25 and shared / len(kept) > keep and shared / len(prompt) > sim:
+                    keep, sim, self.tokens = shared / len(kept), shared / len(prompt), kept
+            lcp = common_prefix(self.tokens, prompt)
+        return lcp
+
+    def finish(self, prompt: list[int], generated: list[int]) -> None:
+        self.tokens = prompt + generated
+
+
+def chatml(messages: list[dict[str, Any]]) -> str:
+    text = "".join(f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages)
+    return text + "<|im_start|>assistant\n"
+
+
 class LlamaServerDouble:
     """What the proxy reads of llama-server, with a 2,048-token slot."""
 
@@ -111,9 +155,11 @@ class LlamaServerDouble:
         self.counter = TokenCounter()
         self.prompts: list[int] = []  # prompt tokens of every chat request, refused ones included
         self.refused = 0
-
-    def _count(self, body: dict[str, Any]) -> int:
-        return self.counter.count_messages(body.get("messages") or [])
+        self.slot = OneSlot()
+        # Per answered request: (is a summary request, prompt tokens, cached tokens, the longest
+        # prefix it shares with the conversation's previous turn and its reply)
+        self.answered: list[tuple[bool, int, int, int]] = []
+        self._previous_turn: list[int] = []
 
     def app(self) -> Starlette:
         async def models(request: Request) -> JSONResponse:
@@ -139,17 +185,25 @@ class LlamaServerDouble:
 
         async def chat(request: Request) -> JSONResponse:
             body = await request.json()
-            prompt = self._count(body)
+            tokens = load_encoding().encode_ordinary(chatml(body["messages"]))
+            prompt = len(tokens)
             self.prompts.append(prompt)
             if prompt >= self.n_ctx:
                 self.refused += 1
                 error = {**LLAMA_OVERFLOW["error"], "n_prompt_tokens": prompt, "n_ctx": self.n_ctx}
                 error["message"] = f"request ({prompt} tokens) exceeds the available context size ({self.n_ctx} tokens)"
                 return JSONResponse({"error": error}, status_code=400)
+            summarizing = "summary" in str(body["messages"][-1].get("content")).lower()
             text = "Summary: the user asked about drills, walls and tiles; the assistant answered each."
-            if "Summarize" not in json.dumps(body["messages"][-1:]):
+            if not summarizing:
                 text = "Use a masonry bit, low speed, no hammer mode on tiles."
             completion = self.counter.count_text(text)
+            cached = self.slot.take(tokens)
+            generated = load_encoding().encode_ordinary(text + "<|im_end|>")
+            self.slot.finish(tokens, generated)
+            self.answered.append((summarizing, prompt, cached, common_prefix(self._previous_turn, tokens)))
+            if not summarizing:
+                self._previous_turn = tokens + generated
             return JSONResponse(
                 {
                     "id": "chatcmpl-1",
@@ -162,7 +216,7 @@ class LlamaServerDouble:
                         "prompt_tokens": prompt,
                         "completion_tokens": completion,
                         "total_tokens": prompt + completion,
-                        "prompt_tokens_details": {"cached_tokens": 0},
+                        "prompt_tokens_details": {"cached_tokens": cached},
                     },
                 }
             )
@@ -231,3 +285,37 @@ def test_a_chat_past_a_small_context_is_answered_every_turn(llama: tuple[LlamaSe
     finally:
         proxy.stop()
     assert proxied == [200] * 16, proxied
+
+
+def test_a_summary_request_keeps_the_conversation_in_a_single_slot() -> None:
+    """llama-server with one slot: the proxy's summary request extends the conversation the slot
+    holds (the whole of it, then the instruction) instead of replacing it, so the turn after it
+    reuses everything the previous turn sent and got; only the turn that first carries the summary
+    computes its kept turns again. Every turn answered, and the prefill per turn stated."""
+    double = LlamaServerDouble()
+    server = LiveServer(double.app()).start()
+    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
+    question = "How do I drill into a brick wall without cracking it, and which bit and speed should I use? "
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a hardware store assistant."}]
+    try:
+        for turn in range(16):
+            messages.append({"role": "user", "content": f"Turn {turn}. " + question * 6})
+            response = httpx.post(
+                proxy.url + "/v1/chat/completions",
+                json={"model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": 64},
+                headers={"x-session-id": "one-slot"},
+                timeout=60,
+            )
+            assert response.status_code == 200, response.text
+            messages.append(response.json()["choices"][0]["message"])
+    finally:
+        proxy.stop()
+        server.stop()
+    summaries = [index for index, (summarizing, *_) in enumerate(double.answered) if summarizing]
+    assert summaries, "the history outgrew the slot: a summary was made"
+    for index in summaries:
+        if index + 1 < len(double.answered):
+            _, _, cached, shared = double.answered[index + 1]
+            assert cached >= shared, "the summary request evicted the conversation from the slot"
+    turns = [(prompt, cached) for summarizing, prompt, cached, _ in double.answered if not summarizing]
+    assert len(turns) == 16

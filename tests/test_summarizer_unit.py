@@ -274,3 +274,26 @@ def test_anchor_finds_what_the_summary_stands_for_from_the_known_fingerprints_as
     known = Known(fingerprinted.previous, fingerprinted.counts, message_ends(messages))
     fast, slow = anchor(messages, state, 1, known=known), anchor(messages, state, 1)
     assert (fast.messages, fast.removed, fast.removed_bytes) == (slow.messages, slow.removed, slow.removed_bytes)
+
+
+async def test_a_summary_that_fits_extends_the_whole_conversation_and_leaves_the_kept_turns_out() -> None:
+    """With room in the engine's context, the request is the whole conversation (the prompt a slot
+    engine holds) and the instruction names what stays verbatim; without it, the folded turns only."""
+    sent: list[dict[str, Any]] = []
+
+    async def complete(body: dict[str, Any]) -> tuple[str, int]:
+        sent.append(body)
+        return "summary", 2
+
+    messages = conversation(6)
+    compactor = Compactor(complete, SummaryPolicy(keep_last_turns=2), CompactorOptions(max_summary_tokens=400))
+    await compactor.compact(SummaryState(), {"model": "m"}, messages, 1, room=300)
+    whole = sent[-1]
+    assert whole["messages"][:-1] == messages
+    assert "Leave out the last 2 exchanges" in whole["messages"][-1]["content"]
+    assert 0 < whole["max_tokens"] < 300, "the summary fits in what the context leaves"
+    await compactor.compact(SummaryState(), {"model": "m"}, messages, 1, room=40)
+    short = sent[-1]
+    assert short["messages"][:-1] == messages[:9] and short["max_tokens"] == 400
+    await compactor.compact(SummaryState(), {"model": "m"}, messages, 1)
+    assert sent[-1] == short, "room unknown: the folded turns only"

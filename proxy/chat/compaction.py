@@ -24,6 +24,7 @@ from cachetools import TLRUCache
 from proxy.backends import BackendPool
 from proxy.chat.admission import Admitted, UsageAdmission
 from proxy.chat.budget import prompt_ceiling, request_bytes
+from proxy.chat.decoding import DecodeRates
 from proxy.config import SummarizerSettings
 from proxy.http import ProxyError, UpstreamProtocolError, UpstreamTimeout
 from proxy.observability import Metrics
@@ -81,6 +82,9 @@ class CompactionJob:
     # Indices of ``messages`` the proxy inserted (blocks of moved volatile lines): the client never
     # sent them as messages, so no repair tail keeps them (a repair restores what the client sent).
     inserted: frozenset[int] = frozenset()
+    # Tokens the engine's context leaves after ``messages`` (None: not known): where a summary fits
+    # in it, the summary request carries the whole conversation (a slot engine keeps its prompt).
+    room: int | None = None
 
 
 class CompactionService:
@@ -111,15 +115,30 @@ class CompactionService:
             model=settings.model,
         )
         self._policy = SummaryPolicy(keep_last_turns=settings.keep_last_turns)
+        # The engine's decoding pace per model, from its answers (the routes report them) and from
+        # the summaries themselves: what a summary is given to finish in.
+        self.decode_rates = DecodeRates()
+
+    def deadline(self, model: str | None) -> float:
+        """Seconds a summary of this model is waited for: ``timeout_s``, or longer for an engine
+        seen to decode ``max_summary_tokens`` slower than that (past it the history is forwarded
+        as the client sent it)."""
+        return self.decode_rates.deadline(
+            self._options.model or model, self._options.max_summary_tokens, self.settings.timeout_s
+        )
 
     def _compactor(self, job: CompactionJob) -> Compactor:
         async def complete(body: dict[str, Any]) -> tuple[str, int]:
             return await self._complete(job, body)
 
         # The uncovered tail is kept only for sessions whose client slides a window.
-        return Compactor(complete, self._policy, replace(self._options, repair=job.slides_window))
+        options = replace(
+            self._options, repair=job.slides_window, timeout_s=self.deadline(str(job.forwarded.get("model")))
+        )
+        return Compactor(complete, self._policy, options)
 
     async def _complete(self, job: CompactionJob, body: dict[str, Any]) -> tuple[str, int]:
+        started = time.perf_counter()
         try:
             text, usage = await self._request_summary(
                 job.tenant, job.channel, body, job.upstream_auth, job.routing_key, job.session_id
@@ -128,6 +147,7 @@ class CompactionService:
             raise CompactionFailed(exc.message) from exc
         if usage is not None:
             self._metrics.record_usage(str(body.get("model")), job.tenant.name, usage)
+            self.decode_rates.observe(str(body.get("model")), usage.completion_tokens, time.perf_counter() - started)
         return text, usage.completion_tokens if usage else 0
 
     async def _request_summary(
@@ -219,14 +239,15 @@ class CompactionService:
             max_tokens=self._options.max_summary_tokens,
             model=self._options.model,
         )
+        deadline = self.deadline(str(body.get("model")))
         try:
             text, usage = await asyncio.wait_for(
-                self._request_summary(tenant, channel, body, upstream_auth, routing_key, session_id),
-                self.settings.timeout_s,
+                self._request_summary(tenant, channel, body, upstream_auth, routing_key, session_id), deadline
             )
         except TimeoutError:
             raise UpstreamTimeout(
-                f"the summary request took longer than {self.settings.timeout_s:g} s (summarizer.timeout_s)"
+                f"the summary request took longer than {deadline:g} s (summarizer.timeout_s, or the time the "
+                "engine's measured decoding rate needs for max_summary_tokens)"
             ) from None
         text = text.strip()
         if not text:
@@ -310,7 +331,7 @@ class CompactionService:
         started = time.perf_counter()
         try:
             compaction = await compactor.compact(
-                current, dict(job.forwarded), job.messages, job.history_start, job.inserted
+                current, dict(job.forwarded), job.messages, job.history_start, job.inserted, room=job.room
             )
         except CompactionFailed as exc:
             metrics.compactions.labels("failed").inc()
@@ -327,7 +348,7 @@ class CompactionService:
         return compaction
 
     async def _wait_for_other(self, job: CompactionJob) -> SummaryState | None:
-        deadline = time.monotonic() + self.settings.timeout_s
+        deadline = time.monotonic() + self.deadline(str(job.forwarded.get("model")))
         while time.monotonic() < deadline:
             await asyncio.sleep(WAIT_POLL_S)
             current = await self._stored_summary(job)

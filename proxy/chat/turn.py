@@ -390,7 +390,7 @@ class ChatTurn:
             # Most answered turns neither start a compaction nor keep a repair tail: the job (and
             # what it carries, the routing key among them) is built only for those that do.
             if due or self.slides_window:
-                job = self._compaction_job(messages)
+                job = self._compaction_job(messages, usage)
                 if job is not None:
                     await self.services.compaction.after_answer(job, due=due)
         self._count_summary_savings()
@@ -412,11 +412,14 @@ class ChatTurn:
                 self._anchor()
         return self.forwarded["messages"] != before
 
-    def _compaction_job(self, messages: list[dict[str, Any]]) -> CompactionJob | None:
+    def _compaction_job(self, messages: list[dict[str, Any]], usage: Usage | None = None) -> CompactionJob | None:
         """What a compaction of this conversation needs, as it stands now; None without a session
-        or a summary anchor."""
+        or a summary anchor. ``usage``: the answer ``messages`` end with, as the engine counted it
+        (what its context has left after them)."""
         if self.session is None or self.anchored is None:
             return None
+        context = self.engine_context or self.limit
+        room = context - usage.prompt_tokens - usage.completion_tokens if context and usage else None
         return CompactionJob(
             tenant=self.tenant,
             session_id=self.session.session_id,
@@ -431,6 +434,7 @@ class ChatTurn:
             slides_window=self.slides_window,
             tokens_per_byte=self.session.tokens_per_byte,
             inserted=self.forwarded_inserted(),
+            room=room,
         )
 
     def _compaction_due(self, usage: Usage | None, messages: list[dict[str, Any]]) -> bool:

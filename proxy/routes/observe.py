@@ -64,7 +64,14 @@ def after_answer(
     reply: dict[str, Any] | None,
     usage: Usage | None,
 ) -> None:
-    """The backend answered: remember its reply (it caches those tokens too) and capture."""
+    """The backend answered: remember its reply (it caches those tokens too), how fast the engine
+    decoded it (the summary deadline follows it), and capture."""
+    if usage is not None and ctx.upstream_sent_at is not None:
+        # From a stream's first token, else from sending: the prompt's time makes the rate cautious.
+        began = ctx.first_chunk_at if ctx.stream and ctx.first_chunk_at else ctx.upstream_sent_at
+        state.compaction.decode_rates.observe(
+            ctx.model, usage.completion_tokens, (ctx.upstream_done_at or time.perf_counter()) - began
+        )
     if ctx.cache_break is not None:
         ctx.cache_break.record_reply(reply)
     if state.apps is not None and observed.forwarded is not None and usage is not None:
