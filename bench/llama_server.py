@@ -96,11 +96,14 @@ def ensure_model(cache: Path) -> Path:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, model: Path, ctx_size: int, parallel: int = 1) -> Iterator[str]:
-    """A fresh llama-server; yields its base URL (``/v1`` under it)."""
+def llama_server(
+    binary: Path, model: Path, ctx_size: int, parallel: int = 1, extra: list[str] | None = None
+) -> Iterator[str]:
+    """A fresh llama-server; yields its base URL (``/v1`` under it). ``extra``: more of its flags."""
     port = free_port()
     args = [str(binary), "-m", str(model), "--ctx-size", str(ctx_size), "--parallel", str(parallel)]
     args += ["--port", str(port), "--host", "127.0.0.1", "--metrics", "--alias", MODEL_NAME, "-t", "2"]
+    args += extra or []
     with spawn(args, f"http://127.0.0.1:{port}/health", timeout=120):
         yield f"http://127.0.0.1:{port}"
 
@@ -177,15 +180,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--ctx-size", type=int, default=2048)
     parser.add_argument("--turns", type=int, default=16)
+    parser.add_argument(
+        "--cache-reuse",
+        type=int,
+        default=0,
+        help="llama-server --cache-reuse N (both passes): KV chunks of N+ tokens reused by shifting, "
+        "such as the turns kept verbatim after a summary swapped in ahead of them",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     binary, model = ensure_engine(args.cache), ensure_model(args.cache)
+    extra = ["--cache-reuse", str(args.cache_reuse)] if args.cache_reuse else []
     passes = []
-    with llama_server(binary, model, args.ctx_size) as server:
+    with llama_server(binary, model, args.ctx_size, extra=extra) as server:
         passes.append(chat(server + "/v1", server, "direct", args.turns))
-    with llama_server(binary, model, args.ctx_size) as server, proxy(server + "/v1") as base:
+    with llama_server(binary, model, args.ctx_size, extra=extra) as server, proxy(server + "/v1") as base:
         passes.append(chat(base, server, "proxy", args.turns))
-    print(f"llama-server --ctx-size {args.ctx_size}, {MODEL_NAME}, a {args.turns}-turn chat:")
+    print(f"llama-server --ctx-size {args.ctx_size} {' '.join(extra)}, {MODEL_NAME}, a {args.turns}-turn chat:")
     for one in passes:
         print("  " + one.row())
         for error in one.errors[:3]:
