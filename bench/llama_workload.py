@@ -1,0 +1,157 @@
+"""The project's workload on llama-server: direct, through the proxy, and the floor, per shape.
+
+    python -m bench.llama_workload [--cache DIR] [--scenarios a,b] [--sessions 4] [--ctx-size 8192 --parallel 4]
+
+The scenarios of ``testbed.workload`` (``python -m bench.workload --list``) sent to a fresh llama-server
+(built and fetched by ``bench.llama_server``), then to another fresh one through a real ``prefix-proxy
+serve`` on its defaults. Prefill per pass is what llama-server computed: ``prompt_tokens - cached_tokens``
+of each answer (its ``usage.prompt_tokens_details.cached_tokens``), and beside it its own
+``llamacpp:prompt_tokens_total`` (which also counts the proxy's summary requests).
+
+The floor (docs/engines.md, DESIGN "The floor"): per request, the tokens of the lines no earlier request
+of its shape carried (assistant lines count as seen: the engine generated them), computed from the
+requests the direct pass sent, at each request's own tokens per byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.llama_server import (
+    DEFAULT_CACHE,
+    MODEL_NAME,
+    _engine_prompt_tokens,
+    ensure_engine,
+    ensure_model,
+    llama_server,
+)
+from bench.servers import proxy
+from testbed.workload import Exchange, run_workload_async
+
+DEFAULT_SCENARIOS = "dify_rag,timestamp_user,open_webui,stable_app,append_only"
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
+
+
+@dataclass(frozen=True)
+class Sent:
+    app: str
+    messages: list[dict[str, Any]]
+    tools: list[Any]
+    prompt_tokens: int
+
+
+def floor_tokens(requests: Iterable[Sent]) -> list[int]:
+    """Per request, in order: the tokens of its lines that no earlier request of its app carried
+    (an assistant message's lines count as seen; each tool definition is one line), at the
+    request's ``prompt_tokens`` per byte of its text. Pure."""
+    seen: dict[str, set[str]] = {}
+    floors = []
+    for request in requests:
+        known = seen.setdefault(request.app, set())
+        lines = [json.dumps(tool, sort_keys=True) for tool in request.tools]
+        generated: list[str] = []
+        for message in request.messages:
+            split = _text(message.get("content")).split("\n")
+            (generated if message.get("role") == "assistant" else lines).extend(split)
+        total = sum(len(line.encode()) + 1 for line in lines + generated)
+        new = {line for line in lines if line.strip() and line not in known}
+        new_bytes = sum(len(line.encode()) + 1 for line in new)
+        floors.append(round(new_bytes * request.prompt_tokens / total) if total else 0)
+        known.update(lines, generated)
+    return floors
+
+
+@dataclass
+class Row:
+    requests: int = 0
+    errors: int = 0
+    prefill: int = 0
+    floor: int = 0
+
+
+def run(
+    base: str, scenarios: list[str], sessions: int, max_tokens: int, model: str | None = MODEL_NAME
+) -> tuple[dict[str, Row], list[Sent]]:
+    exchanges: list[Exchange] = []
+    asyncio.run(
+        run_workload_async(
+            base,
+            scenarios,
+            sessions_per_scenario=sessions,
+            model=model,
+            concurrency=4,
+            max_tokens=max_tokens,
+            on_exchange=exchanges.append,
+        )
+    )
+    rows: dict[str, Row] = {}
+    sent = []
+    for exchange in exchanges:
+        row = rows.setdefault(exchange.scenario, Row())
+        row.requests += 1
+        if exchange.status != 200:
+            row.errors += 1
+            continue
+        row.prefill += exchange.stat.prompt_tokens - exchange.stat.cached_tokens
+        body = exchange.body
+        sent.append(
+            Sent(exchange.scenario, body.get("messages") or [], body.get("tools") or [], exchange.stat.prompt_tokens)
+        )
+    return rows, sent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS)
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--ctx-size", type=int, default=8192)
+    parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    binary, model = ensure_engine(args.cache), ensure_model(args.cache)
+    scenarios = args.scenarios.split(",")
+    totals = {}
+    with llama_server(binary, model, args.ctx_size, args.parallel) as server:
+        direct, sent = run(server + "/v1", scenarios, args.sessions, args.max_tokens)
+        totals["direct"] = _engine_prompt_tokens(server)
+    with llama_server(binary, model, args.ctx_size, args.parallel) as server, proxy(server + "/v1") as base:
+        proxied, _ = run(base, scenarios, args.sessions, args.max_tokens)
+        totals["proxy"] = _engine_prompt_tokens(server)
+    for one, floor in zip(sent, floor_tokens(sent), strict=True):
+        direct[one.app].floor += floor
+    print(
+        f"llama-server --ctx-size {args.ctx_size} --parallel {args.parallel}, {MODEL_NAME}, "
+        f"{args.sessions} sessions each:"
+    )
+    print(
+        f"  {'scenario':18} {'requests':>8} {'errors d/p':>10} {'direct':>9} {'proxy':>9} {'floor':>8} "
+        f"{'proxy/direct':>12}"
+    )
+    for name in scenarios:
+        d, p = direct.get(name, Row()), proxied.get(name, Row())
+        ratio = p.prefill / d.prefill if d.prefill else 0.0
+        print(
+            f"  {name:18} {d.requests:8} {d.errors:4}/{p.errors:<5} {d.prefill:9,} {p.prefill:9,} {d.floor:8,} "
+            f"{ratio:12.2f}"
+        )
+    print(f"  llamacpp:prompt_tokens_total: direct {totals['direct']:,.0f}, proxy {totals['proxy']:,.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
