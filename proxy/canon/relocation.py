@@ -44,16 +44,15 @@ from proxy.canon.querytemplate import restore_query_blocks
 from proxy.canon.relocate import (
     already_at_end,
     bridge_blanks,
-    close_blocks,
     lines_touched,
     partition_lines,
     runs,
     split_lines,
-    text_blocks,
     weak_lines,
     widen,
 )
 from proxy.canon.textmemo import TextFacts, TextScope
+from proxy.canon.units import units_of, whole_units
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import FIRST_SIGHT_KINDS, DetectionCache, Detector, Span, detect_spans
 from proxy.openai import Resumption, extend_links, is_text_parts, same_text
@@ -327,14 +326,14 @@ def _split_text(
     spans = detect_spans(text, placement.detectors, memories.detection_cache)
     detected = lines_touched(text, spans)
     learned_lines: set[int] = set()
-    blocks: list[tuple[int, int]] | None = None
     if memories.learned is not None:
         unaligned = _reindex(lines, detected, memories.learned.observe(key, _without(lines, detected)))
         if unaligned:
             # A region that varies, whole: over the lines too weak to anchor it (fences, rules, blank or
-            # repeated lines), then the block holding it (a fenced or tagged block, an introduced list).
-            blocks = text_blocks(lines)
-            learned_lines = close_blocks(lines, widen(lines, unaligned, weak_lines(lines)), blocks)
+            # repeated lines), then the units it touches (``units``).
+            # A unit's framing is never weak: it goes with its content, whole (``units``).
+            tree = units_of(text)
+            learned_lines = set(tree.whole(widen(lines, unaligned, weak_lines(lines) - tree.framing())))
     candidates = detected | learned_lines
     # The app is the template around the candidates: requests of two apps that share a model, and
     # text (a context prompt, an instruction), do not vary each other's places.
@@ -344,11 +343,11 @@ def _split_text(
     moving = set(_varied_learned(lines, learned_lines, memories.varying, place_key, where))
     varied_lines = lines_touched(text, varied)
     if varied_lines:
-        # A detected span moves the block holding it too (a date inside <env>...</env>).
-        moving |= close_blocks(lines, varied_lines, blocks)
-    moving = bridge_blanks(lines, moving)
+        moving |= varied_lines
+    # What moves is whole units: a label, a heading or a wrapper goes with all of its content.
+    moving = bridge_blanks(lines, set(whole_units(text, moving)))
     held = not candidates <= moving
-    finders = [lambda: _all_candidates(lines, detected, learned_lines, blocks, where[1])] if held else []
+    finders = [lambda: _all_candidates(text, lines, detected, learned_lines, where[1])] if held else []
     if not moving:
         return _Split(text, learned=len(learned_lines), candidates=len(candidates), candidate_finders=finders)
     stable, moved = partition_lines(lines, moving)
@@ -365,12 +364,10 @@ def _split_text(
 
 
 def _all_candidates(
-    lines: list[str], detected: set[int], learned: set[int], blocks: list[tuple[int, int]] | None, part: int
+    text: str, lines: list[str], detected: set[int], learned: set[int], part: int
 ) -> list[tuple[int, int]]:
-    """(part, line hash) of every candidate line: the learned regions and the blocks holding the
-    detected spans, as they would move once varied."""
-    closed = set(learned) | (close_blocks(lines, detected, blocks) if detected else set())
-    return _line_ids(lines, bridge_blanks(lines, closed), part)
+    """(part, line hash) of every candidate line, made whole units, as they would move once varied."""
+    return _line_ids(lines, bridge_blanks(lines, set(whole_units(text, learned | detected))), part)
 
 
 def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, where: tuple[int, int]) -> _Split:
@@ -385,8 +382,8 @@ def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, wher
             unaligned = frozenset(_reindex_around(detected, observed))
 
             def whole_regions() -> frozenset[int]:
-                widened = tm.widen(facts, set(unaligned), facts.weak(text))
-                return frozenset(tm.close_blocks(facts, widened, facts.blocks(text)))
+                tree = units_of(text)
+                return tree.whole(tm.widen(facts, set(unaligned), facts.weak(text) - tree.framing()))
 
             learned_lines = facts.cached(("learned lines", unaligned), whole_regions)
     candidates = detected | learned_lines
@@ -396,7 +393,8 @@ def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, wher
     moving = set(_varied_learned_facts(text, facts, learned_lines, memories.varying, place_key, where))
     varied_lines: frozenset[int] = facts.cached(("touched", *varied), lambda: frozenset(facts.lines_touched(varied)))
     if varied_lines:
-        moving |= _closed_facts(text, facts, varied_lines)
+        moving |= varied_lines
+    moving = set(whole_units(text, moving))
     held = not candidates <= moving
     finders = [lambda: _all_candidates_facts(text, facts, detected, learned_lines, where[1])] if held else []
     if not moving:
@@ -421,18 +419,7 @@ def _all_candidates_facts(
     text: str, facts: TextFacts, detected: frozenset[int], learned: frozenset[int], part: int
 ) -> list[tuple[int, int]]:
     """:func:`_all_candidates` on the text's facts."""
-    closed = set(learned)
-    if detected:
-        closed |= _closed_facts(text, facts, detected)
-    return tm.line_ids(facts, tm.bridge_blanks(facts, closed), part)
-
-
-def _closed_facts(text: str, facts: TextFacts, spanned: frozenset[int]) -> frozenset[int]:
-    """The lines of detected spans with the blocks holding them (a date inside <env>...</env>)."""
-    closed: frozenset[int] = facts.cached(
-        ("closed", spanned), lambda: frozenset(tm.close_blocks(facts, set(spanned), facts.blocks(text)))
-    )
-    return closed
+    return tm.line_ids(facts, tm.bridge_blanks(facts, set(whole_units(text, learned | detected))), part)
 
 
 def _planned(facts: TextFacts, moving: set[int]) -> tuple[tm.Plan, bool, tuple[int, ...]]:
@@ -488,7 +475,9 @@ def _varied_learned_facts(
 
 def _split_forced_facts(text: str, facts: TextFacts, forced: Counter[int]) -> _Split:
     """:func:`_split_forced` on the text's facts."""
-    moving = facts.cached(("forced", frozenset(forced.items())), lambda: _forced_lines(facts, forced))
+    moving = facts.cached(
+        ("forced", frozenset(forced.items())), lambda: whole_units(text, _forced_lines(facts, forced))
+    )
     if not moving:
         return _Split(text)
     planned, _, ids = _planned(facts, moving)
@@ -534,7 +523,7 @@ def _split_forced(text: str, lines: list[str], forced: Counter[int]) -> _Split:
     for count, found in ambiguous:
         nearest = sorted(found, key=lambda i: (min((abs(i - a) for a in anchors), default=0), i))
         moving.update(nearest[:count])
-    moving = bridge_blanks(lines, moving)
+    moving = bridge_blanks(lines, set(whole_units(text, moving)))
     if not moving:
         return _Split(text)
     stable, moved = partition_lines(lines, moving)
