@@ -1,0 +1,155 @@
+"""One arrangement's simulated prefix cache: what vLLM would serve a prompt, from message digests.
+
+The engine model (:class:`proxy.enginemodel.PrefixCache`, what ``prefix-proxy analyze`` replays
+through) hashes token ids in 16-token blocks, and a request reuses the longest run of leading
+blocks already cached, never its last token. On the request path there are no token ids (no
+tokenizer runs on a request), so this model keeps the same rules over what the proxy already has:
+the chain of message digests (:func:`proxy.observability.digests.chain`, ``links[k]`` names the
+header and the first ``k`` messages) and each message's rendered bytes, turned into tokens at a
+per-byte rate. A prompt is served
+
+* every message whose chain link a prompt of this arrangement carried before;
+* the reply the backend generated right after a prompt it was sent (vLLM caches generated
+  tokens): an assistant message whose predecessor chain ended a prompt;
+* within the first leading system message that differs, the lines before its first new one
+  (vLLM's blocks do not stop at message boundaries; a system prompt that changes at its line 40
+  still hits its first 39);
+
+then cut to whole blocks and to the prompt's length less one token, as vLLM cuts it.
+
+What it does not see: a difference inside a message other than a leading system one (the message
+counts as new from its start), eviction by other apps' prompts (each app has its own model),
+and template tokens other than a fixed ``framing_tokens`` per message. Its errors fall alike on
+the two arrangements the shadow compares, so the comparison holds where the absolute figure errs.
+
+Bounded: at most ``max_links`` chain links, two generations (when the newer holds half, it
+becomes the older and the older is forgotten; a prefix found only in the older is copied to the
+newer, so what is used survives). Work per prompt: a binary search over its links, then only the
+links past what it found (and the lines of a leading system message it did not find).
+
+Pure: no I/O, no clock; the caller serializes access.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any
+
+from proxy.observability.digests import ASSISTANT, PromptDigest, chain, content_text
+from proxy.openai.messages import link_hash, utf8_size
+
+# Role markers a ChatML-like template renders around each message (``<|im_start|>user\n`` ...
+# ``<|im_end|>\n``): a message inserted by a rewrite costs them too.
+FRAMING_TOKENS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What the model expects the backend to do with one prompt, in estimated tokens."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+class ArrangementCache:
+    """The prefix cache one arrangement of an app's prompts would build."""
+
+    __slots__ = ("_block_size", "_half", "_new", "_old")
+
+    def __init__(self, max_links: int = 4096, block_size: int = 16) -> None:
+        self._block_size = max(1, block_size)
+        self._half = max(2, max_links // 2)
+        # chain link -> True where a prompt ended there (the backend generated a reply after it).
+        self._new: dict[int, bool] = {}
+        self._old: dict[int, bool] = {}
+
+    def __len__(self) -> int:
+        return len(self._new) + len(self._old)
+
+    def serve(
+        self, prompt: PromptDigest, messages: Sequence[Any], tokens_per_byte: float, *, remember: bool = True
+    ) -> Served:
+        """What the backend would serve ``prompt`` (whose ``messages`` are given for the lines of a
+        leading system message it did not find); then remember it as sent."""
+        links = chain(prompt)
+        count = len(prompt)
+        found = self._reach(links)  # links[: found + 1] known (-1: not even the header)
+        served = found
+        if 0 <= found < count and prompt.role(found) == ASSISTANT and self._ended(links[found]):
+            served = found + 1  # the reply the backend generated, re-sent
+        cached_messages = max(0, served)
+        cached_bytes = prompt.bytes_at(cached_messages) if served >= 0 else 0
+        line_keys: list[int] = []
+        if cached_messages < prompt.system_count:
+            # A leading system message that differs: the lines before its first new one hit (none
+            # where even the header is new), and its lines are remembered for the next prompt.
+            index = cached_messages
+            matched, line_keys = self._lines(links[index], prompt.system_lines[index], messages[index])
+            if served >= 0:
+                cached_bytes += matched
+        prompt_tokens = int(prompt.total_bytes * tokens_per_byte) + FRAMING_TOKENS * count
+        cached = int(cached_bytes * tokens_per_byte) + FRAMING_TOKENS * cached_messages
+        cached = max(0, min(cached, prompt_tokens - 1))
+        cached -= cached % self._block_size
+        if remember:
+            self._remember(links, found, served, line_keys)
+        return Served(prompt_tokens, cached)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _known(self, link: int) -> bool:
+        return link in self._new or link in self._old
+
+    def _ended(self, link: int) -> bool:
+        return bool(self._new.get(link) or self._old.get(link))
+
+    def _reach(self, links: Sequence[int]) -> int:
+        """The last index whose link is known, on the links being known as prefixes (every prompt's
+        links are remembered from its header on): a binary search, not a walk over the history."""
+        low, high = -1, len(links) - 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._known(links[middle]):
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _lines(self, parent: int, hashes: Sequence[int], message: Any) -> tuple[int, list[int]]:
+        """Bytes of the leading lines of a system message known under ``parent``, and the keys of
+        all its lines (to remember): one link per line, chained from the message's parent."""
+        text = content_text(message.get("content")) if isinstance(message, dict) else ""
+        lines = text.split("\n")
+        keys: list[int] = []
+        matched = 0
+        matching = True
+        key = parent
+        for line, digest in zip(lines, hashes, strict=False):
+            key = link_hash(key, digest)
+            keys.append(key)
+            if matching and self._known(key):
+                matched += utf8_size(line) + 1
+            else:
+                matching = False
+        return matched, keys
+
+    def _remember(self, links: Sequence[int], found: int, served: int, line_keys: list[int]) -> None:
+        newer = self._new
+        if found >= 0 and links[found] not in newer:
+            # Known only in the older generation: the prefix this prompt used is kept whole.
+            newer.update(zip(links[: found + 1], repeat(False)))
+            for link in links[: found + 1]:
+                if self._old.get(link):
+                    newer[link] = True
+        start = max(0, found + 1)
+        newer.update(zip(links[start:], repeat(False)))
+        newer.update(zip(line_keys, repeat(False)))
+        newer[links[-1]] = True  # a reply is generated after it
+        if len(newer) >= self._half:
+            self._old, self._new = newer, {}

@@ -1,0 +1,245 @@
+"""The shadow (docs/canonicalization.md): an app whose rewrites cost more than its requests as sent
+stops being rewritten within a window of requests, tries again after a doubling back-off, and an
+app whose rewrites pay keeps them. Against the fake vLLM, whose prefix cache counts prefill in
+16-token blocks of the prompt it tokenized (proxy.enginemodel)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from proxy.app import create_app
+from proxy.canon import Action, CanonResult
+from proxy.config import Settings
+from proxy.observability.digests import digest_prompt
+from proxy.observability.shadow import RewriteShadow, ShadowSettings
+from proxy.observability.shadowcache import FRAMING_TOKENS, ArrangementCache
+from testbed.fakevllm import FakeBackendConfig
+from testbed.fakevllm import create_app as create_fake_app
+from tests.helpers import LiveServer, chat
+
+PER_BYTE = 0.25
+PROMPTS: list[int] = []
+POLICY = "\n".join(f"Rule {i}: answer in the customer's language and cite the order number." for i in range(30))
+CLOSING = "Closing notes:\n- be brief\n- never promise refunds\n- sign as the support desk"
+SYSTEM = f"You are the support desk of a shop.\n\n{POLICY}\n\n{CLOSING}"
+
+
+# -- the simulated cache -----------------------------------------------------------------------
+
+
+def serve(cache: ArrangementCache, messages: list[dict[str, Any]]) -> tuple[int, int]:
+    body = {"model": "m", "messages": messages}
+    served = cache.serve(digest_prompt(body, "t"), messages, PER_BYTE)
+    return served.prompt_tokens, served.cached_tokens
+
+
+def test_an_append_only_conversation_hits_what_it_sent_and_the_reply_generated() -> None:
+    cache = ArrangementCache()
+    turn = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is order 12?"}]
+    prompt, cached = serve(cache, turn)
+    assert cached == 0 and prompt > 400
+    # The client re-sends the reply the backend generated: cached too, as vLLM caches it.
+    turn += [{"role": "assistant", "content": "On its way."}, {"role": "user", "content": "Thanks."}]
+    prompt2, cached2 = serve(cache, turn)
+    assert cached2 % 16 == 0
+    assert prompt2 - cached2 <= 16 + FRAMING_TOKENS + 2  # the new question and the last partial block
+
+
+def test_a_system_prompt_changed_at_its_end_still_hits_its_first_lines() -> None:
+    cache = ArrangementCache()
+    serve(cache, [{"role": "system", "content": SYSTEM + "\nNow: 10:00"}, {"role": "user", "content": "Hi"}])
+    prompt, cached = serve(
+        cache, [{"role": "system", "content": SYSTEM + "\nNow: 10:01"}, {"role": "user", "content": "Hi"}]
+    )
+    assert prompt - cached < 32  # the changed line, the question, a block's remainder
+    _, cold = serve(cache, [{"role": "system", "content": "Now: 10:02\n" + SYSTEM}, {"role": "user", "content": "Hi"}])
+    assert cold == 0  # changed at its first line: nothing before it to reuse
+
+
+def test_the_cache_is_bounded_and_keeps_what_is_used() -> None:
+    cache = ArrangementCache(max_links=64)
+    system = {"role": "system", "content": SYSTEM}
+    for i in range(200):
+        serve(cache, [system, {"role": "user", "content": f"question {i}"}])
+        assert len(cache) <= 64 + 40  # the bound, and one prompt's links (its system prompt's lines)
+    _, cached = serve(cache, [system, {"role": "user", "content": "one more"}])
+    assert cached > 300  # the system prompt every request used survived the generations
+
+
+# -- the trials --------------------------------------------------------------------------------
+
+
+def one_shot(question: str, system: str = SYSTEM) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+def moved_to_the_end(body: dict[str, Any], stamp: str) -> dict[str, Any]:
+    """A wrong rewrite: the stable system prompt goes after a stamp that changes every request."""
+    system, question = body["messages"]
+    return {**body, "messages": [{"role": "system", "content": stamp}, system, question]}
+
+
+def test_rewrites_that_cost_more_stop_within_the_window_and_try_again_after_a_doubling_backoff() -> None:
+    shadow = RewriteShadow(ShadowSettings(window=4, backoff=3))
+    app = ("t", "m")
+    outcomes = []
+    for i in range(40):
+        admission = shadow.admit(app)
+        client = one_shot(f"question {i}")
+        forwarded = moved_to_the_end(client, f"request {i}") if admission.rewrite else client
+        verdict = shadow.account(app, "t", client, forwarded, rewritten=admission.rewrite)
+        outcomes.append("S" if verdict.stopped else ("R" if admission.rewrite else "-"))
+    # A trial of 4 rewritten requests, then 3, 6, 12 as sent (the back-off doubles per lost trial).
+    assert "".join(outcomes) == "RRRS" + "---" + "RRRS" + "-" * 6 + "RRRS" + "-" * 12 + "RRRS" + "---"
+
+
+def test_rewrites_that_pay_are_kept() -> None:
+    shadow = RewriteShadow(ShadowSettings(window=4, backoff=3))
+    app = ("t", "m")
+    for i in range(30):
+        admission = shadow.admit(app)
+        assert admission.rewrite
+        # The client puts a clock first; the rewrite moves it after the stable prompt.
+        client = one_shot(f"question {i}", system=f"Now: 10:{i:02d}\n{SYSTEM}")
+        forwarded = {
+            **client,
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "system", "content": f"Now: 10:{i:02d}"},
+                client["messages"][1],
+            ],
+        }
+        verdict = shadow.account(app, "t", client, forwarded, rewritten=True)
+        assert not verdict.stopped
+        if i:
+            assert verdict.extra_tokens < -300  # the whole system prompt saved
+
+
+def test_apps_are_bounded() -> None:
+    shadow = RewriteShadow(ShadowSettings(max_apps=3))
+    for i in range(10):
+        body = one_shot("q")
+        shadow.account(("t", f"model-{i}"), "t", body, body, rewritten=True)
+    assert len(shadow) == 3
+
+
+# -- through the proxy, against the fake vLLM ----------------------------------------------------
+
+
+def misplacing(apply: Callable[[dict[str, Any], str], CanonResult]) -> Callable[[dict[str, Any], str], CanonResult]:
+    """A deliberately wrong rule: the system prompt's last paragraph (stable) goes into a system
+    message right before the last user message, on every request, wherever the conversation had
+    it before. Each turn then recomputes the previous question and answer."""
+
+    def apply_wrongly(body: dict[str, Any], tenant: str) -> CanonResult:
+        result = apply(body, tenant)
+        messages = list(result.body["messages"])
+        head, separator, tail = messages[0]["content"].rpartition("\n\n")
+        messages[0] = {**messages[0], "content": head + separator}
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        messages.insert(last_user, {"role": "system", "content": tail})
+        return dataclasses.replace(
+            result,
+            body={**result.body, "messages": messages},
+            actions=[*result.actions, Action("volatile_moved", "wrong_rule")],
+        )
+
+    return apply_wrongly
+
+
+@pytest.fixture
+def backends() -> Iterator[list[LiveServer]]:
+    servers = [LiveServer(create_fake_app(FakeBackendConfig())).start() for _ in range(3)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def proxy_for(backend: LiveServer, *, shadow: bool, wrong_rule: bool) -> LiveServer:
+    settings = Settings(upstream=backend.url + "/v1")
+    canon = settings.canon.model_copy(update={"shadow": settings.canon.shadow.model_copy(update={"enabled": shadow})})
+    app = create_app(settings.model_copy(update={"canon": canon}))
+    if wrong_rule:
+        canonicalizer = app.state.proxy.canonicalizer
+        canonicalizer.apply = misplacing(canonicalizer.apply)
+    return LiveServer(app).start()
+
+
+def converse(target: LiveServer, system: Callable[[int], str], turns: int, sessions: int) -> list[tuple[int, str]]:
+    """``sessions`` conversations of ``turns`` turns, one after the other; per request the prefill
+    the backend reported and the proxy's actions (the prompt tokens in ``PROMPTS``)."""
+    seen = []
+    for session in range(sessions):
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system(session)}]
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"Session {session}, question {turn}: where is order {turn}?"})
+            response = chat(target, messages, max_tokens=24, headers={"x-session-id": f"s{session}"})
+            assert response.status_code == 200, response.text
+            usage = response.json()["usage"]
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            seen.append((usage["prompt_tokens"] - cached, response.headers.get("x-prefix-proxy-actions", "")))
+            PROMPTS.append(usage["prompt_tokens"])
+            messages.append(response.json()["choices"][0]["message"])
+    return seen
+
+
+def converse_through(backend: LiveServer, *, shadow: bool, turns: int, sessions: int) -> list[tuple[int, str]]:
+    proxy = proxy_for(backend, shadow=shadow, wrong_rule=True)
+    try:
+        return converse(proxy, lambda s: SYSTEM, turns, sessions)
+    finally:
+        proxy.stop()
+
+
+def test_a_wrong_rule_stops_within_the_window_and_its_regret_is_bounded(backends: list[LiveServer]) -> None:
+    turns, sessions = 12, 3
+    direct = converse(backends[0], lambda s: SYSTEM, turns, sessions)
+    guarded = converse_through(backends[1], shadow=True, turns=turns, sessions=sessions)
+    unguarded = converse_through(backends[2], shadow=False, turns=turns, sessions=sessions)
+    settings = Settings().canon.shadow
+    actions = [a for _, a in guarded]
+    stopped = [i for i, a in enumerate(actions) if "rewrites_stopped" in a]
+    assert stopped and stopped[0] < settings.window + 2, actions  # the first trial is judged at its window
+    assert "forwarded_as_sent:shadow" in actions[stopped[0] + 1]
+    restarted = [i for i, a in enumerate(actions) if "rewrite_trial_started" in a]
+    assert restarted and restarted[0] == stopped[0] + 1 + settings.backoff_requests
+    # A request as sent is the client's, byte for byte: no rewrite on it.
+    assert all("volatile_moved" not in a for a in actions if "forwarded_as_sent" in a)
+
+    direct_prefill = sum(p for p, _ in direct)
+    regret = sum(p for p, _ in guarded) - direct_prefill
+    unguarded_regret = sum(p for p, _ in unguarded) - direct_prefill
+    # Unguarded, the rule costs on every turn but a conversation's first two.
+    worse = sum(1 for (t, _), (d, _) in zip(unguarded, direct, strict=True) if t > d + 16)
+    assert worse >= sessions * (turns - 2)
+    # Guarded, each lost trial costs at most its window of requests, and the two switches of
+    # arrangement around it (each at most a prompt: the history laid out the other way).
+    worst_turn = max(t - d for (t, _), (d, _) in zip(unguarded, direct, strict=True))
+    assert regret <= len(stopped) * (settings.window * worst_turn + 2 * max(PROMPTS))
+    assert regret < unguarded_regret
+    print(
+        f"\ndirect {direct_prefill} prefill tokens over {len(direct)} requests; wrong rule unguarded "
+        f"+{unguarded_regret}, guarded +{regret} ({len(stopped)} trial(s) lost)"
+    )
+
+
+def test_rewrites_that_pay_keep_being_made(backends: list[LiveServer]) -> None:
+    """A clock at the top of the system prompt (Dify's sys.timestamp): moving it pays on every request."""
+    direct_backend, proxied_backend = backends[:2]
+
+    def clocked(session: int) -> str:
+        return f"Current time: 2024-05-01 10:{session:02d}:{7 * session % 60:02d}\n{SYSTEM}"
+
+    direct = converse(direct_backend, clocked, 4, 8)
+    proxy = proxy_for(proxied_backend, shadow=True, wrong_rule=False)
+    try:
+        through = converse(proxy, clocked, 4, 8)
+    finally:
+        proxy.stop()
+    assert not any("forwarded_as_sent" in a or "rewrites_stopped" in a for _, a in through)
+    assert any("volatile_moved" in a for _, a in through)
+    assert sum(p for p, _ in through) < sum(p for p, _ in direct)
