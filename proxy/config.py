@@ -216,6 +216,20 @@ class VolatileRule(Section):
         return self
 
 
+class ShadowSection(Section):
+    """The shadow (docs/canonicalization.md): per app, the prefill of the requests as sent beside
+    that of the requests as forwarded; an app whose rewrites cost more over ``window`` requests is
+    forwarded as sent for ``backoff_requests`` (doubling per lost trial), then rewritten again."""
+
+    enabled: bool = True
+    window: int = Field(8, ge=1)
+    backoff_requests: int = Field(8, ge=1)
+    max_backoff_requests: int = Field(1024, ge=1)
+    max_apps: int = Field(256, ge=1)
+    # Chain links each arrangement of an app remembers (about 100 bytes each).
+    max_links: int = Field(4096, ge=2)
+
+
 class CanonSettings(Section):
     mode: ModeSetting = "relocate"
     relocate_target: RelocateTarget = "before_last_user"
@@ -241,6 +255,7 @@ class CanonSettings(Section):
     builtin_detectors: list[DetectorName] = Field(default_factory=lambda: list(get_args(DetectorName)))
     # Per-model overrides of the mode, e.g. {"my-model": "safe"}.
     model_modes: dict[str, ModeSetting] = Field(default_factory=dict)
+    shadow: ShadowSection = Field(default_factory=ShadowSection)
 
 
 def _string_list(value: Any) -> Any:
