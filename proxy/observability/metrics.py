@@ -342,6 +342,28 @@ class Metrics:
             ["cause"],
             registry=r,
         )
+        # The shadow (docs/canonicalization.md): rewrites that lost against the requests as sent.
+        self.shadow_prefill_tokens = Counter(
+            "prefix_proxy_shadow_prefill_tokens",
+            "Estimated prefill of chat requests as the client sent them and as forwarded (the shadow).",
+            ["arrangement"],
+            registry=r,
+        )
+        self.rewrite_trials = Counter(
+            "prefix_proxy_rewrite_trials",
+            "Apps' rewrite trials, by outcome: started again after a back-off, or stopped (cost more than as sent).",
+            ["outcome"],
+            registry=r,
+        )
+        self.requests_sent_as_is = Counter(
+            "prefix_proxy_requests_forwarded_as_sent",
+            "Chat requests forwarded as sent because their app's rewrites cost more than its shadow.",
+            registry=r,
+        )
+        for arrangement in ("client", "forwarded"):
+            self.shadow_prefill_tokens.labels(arrangement)
+        for outcome in ("started", "stopped"):
+            self.rewrite_trials.labels(outcome)
         # Known label values start at zero, so dashboards and alerts see a series before the first event.
         for outcome in ("started", "succeeded", "failed"):
             self.compactions.labels(outcome)
