@@ -47,7 +47,18 @@ from proxy.observability import CacheBreakTracker, CaptureWriter, Metrics, start
 from proxy.openai import Continuations, expire_idle_lists
 from proxy.reload import on_sighup
 from proxy.replicas import build_shared
-from proxy.routes import admin, chat, compaction, health, messages, passthrough, responses, ui, unrewritten
+from proxy.routes import (
+    admin,
+    chat,
+    compaction,
+    health,
+    messages,
+    passthrough,
+    responses,
+    shadowing,
+    ui,
+    unrewritten,
+)
 from proxy.sessions import MemorySessionStore, RedisSessionStore, SessionService, SessionStore, StoreUnavailable
 from proxy.startup import announce
 from proxy.tenants import SALT_SECRET_NAME, SaltKey, TenantDirectory
@@ -242,6 +253,7 @@ def create_app(
     state.capture = CaptureWriter.from_settings(settings.capture)
     state.tracing = start_tracing(settings.tracing)
     state.apps = ui.book(settings)
+    state.shadow = shadowing.rewrite_shadow(settings)
     kv_bytes_per_token = (
         resolve_shape(settings.kv_model, settings.kv_config_json).bytes_per_token(settings.kv_dtype)
         if settings.kv_model or settings.kv_config_json

@@ -17,7 +17,7 @@ from proxy.tenants import TenantDirectory
 from proxy.tokenization import TokenCounter
 
 if TYPE_CHECKING:
-    from proxy.observability import AppBook, CacheBreakTracker, CaptureWriter, RequestTracer
+    from proxy.observability import AppBook, CacheBreakTracker, CaptureWriter, RequestTracer, RewriteShadow
 
 
 @dataclass
@@ -39,6 +39,9 @@ class ProxyState:
     tracing: RequestTracer | None = field(init=False, default=None)
     # What the operator's page shows (ui.enabled; proxy.observability.apps).
     apps: AppBook | None = field(init=False, default=None)
+    # Per app, what its requests as sent would cost beside what the forwarded ones cost
+    # (canon.shadow; proxy.observability.shadow): None where nothing is rewritten.
+    shadow: RewriteShadow | None = field(init=False, default=None)
 
 
 def get_state(request: Request) -> ProxyState:

@@ -8,6 +8,7 @@ from proxy.observability.capture import CaptureWriter, arrival, capture_record
 from proxy.observability.digests import digest_prompt, message_hash
 from proxy.observability.metrics import Metrics
 from proxy.observability.page import CONTENT_SECURITY_POLICY, SessionRow, Snapshot, TenantView, render, tenant_names
+from proxy.observability.shadow import RewriteShadow, ShadowSettings
 from proxy.observability.tracing import RequestTracer, start_tracing
 from proxy.observability.tracker import CacheBreakTracker, PendingBreak, summary_index
 
@@ -22,7 +23,9 @@ __all__ = [
     "Metrics",
     "PendingBreak",
     "RequestTracer",
+    "RewriteShadow",
     "SessionRow",
+    "ShadowSettings",
     "Snapshot",
     "TenantView",
     "Totals",
