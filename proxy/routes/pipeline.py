@@ -37,6 +37,7 @@ from proxy.routes.observe import (
     needs_reply_content,
     remember_answer,
 )
+from proxy.routes.shadowing import rewrite_or_forward
 from proxy.tenants import Tenant
 
 # Told the backend's answer (its header as soon as a stream names it, the whole answer at the end)
@@ -240,7 +241,7 @@ async def forward_turn(
 
 def canonicalize(state: ProxyState, ctx: RequestContext, tenant: Tenant, view: ProtocolView) -> CanonResult:
     """The view canonicalized, its actions and prefix recorded on ``ctx`` and counted."""
-    canon = state.canonicalizer.apply(view.chat, tenant.name)
+    canon = rewrite_or_forward(state, ctx, view.chat, tenant.name)
     ctx.actions.extend(view.actions)
     ctx.actions.extend(str(action) for action in canon.actions)
     ctx.prefix_hash = canon.prefix_hash
