@@ -168,7 +168,7 @@ _ALNUM = re.compile(r"[^\W_]")
 # What a text's facts derive from its lines' shapes and positions alone, never from their hashes or
 # text (``TextFacts.reshaped`` carries them): the blocks, the environment's runs, and the results
 # relocation keeps under these names (``cached`` keys are tuples that start with the name).
-SHAPE_RESULTS = frozenset({"blocks", "environment", "closed", "plan", "touched"})
+SHAPE_RESULTS = frozenset({"environment", "plan", "touched"})
 
 # The line indices a text's facts keep, by what each line is; the block ones once blocks are asked for.
 _INDEXED: dict[str, Callable[[LineFacts], Any]] = {
@@ -388,23 +388,6 @@ class TextFacts:
             self.memo["environment"] = found
         return found
 
-    def blocks(self, text: str) -> list[tuple[int, int]]:
-        """``relocate.text_blocks(lines)``."""
-        found = self.memo.get("blocks")
-        if found is None:
-            self.read_blocks(text)
-            base = self.base
-            if (
-                base is not None
-                and "blocks" in base.memo
-                and all(base.facts[h].same_blocks(self.facts[h]) for h in self.holes)
-            ):
-                found = base.memo["blocks"]
-            else:
-                found = _text_blocks(self)
-            self.memo["blocks"] = found
-        return found
-
     def weak(self, text: str) -> set[int]:
         """``relocate.weak_lines(lines)``."""
         found = self.memo.get("weak")
@@ -613,51 +596,6 @@ def _facts_runs(tf: TextFacts, text: str) -> list[tuple[int, int]]:
     return found
 
 
-def _text_blocks(tf: TextFacts) -> list[tuple[int, int]]:
-    """``relocate.text_blocks``: fences, tags outside them, then introduced runs."""
-    facts, n = tf.facts, tf.n
-    found: list[tuple[int, int]] = []
-    closers: dict[int, list[int]] = {}
-    uniform = {index: run for index in tf.index["uniform"] if (run := facts[index].uniform) is not None}
-    for index, (code, _) in uniform.items():
-        closers.setdefault(code, []).append(index)
-    resume = 0
-    for opener in tf.index["fence"]:
-        if opener < resume:
-            continue
-        code, size = facts[opener].fence  # type: ignore[misc]
-        candidates = closers.get(code, [])
-        for close in islice(candidates, bisect_right(candidates, opener), None):
-            if uniform[close][1] >= size:
-                found.append((opener, close))
-                resume = close + 1
-                break
-    fence_starts = [first for first, _ in found]
-    fences = list(found)
-    open_tags: list[tuple[int, int]] = []
-    for index in tf.index["tag"]:
-        at = bisect_right(fence_starts, index) - 1
-        if at >= 0 and fences[at][0] <= index <= fences[at][1]:
-            continue
-        line = facts[index]
-        if line.close_tag is not None:
-            for depth in range(len(open_tags) - 1, -1, -1):
-                if open_tags[depth][0] == line.close_tag:
-                    found.append((open_tags[depth][1], index))
-                    del open_tags[depth:]
-                    break
-            continue
-        open_tags.append((line.open_tag, index))  # type: ignore[arg-type]
-    blank = tf.index["blank"]
-    runs: list[tuple[int, int]] = []
-    for index in tf.index["introduces"]:
-        if index >= n - 1 or facts[index + 1].blank:
-            continue
-        after = bisect_right(blank, index + 1)
-        runs.append((index + 1, (blank[after] if after < len(blank) else n) - 1))
-    return found + rl.clip_runs(found, runs)
-
-
 def _skeleton(tf: TextFacts, text: str, detected: frozenset[int], learned: frozenset[int]) -> int:
     """The text around the candidates (``relocation._skeleton``), built from stretches of the text."""
     pieces: list[str] = []
@@ -729,28 +667,6 @@ def widen(tf: TextFacts, varying: set[int], weak: set[int]) -> set[int]:
             high -= 1
         widened.update(range(low, high + 1))
     return widened
-
-
-def close_blocks(tf: TextFacts, moving: set[int], blocks: list[tuple[int, int]]) -> set[int]:
-    """``relocate.close_blocks``."""
-    if not moving:
-        return set(moving)
-    facts = tf.facts
-    limit = tf.nonblank(0, tf.n) // 2
-    closed = set(moving)
-    for index in moving:
-        holding = [
-            (not facts[first].structural, last - first, first, last) for first, last in blocks if first <= index <= last
-        ]
-        if not holding:
-            continue
-        _, _, first, last = min(holding)
-        if tf.nonblank(first, last + 1) <= limit:
-            closed.update(range(first, last + 1))
-    for first, _ in runs(tf, sorted(closed), bridge_blank=False):
-        if first > 0 and facts[first - 1].introduces:
-            closed.add(first - 1)
-    return closed
 
 
 def bridge_blanks(tf: TextFacts, moving: set[int]) -> set[int]:
