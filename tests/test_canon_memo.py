@@ -238,10 +238,7 @@ def test_line_functions_agree_with_relocate(lines: list[str], picked: set[int], 
     moving = {i for i in picked if i < n}
     learned = frozenset(i for i in other if i < n)
     assert facts.spans == detect_spans(text, DETECTORS)
-    assert facts.blocks(text) == rl.text_blocks(lines)
     assert facts.weak(text) == rl.weak_lines(lines)
-    blocks = rl.text_blocks(lines)
-    assert tm.close_blocks(facts, moving, blocks) == rl.close_blocks(lines, moving, blocks)
     assert tm.widen(facts, moving, rl.weak_lines(lines)) == rl.widen(lines, moving, rl.weak_lines(lines))
     assert tm.bridge_blanks(facts, moving) == rl.bridge_blanks(lines, moving)
     assert tm.already_at_end(facts, moving) == rl.already_at_end(lines, moving)
@@ -289,15 +286,12 @@ def assert_read_as_whole(memo: tm.TextMemo, text: str) -> None:
     assert [found.start(i) for i in range(found.n + 1)] == [whole.start(i) for i in range(whole.n + 1)]
     assert list(found.hashes) == list(whole.hashes)
     assert (found.spans, found.detected) == (whole.spans, whole.detected)
-    assert found.blocks(text) == whole.blocks(text)
     assert found.weak(text) == whole.weak(text)
     assert found.index == whole.index
     assert found.hash_set() == whole.hash_set()
     # Every line the place's texts ever held, the lines gone from the holes among them.
     asked = set(memo._places[next(iter(memo._places))].facts.hashes) | set(whole.hashes) | {1, 2}
     assert {h for h in asked if found.holds(h)} == {h for h in asked if whole.holds(h)}
-    detected = set(found.detected)
-    assert tm.close_blocks(found, detected, found.blocks(text)) == tm.close_blocks(whole, detected, whole.blocks(text))
 
 
 # Lines of one length (so a text holding one in place of another has every offset the same): a

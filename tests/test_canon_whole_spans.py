@@ -13,7 +13,7 @@ from typing import Any
 
 from proxy.canon import CanonOptions, LearnedVolatility, canonicalize
 from proxy.canon.layout import ForwardedLayouts
-from proxy.canon.relocate import close_blocks, text_blocks
+from proxy.canon.units import units_of
 from proxy.canon.varying import VaryingPlaces
 from proxy.canon.volatile import BUILTIN_DETECTORS, Span, regex_detector
 from testbed.workload.scenarios.dify_workflow import DifyWorkflowSession
@@ -165,16 +165,11 @@ def test_a_detected_date_moves_its_tagged_block() -> None:
     assert moved_block(out) == env.format(day=12)
 
 
-def test_a_block_that_is_most_of_the_message_does_not_take_the_message_along() -> None:
-    lines = ["<doc>", "a", "b", "Current time: 2026-11-29T10:00:00Z", "c", "</doc>", "tail line"]
-    assert close_blocks(lines, {3}, text_blocks(lines)) == {3}
-    lines = ["x1", "x2", "x3", "x4", "x5", "<doc>", "Current time: 2026-11-29T10:00:00Z", "</doc>"]
-    assert close_blocks(lines, {6}) == {5, 6, 7}
-
-
-def test_blocks_found_are_fences_tags_and_introduced_runs() -> None:
-    lines = ["Intro:", "one", "two", "", "```", "<a>", "x", "```", "<b x='1'>", "y", "</b>", "</a>"]
-    assert text_blocks(lines) == [(4, 7), (8, 10), (1, 2)]
+def test_a_line_of_a_block_moves_alone_and_a_block_left_empty_moves_whole() -> None:
+    text = "<doc>\na\nb\nCurrent time: 2026-11-29T10:00:00Z\nc\n</doc>\ntail line"
+    assert units_of(text).whole({3}) == {3}
+    text = "x1\nx2\nx3\nx4\nx5\n<doc>\nCurrent time: 2026-11-29T10:00:00Z\n</doc>"
+    assert units_of(text).whole({6}) == {5, 6, 7}
 
 
 def test_an_introduced_run_inside_a_document_ends_with_it() -> None:
@@ -182,8 +177,8 @@ def test_an_introduced_run_inside_a_document_ends_with_it() -> None:
     time line after it moves alone and the document stays whole (it tore before: the fence of its
     code and its closing tag moved with the time line)."""
     document = "<context>\nFirst paragraph.\n\nSecond paragraph.\n\n    def f():\n        return 1  \n</context>"
-    lines = [*document.split("\n"), "Current time: 2026-11-29T14:03:11Z", "You are a helpful assistant."]
-    assert (6, 7) in text_blocks(lines) and (6, 9) not in text_blocks(lines)
+    text = f"{document}\nCurrent time: 2026-11-29T14:03:11Z\nYou are a helpful assistant."
+    assert units_of(text).whole({8}) == {8}
     memories = Memories()
     for second in (10, 11, 12):
         system = f"{document}\nCurrent time: 2026-11-29T14:03:{second}Z\nYou are a helpful assistant."
@@ -194,9 +189,10 @@ def test_an_introduced_run_inside_a_document_ends_with_it() -> None:
         assert moved_block(out) == f"Current time: 2026-11-29T14:03:{second}Z"
 
 
-def test_an_introduced_run_reaching_into_a_block_stops_before_it() -> None:
-    lines = ["Notes:", "one", "<doc>", "two", "", "three", "</doc>"]
-    assert text_blocks(lines) == [(2, 6), (1, 1)]
+def test_what_a_label_introduces_stops_before_a_block() -> None:
+    units = units_of("Notes:\none\n<doc>\ntwo\n\nthree\n</doc>")
+    assert units.whole({1}) == {0, 1}
+    assert units.whole({3}) == {3}
 
 
 def test_first_sight_kinds_move_at_the_first_request() -> None:
