@@ -85,13 +85,12 @@ def moved_to_the_end(body: dict[str, Any], stamp: str) -> dict[str, Any]:
 
 def test_rewrites_that_cost_more_stop_within_the_window_and_try_again_after_a_doubling_backoff() -> None:
     shadow = RewriteShadow(ShadowSettings(window=4, backoff=3))
-    app = ("t", "m")
     outcomes = []
     for i in range(40):
-        admission = shadow.admit(app)
         client = one_shot(f"question {i}")
+        admission = shadow.admit("t", client)
         forwarded = moved_to_the_end(client, f"request {i}") if admission.rewrite else client
-        verdict = shadow.account(app, "t", client, forwarded, rewritten=admission.rewrite)
+        verdict = shadow.account(admission, client, forwarded)
         outcomes.append("S" if verdict.stopped else ("R" if admission.rewrite else "-"))
     # A trial of 4 rewritten requests, then 3, 6, 12 as sent (the back-off doubles per lost trial).
     assert "".join(outcomes) == "RRRS" + "---" + "RRRS" + "-" * 6 + "RRRS" + "-" * 12 + "RRRS" + "---"
@@ -99,12 +98,11 @@ def test_rewrites_that_cost_more_stop_within_the_window_and_try_again_after_a_do
 
 def test_rewrites_that_pay_are_kept() -> None:
     shadow = RewriteShadow(ShadowSettings(window=4, backoff=3))
-    app = ("t", "m")
     for i in range(30):
-        admission = shadow.admit(app)
-        assert admission.rewrite
         # The client puts a clock first; the rewrite moves it after the stable prompt.
         client = one_shot(f"question {i}", system=f"Now: 10:{i:02d}\n{SYSTEM}")
+        admission = shadow.admit("t", client)
+        assert admission.rewrite
         forwarded = {
             **client,
             "messages": [
@@ -113,7 +111,7 @@ def test_rewrites_that_pay_are_kept() -> None:
                 client["messages"][1],
             ],
         }
-        verdict = shadow.account(app, "t", client, forwarded, rewritten=True)
+        verdict = shadow.account(admission, client, forwarded)
         assert not verdict.stopped
         if i:
             assert verdict.extra_tokens < -300  # the whole system prompt saved
@@ -122,9 +120,25 @@ def test_rewrites_that_pay_are_kept() -> None:
 def test_apps_are_bounded() -> None:
     shadow = RewriteShadow(ShadowSettings(max_apps=3))
     for i in range(10):
-        body = one_shot("q")
-        shadow.account(("t", f"model-{i}"), "t", body, body, rewritten=True)
+        body = {**one_shot("q"), "model": f"model-{i}"}
+        shadow.account(shadow.admit("t", body), body, body)
     assert len(shadow) == 3
+
+
+def test_an_app_is_a_template_recognized_through_its_varying_lines() -> None:
+    """Two templates of one tenant's model are two apps: one's lost trial leaves the other rewritten."""
+    shadow = RewriteShadow(ShadowSettings(window=4, backoff=3))
+    other = "\n".join(f"Step {i}: translate the text into formal French." for i in range(20))
+    for i in range(12):
+        client = one_shot(f"question {i}", system=f"{SYSTEM}\nRequest id: {i * 7919}")
+        admission = shadow.admit("t", client)
+        shadow.account(admission, client, moved_to_the_end(client, f"request {i}") if admission.rewrite else client)
+        translation = one_shot(f"text {i}", system=f"Now: {i}\n{other}")
+        admitted = shadow.admit("t", translation)
+        assert admitted.rewrite
+        shadow.account(admitted, translation, translation)
+    assert not shadow.admit("t", one_shot("again", system=f"{SYSTEM}\nRequest id: 1")).rewrite
+    assert len(shadow) == 2
 
 
 # -- through the proxy, against the fake vLLM ----------------------------------------------------
@@ -196,7 +210,7 @@ def converse_through(backend: LiveServer, *, shadow: bool, turns: int, sessions:
 
 
 def test_a_wrong_rule_stops_within_the_window_and_its_regret_is_bounded(backends: list[LiveServer]) -> None:
-    turns, sessions = 12, 3
+    turns, sessions = 12, 4
     direct = converse(backends[0], lambda s: SYSTEM, turns, sessions)
     guarded = converse_through(backends[1], shadow=True, turns=turns, sessions=sessions)
     unguarded = converse_through(backends[2], shadow=False, turns=turns, sessions=sessions)
@@ -204,9 +218,12 @@ def test_a_wrong_rule_stops_within_the_window_and_its_regret_is_bounded(backends
     actions = [a for _, a in guarded]
     stopped = [i for i, a in enumerate(actions) if "rewrites_stopped" in a]
     assert stopped and stopped[0] < settings.window + 2, actions  # the first trial is judged at its window
-    assert "forwarded_as_sent:shadow" in actions[stopped[0] + 1]
+    # The conversation the backend holds rewritten stays so (a switch would cost its history);
+    # the next one goes as sent, and the next trial starts with a new conversation after the back-off.
+    as_sent = [i for i, a in enumerate(actions) if "forwarded_as_sent:shadow" in a]
+    assert as_sent and as_sent[0] == turns
     restarted = [i for i, a in enumerate(actions) if "rewrite_trial_started" in a]
-    assert restarted and restarted[0] == stopped[0] + 1 + settings.backoff_requests
+    assert restarted and restarted[0] % turns == 0 and restarted[0] >= as_sent[0] + settings.backoff_requests
     # A request as sent is the client's, byte for byte: no rewrite on it.
     assert all("volatile_moved" not in a for a in actions if "forwarded_as_sent" in a)
 
@@ -219,7 +236,7 @@ def test_a_wrong_rule_stops_within_the_window_and_its_regret_is_bounded(backends
     # Guarded, each lost trial costs at most its window of requests, and the two switches of
     # arrangement around it (each at most a prompt: the history laid out the other way).
     worst_turn = max(t - d for (t, _), (d, _) in zip(unguarded, direct, strict=True))
-    assert regret <= len(stopped) * (settings.window * worst_turn + 2 * max(PROMPTS))
+    assert regret <= len(stopped) * (turns * worst_turn + 2 * max(PROMPTS))
     assert regret < unguarded_regret
     print(
         f"\ndirect {direct_prefill} prefill tokens over {len(direct)} requests; wrong rule unguarded "

@@ -2,21 +2,30 @@
 
 A rewrite is a bet on the next requests: a block moved out of the system prompt pays when the
 prompt stops changing, and costs when it then sits after something that changes anyway. A rule
-that is wrong for a client nobody tested would lose that bet on every request. So, per app
-(tenant and model: the app ``prefix-proxy analyze`` reports), the proxy keeps two simulated
+that is wrong for a client nobody tested would lose that bet on every request. So, per app, the
+proxy keeps two simulated
 prefix caches (:class:`~proxy.observability.shadowcache.ArrangementCache`): one fed the requests
 as the client sent them, one fed them as forwarded. Each request's prefill is estimated on both;
 the difference is what rewriting cost (positive) or saved (negative) on it.
 
+An app is a tenant, a model and a template: requests whose system prompts share most of their
+lines. A prompt's *sketch* is the ``SKETCH`` smallest hashes of its system prompt's lines (the
+digest has them already); it joins the template of its tenant and model whose sketch it shares at
+least half of, else starts one. A line that varies enters the sketch only when its hash is among
+the smallest, and then displaces one: a template is recognized through its varying lines.
+Requests without a system prompt are an app per tool set.
+
 A *trial* is a run of rewritten requests. Once it holds ``window`` requests, the sum of the
 differences over the last ``window`` is its verdict: more than one block's worth (``block_size``
-tokens) and the app's rewrites stop: its requests go as sent, byte for byte, for ``backoff``
-requests, then a new trial starts; each lost trial doubles the back-off (up to ``max_backoff``), a
-trial that lasted ``4 * window`` requests resets it. While rewrites are stopped both caches are
-still fed (the same prompt), so the next trial starts from what the backend really holds.
+tokens) and the app's rewrites stop: its new conversations go as sent, byte for byte, for
+``backoff`` requests, then a new trial starts (a conversation the backend holds rewritten stays
+rewritten: switching it back would cost its whole history; a trial starts with a new
+conversation too); each lost trial doubles the back-off (up to ``max_backoff``), a trial that
+lasted ``4 * window`` requests resets it. While rewrites are stopped both caches are still fed
+(the same prompt), so the next trial starts from what the backend really holds.
 
-A mistaken rule then costs at most ``window`` requests of an app per trial, and the trials grow
-rarer: a regret bounded in requests, not a session's worth.
+A mistaken rule then costs an app, per trial, ``window`` requests and the rest of the conversations
+it was rewriting, and the trials grow rarer: a regret bounded per trial, not a session's worth.
 
 Pure: no I/O, no clock; the caller serializes access (one event loop). Bounded: ``max_apps`` apps,
 least recently used out, each with two caches of at most ``max_links`` links.
@@ -24,6 +33,7 @@ least recently used out, each with two caches of at most ``max_links`` links.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -31,12 +41,18 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from proxy.observability.digests import PromptDigest, digest_prompt
-from proxy.observability.shadowcache import ArrangementCache, Served
+from proxy.observability.digests import PromptDigest, digest_prompt, line_hashes
+from proxy.observability.shadowcache import FRAMING_TOKENS, ArrangementCache, Served
 from proxy.openai import Continuations
 
 # What a conversation's kept message lists may hold, per arrangement (characters).
 KEPT_CHARS = 8 << 20
+# Line hashes a system prompt's sketch keeps, the share two sketches have in common to be one
+# template, and the templates a tenant's model keeps.
+SKETCH = 8
+SKETCH_MATCH = 0.5
+TEMPLATES_PER_MODEL = 32
+_BLANK = line_hashes("")[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +80,13 @@ class _App:
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """Whether to rewrite a request; ``trial_started``: it is the first of a new trial."""
+    """Whether to rewrite a request; ``trial_started``: it is the first of a new trial. ``app`` and
+    ``client``: its app and its digest as sent, for :meth:`RewriteShadow.account`."""
 
     rewrite: bool
+    app: Hashable
+    client: PromptDigest
+    scope: str
     trial_started: bool = False
 
 
@@ -93,6 +113,8 @@ class RewriteShadow:
     def __init__(self, settings: ShadowSettings | None = None) -> None:
         self.settings = settings or ShadowSettings()
         self._apps: LRUCache[Hashable, _App] = LRUCache(max(1, self.settings.max_apps))
+        # (tenant, model) -> its templates' sketches, by template id.
+        self._templates: LRUCache[tuple[str, str], dict[int, frozenset[int]]] = LRUCache(max(1, self.settings.max_apps))
         # The last message lists digested per conversation, each arrangement its own: a request
         # digests only what it adds (proxy.openai.continuation).
         self._client_lists: Continuations[PromptDigest] = Continuations(KEPT_CHARS)
@@ -101,32 +123,40 @@ class RewriteShadow:
     def __len__(self) -> int:
         return len(self._apps)
 
-    def admit(self, app: Hashable) -> Admission:
-        """Whether ``app``'s next request is rewritten (counts the requests of a back-off)."""
+    def admit(self, scope: str, client: dict[str, Any]) -> Admission:
+        """Whether the request ``client`` (as sent; ``scope``: its tenant) is rewritten: not while
+        its app's rewrites are stopped (counts the requests of a back-off)."""
+        prompt = _digest(self._client_lists, scope, client, None)
+        app = (scope, prompt.model, self._template(scope, prompt))
         state = self._apps.get(app)
         if state is None or state.rewriting:
-            return Admission(True)
+            return Admission(True, app, prompt, scope)
         if state.waiting > 0:
+            if self._held_rewritten(state, prompt, client.get("messages") or []):
+                # A conversation the backend holds in the rewritten layout stays in it: switching it
+                # back would cost its whole history. New conversations go as sent.
+                return Admission(True, app, prompt, scope)
             state.waiting -= 1
-            return Admission(False)
+            return Admission(False, app, prompt, scope)
+        if self._continued(state, prompt, client.get("messages") or []):
+            return Admission(False, app, prompt, scope)  # a trial starts with a new conversation
         state.rewriting = True
         state.recent.clear()
         state.trial_requests = 0
-        return Admission(True, trial_started=True)
+        return Admission(True, app, prompt, scope, trial_started=True)
 
     def account(
         self,
-        app: Hashable,
-        scope: str,
+        admission: Admission,
         client: dict[str, Any],
         forwarded: dict[str, Any],
         *,
-        rewritten: bool,
         forwarded_system_count: int | None = None,
         tokens_per_byte: float = 0.25,
     ) -> Verdict:
-        """One request of ``app`` as the client sent it and as forwarded (the same object where it
-        went as sent); ``scope`` (the tenant) keeps conversations of tenants apart."""
+        """The request :meth:`admit` admitted, as the client sent it and as forwarded (the same
+        object where it went as sent)."""
+        app, scope, rewritten = admission.app, admission.scope, admission.rewrite
         state = self._apps.get(app)
         if state is None:
             settings = self.settings
@@ -137,7 +167,7 @@ class RewriteShadow:
             )
             self._apps[app] = state
         client_messages: Sequence[Any] = client.get("messages") or []
-        client_prompt = _digest(self._client_lists, scope, client, None)
+        client_prompt = admission.client
         client_served = state.client.serve(client_prompt, client_messages, tokens_per_byte)
         if forwarded is client:
             forwarded_prompt, forwarded_messages = client_prompt, client_messages
@@ -149,6 +179,48 @@ class RewriteShadow:
         if not (rewritten and state.rewriting):
             return verdict
         return self._judge(state, verdict)
+
+    def _held_rewritten(self, state: _App, prompt: PromptDigest, messages: Sequence[Any]) -> bool:
+        """Whether the prompt as sent would hit more than a block less on what the backend holds
+        (the forwarded layout) than on its own layout: its conversation went out rewritten."""
+        if not self._continued(state, prompt, messages):
+            return False
+        own = state.client.serve(prompt, messages, 0.25, remember=False).cached_tokens
+        held = state.forwarded.serve(prompt, messages, 0.25, remember=False).cached_tokens
+        return own - held > self.settings.block_size
+
+    @staticmethod
+    def _continued(state: _App, prompt: PromptDigest, messages: Sequence[Any]) -> bool:
+        """Whether the prompt continues a conversation seen before (its layout held past the
+        system prompt and first turn): a layout switch would cost its history."""
+        opening = prompt.system_count + 1
+        if len(prompt) <= opening:
+            return False
+        own = state.client.serve(prompt, messages, 0.25, remember=False).cached_tokens
+        return own > int(prompt.bytes_at(opening) * 0.25) + FRAMING_TOKENS * opening
+
+    def _template(self, scope: str, prompt: PromptDigest) -> Hashable:
+        """The id of the prompt's template among its tenant's model's (made when none matches)."""
+        lines = {h for message in prompt.system_lines for h in message if h != _BLANK}
+        if not lines:
+            return ("tools", prompt.tools)
+        sketch = frozenset(heapq.nsmallest(SKETCH, lines))
+        key = (scope, prompt.model)
+        templates = self._templates.get(key)
+        if templates is None:
+            templates = self._templates[key] = {}
+        best, best_shared = None, 0
+        for template, known in templates.items():
+            shared = len(sketch & known)
+            if shared > best_shared and shared >= SKETCH_MATCH * min(len(sketch), len(known)):
+                best, best_shared = template, shared
+        if best is not None:
+            return best
+        if len(templates) >= TEMPLATES_PER_MODEL:
+            del templates[next(iter(templates))]  # the oldest
+        template = min(sketch)
+        templates[template] = sketch
+        return template
 
     def _judge(self, state: _App, verdict: Verdict) -> Verdict:
         settings = self.settings

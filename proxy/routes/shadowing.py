@@ -21,8 +21,7 @@ def rewrite_or_forward(state: ProxyState, ctx: RequestContext, chat: dict[str, A
     if shadow is None:
         return state.canonicalizer.apply(chat, tenant)
     metrics = state.metrics
-    app = (tenant, str(chat.get("model", "")))
-    admission = shadow.admit(app)
+    admission = shadow.admit(tenant, chat)
     if admission.trial_started:
         ctx.actions.append("rewrite_trial_started")
         metrics.rewrite_trials.labels("started").inc()
@@ -33,11 +32,9 @@ def rewrite_or_forward(state: ProxyState, ctx: RequestContext, chat: dict[str, A
         ctx.actions.append("forwarded_as_sent:shadow")
         metrics.requests_sent_as_is.inc()
     verdict = shadow.account(
-        app,
-        tenant,
+        admission,
         chat,
         canon.body,
-        rewritten=admission.rewrite,
         forwarded_system_count=canon.stable_count,
         tokens_per_byte=TYPICAL_TOKENS_PER_BYTE,
     )
