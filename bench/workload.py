@@ -6,6 +6,15 @@ reset the cache between the runs, so the second run does not reuse the first one
     python -m bench.workload --direct http://gpu:8000/v1 --proxied http://127.0.0.1:8080/v1 \\
         --reset-direct http://gpu:8000/reset_prefix_cache --reset-proxied http://gpu:8000/reset_prefix_cache
 
+Or run it here, against fresh in-process fake vLLMs (one direct, one behind a prefix-proxy on its
+defaults): small with ``--sessions 2``, full with the default 16 sessions per scenario:
+
+    python -m bench.workload --in-process [--sessions 2] [--scenarios dify_rag,inline_query]
+
+Beside direct and proxy prefill, each shape's *floor* (docs/canonicalization.md#the-floor): per
+request, the tokens of the lines no earlier request of that shape carried (the model's replies
+count as seen), and the ratios direct/floor and proxy/floor.
+
 Dump the requests the workload sends, one JSON object per line (``scenario``, ``session``,
 ``step``, ``body``, ``prompt_tokens``, ``cached_tokens``), for other benchmarks to replay.
 Assistant turns are the replies of the server the workload ran against: ``--base-url``, or
@@ -25,6 +34,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from bench.floors import ShapeFloors
 from proxy.progress import ProgressBar
 from testbed.workload import Exchange, ScenarioResult, resolve_scenarios, run_workload_async, scenario_names
 from testbed.workload.report import comparison_json, format_comparison
@@ -52,6 +62,7 @@ async def compare(args: argparse.Namespace) -> int:
     scenarios = [s.name for s in resolve_scenarios(args.scenarios)]
     bar = ProgressBar(sys.stderr)
     results: dict[str, dict[str, ScenarioResult] | None] = {"direct": None, "proxied": None}
+    floors = ShapeFloors()
     for label, url, reset in (
         ("direct", args.direct, args.reset_direct),
         ("proxied", args.proxied, args.reset_proxied),
@@ -59,13 +70,22 @@ async def compare(args: argparse.Namespace) -> int:
         if not url:
             continue
         await _reset(reset)
-        result = await run_workload_async(url, scenarios, progress=bar.start(label), **_options(args))
+        # The floor is the client's: measured on the first run's requests (the same in both runs).
+        measure = floors.observe if not floors.requests else None
+        result = await run_workload_async(
+            url, scenarios, progress=bar.start(label), on_exchange=measure, **_options(args)
+        )
         bar.finish(sum(r.requests for r in result.values()))
         results[label] = result
+    prefill = {label: {name: r.prefill_tokens for name, r in side.items()} for label, side in results.items() if side}
     if args.json:
-        print(json.dumps(comparison_json(results["direct"], results["proxied"]), indent=2))
+        report = comparison_json(results["direct"], results["proxied"])
+        report["floor"] = floors.to_json(prefill.get("direct"), prefill.get("proxied"))
+        print(json.dumps(report, indent=2))
     else:
         print(format_comparison(results["direct"], results["proxied"]))
+        print()
+        print(floors.format_table(prefill.get("direct"), prefill.get("proxied")))
     errors = sum(r.errors for side in results.values() if side for r in side.values())
     return 1 if errors else 0
 
@@ -119,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--api-key")
     parser.add_argument("--json", action="store_true", help="machine-readable comparison")
+    parser.add_argument(
+        "--in-process", action="store_true", help="run against fresh in-process fake vLLMs, direct and via the proxy"
+    )
     return parser
 
 
@@ -136,9 +159,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(dump(args, sys.stdout))
         with open(args.dump, "w", encoding="utf-8") as out:
             return asyncio.run(dump(args, out))
+    if args.in_process:
+        return _in_process(args)
     if not (args.direct or args.proxied):
-        parser.error("give --direct and/or --proxied (or --dump PATH, or --list)")
+        parser.error("give --direct and/or --proxied, or --in-process (or --dump PATH, or --list)")
     return asyncio.run(compare(args))
+
+
+def _in_process(args: argparse.Namespace) -> int:
+    """Two fresh fake vLLMs in this process, one reached directly, one behind a prefix-proxy."""
+    from contextlib import ExitStack
+
+    from proxy.app import create_app
+    from proxy.config import Settings
+    from testbed.fakevllm import FakeBackendConfig
+    from testbed.fakevllm import create_app as create_fake_backend
+    from testbed.serving import serve_in_thread
+
+    with ExitStack() as stack:
+        direct = stack.enter_context(serve_in_thread(create_fake_backend(FakeBackendConfig()), name="fake-direct"))
+        behind = stack.enter_context(serve_in_thread(create_fake_backend(FakeBackendConfig()), name="fake-proxied"))
+        settings = Settings(upstream=behind + "/v1")
+        proxy = stack.enter_context(serve_in_thread(create_app(settings), name="prefix-proxy"))
+        args.direct, args.proxied = direct + "/v1", proxy + "/v1"
+        args.reset_direct = args.reset_proxied = None
+        return asyncio.run(compare(args))
 
 
 if __name__ == "__main__":
