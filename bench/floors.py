@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.observability.floor import FloorMeter
+from proxy.observability import FloorMeter
 from testbed.workload import Exchange
 
 # Line hashes each shape remembers (a forgotten line counts again: the floor errs high).

@@ -38,7 +38,7 @@ from itertools import repeat
 from typing import Any
 
 from proxy.observability.digests import ASSISTANT, PromptDigest, chain, content_text
-from proxy.openai.messages import link_hash, utf8_size
+from proxy.openai import link_hash, utf8_size
 
 # Role markers a ChatML-like template renders around each message (``<|im_start|>user\n`` ...
 # ``<|im_end|>\n``): a message inserted by a rewrite costs them too.
