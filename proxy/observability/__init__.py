@@ -6,6 +6,7 @@ from proxy.observability.apps import AppBook, Totals
 from proxy.observability.breaks import CAUSES, NONE, BreakMemory
 from proxy.observability.capture import CaptureWriter, arrival, capture_record
 from proxy.observability.digests import digest_prompt, message_hash
+from proxy.observability.floor import Floor, FloorMeter
 from proxy.observability.metrics import Metrics
 from proxy.observability.page import CONTENT_SECURITY_POLICY, SessionRow, Snapshot, TenantView, render, tenant_names
 from proxy.observability.shadow import RewriteShadow, ShadowSettings
@@ -20,6 +21,8 @@ __all__ = [
     "BreakMemory",
     "CacheBreakTracker",
     "CaptureWriter",
+    "Floor",
+    "FloorMeter",
     "Metrics",
     "PendingBreak",
     "RequestTracer",
