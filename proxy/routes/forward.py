@@ -181,6 +181,10 @@ class AnswerEnding(Protocol):
 
     def failed(self, error: ProxyError | None) -> None: ...
 
+    async def before_response(self) -> None:
+        """What must be recorded before the client has the whole answer (a stream's last event):
+        the client may act on it at once."""
+
     async def record(self) -> None: ...
 
 

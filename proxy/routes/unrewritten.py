@@ -116,6 +116,11 @@ class CompletionBudget:
     def failed(self, error: ProxyError | None) -> None:
         self._settlement = self.settle(None, answered=False)
 
+    async def before_response(self) -> None:
+        """Settled before the client has the answer's end: its next request finds the budget as
+        this one left it."""
+        await self.record()
+
     async def record(self) -> None:
         settlement, self._settlement = self._settlement, None
         if settlement is not None:
