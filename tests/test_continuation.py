@@ -120,6 +120,38 @@ def test_a_conversation_resumes_from_its_last_request_and_no_other_tenants() -> 
     assert memory.resume("tenant-b", grown).shared == 0
 
 
+class _Counted(dict[str, Any]):
+    """A message that counts how often it is compared by value."""
+
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        _Counted.compared += 1
+        return dict.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_a_kept_list_that_cannot_share_more_is_not_compared() -> None:
+    """Each request of a conversation parsed afresh (every message a new object): its history is
+    compared by value with the conversation's last request once, not again with the request before
+    that, which holds fewer messages than were found shared (a 1,000-turn history compared twice).
+    Each request ends with a line of its own after the history (a clock moved before the question),
+    which the next one does not re-send."""
+    memory: Continuations[int] = Continuations()
+    base = _conversation(3, 40)
+    for turns in range(len(base) - 6, len(base)):
+        moved = {"role": "system", "content": f"Current time: 12:{turns:02d}"}
+        messages = [_Counted(message) for message in copy.deepcopy([*base[:turns], moved])]
+        _Counted.compared = 0
+        resumed = memory.resume("t", messages)
+        resumed.keep(messages, turns)
+        if resumed.state is not None:
+            assert resumed.shared == turns - 1
+            # Once to find where the lists part (and half again, halving), not once more per kept list.
+            assert _Counted.compared <= 2 * turns + 4, (turns, _Counted.compared)
+
+
 def test_conversations_that_open_alike_both_resume() -> None:
     memory: Continuations[int] = Continuations()
     opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]

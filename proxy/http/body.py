@@ -15,7 +15,16 @@ from starlette.requests import ClientDisconnect, Request
 
 from proxy.http import reading
 from proxy.http.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
-from proxy.openai import MAX_DEPTH, Continuations, TooDeep, check_depth, check_depth_once, loads, reuse_texts
+from proxy.openai import (
+    MAX_DEPTH,
+    STABLE_ROLES,
+    Continuations,
+    TooDeep,
+    check_depth,
+    check_depth_once,
+    loads,
+    reuse_texts,
+)
 
 VALID_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # A message's fields checked beyond its role and content.
@@ -105,11 +114,31 @@ def _check_nesting(body: dict[str, Any], namespace: str) -> None:
     if not isinstance(messages, list):
         check_depth(rest, MAX_DEPTH)
         return
-    resumed = CHECKED_MESSAGES.resume(namespace, messages, "nesting")
+    lead = leading_system(messages)
+    history = messages[lead:] if lead else messages
+    resumed = CHECKED_MESSAGES.resume(namespace, history, "nesting")
     if resumed.shared:
-        rest = {**rest, "messages": messages[resumed.shared :]}
+        rest = {**rest, "messages": [*messages[:lead], *history[resumed.shared :]]}
     check_depth(rest, MAX_DEPTH)
-    resumed.keep(messages, None)
+    resumed.keep(history, None)
+
+
+# Leading system messages looked at, at most, before the history a conversation re-sends.
+MAX_LEADING_SYSTEM = 8
+
+
+def leading_system(messages: list[Any]) -> int:
+    """How many system (or developer) messages open ``messages``: what a client may write anew on
+    every request (a clock, retrieved text) ahead of the history it re-sends as it was. Checks that
+    judge each message on its own resume on the history after them, so a system prompt that
+    changes does not make them judge the whole history again."""
+    lead = 0
+    for message in messages[:MAX_LEADING_SYSTEM]:
+        role = message.get("role") if type(message) is dict else None
+        if type(role) is not str or role not in STABLE_ROLES:  # anything may be here: not validated yet
+            break
+        lead += 1
+    return lead
 
 
 def is_text(value: Any) -> bool:
@@ -148,11 +177,16 @@ def validate_chat_request(body: dict[str, Any], namespace: str | None = None) ->
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    resumed = CHECKED_MESSAGES.resume(namespace, messages, "chat validation") if namespace is not None else None
-    for index in range(resumed.shared if resumed is not None else 0, len(messages)):
-        message = messages[index]
+    lead = leading_system(messages) if namespace is not None else 0
+    history = messages[lead:] if lead else messages
+    resumed = CHECKED_MESSAGES.resume(namespace, history, "chat validation") if namespace is not None else None
+    for index in range(lead):
+        if not _valid_message(messages[index]):
+            _validate_message(messages[index], f"messages[{index}]")
+    for index in range(resumed.shared if resumed is not None else 0, len(history)):
+        message = history[index]
         if not _valid_message(message):
-            _validate_message(message, f"messages[{index}]")
+            _validate_message(message, f"messages[{lead + index}]")
     for key in ("tools", "functions"):
         value = body.get(key)
         _optional(value, list, key, "an array")
@@ -169,7 +203,7 @@ def validate_chat_request(body: dict[str, Any], namespace: str | None = None) ->
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise InvalidRequest(f"'{key}' must be an integer", param=key)
     if resumed is not None:
-        resumed.keep(messages, None)
+        resumed.keep(history, None)
 
 
 def _valid_message(message: Any) -> bool:

@@ -154,6 +154,8 @@ class Continuations(Generic[State]):
         best: _Kept | None = None
         matched = 0
         for kept in self._used(key):
+            if len(kept.messages) <= matched:
+                continue  # it cannot share more than the one found: not compared (a whole history by value)
             count = shared_prefix(kept.messages, messages)
             if count > matched:
                 best, matched = kept, count
