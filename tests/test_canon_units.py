@@ -19,7 +19,7 @@ from typing import Any
 
 from proxy.canon import CanonOptions, LearnedVolatility, VaryingPlaces, canonicalize
 from proxy.canon.layout import ForwardedLayouts
-from proxy.canon.units import ELEMENT, GROUP, LINE, LISTING, SECTION, units_of
+from proxy.canon.units import ELEMENT, GROUP, LINE, LISTING, SECTION, Units, units_of
 
 OPTIONS = CanonOptions()
 
@@ -347,3 +347,27 @@ def test_moving_sets_made_whole_tear_nothing() -> None:
 def test_the_tree_is_kept_by_the_text() -> None:
     text = continue_prompt("2026-12-04", "M calc.py")
     assert units_of(text) is units_of(str(text.encode().decode()))
+
+
+def test_a_text_whose_values_changed_takes_the_tree_a_fresh_parse_gives() -> None:
+    """A prompt whose clock ticks takes the tree of the one before it (no parse of its lines); the
+    tree is the one parsing it afresh gives, whichever lines changed and however they read."""
+    rng = random.Random(11)
+    for seed in range(120):
+        built = random_prompt(seed, 0)
+        units_of("\n".join(built.lines))
+        changed = list(built.lines)
+        for index in rng.sample(range(len(changed)), k=rng.randint(1, 3)):
+            line = changed[index]
+            pick = rng.random()
+            if pick < 0.5:  # a value within the line: reads alike
+                changed[index] = line + str(rng.randint(0, 9)) if line.strip() else line
+            elif pick < 0.8:  # another kind of line: reads otherwise
+                changed[index] = rng.choice(["Notes:", "- an item", "</context>", "```", "# Heading", ""])
+            else:
+                changed[index] = " " * rng.randint(1, 4) + line
+        text = "\n".join(changed)
+        fresh = Units(text)
+        found = units_of(text)
+        assert found.roots == fresh.roots, seed
+        assert found.starts == fresh.starts and found.framing() == fresh.framing(), seed

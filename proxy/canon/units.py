@@ -36,8 +36,11 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, count
+from operator import add
 
 import xxhash
 from cachetools import LRUCache
@@ -84,7 +87,7 @@ class Unit:
 class _Line:
     """How one line reads (the same wherever the line occurs)."""
 
-    __slots__ = ("blank", "close", "fence", "heading", "indent", "item", "label", "open", "pair", "uniform")
+    __slots__ = ("blank", "close", "fence", "heading", "indent", "item", "label", "open", "pair", "reading", "uniform")
 
     def __init__(self, line: str) -> None:
         stripped = line.strip()
@@ -112,6 +115,19 @@ class _Line:
         self.label = stripped.endswith(_LABEL_END) and any(c.isalnum() for c in stripped) and not self.heading
         pair = _PAIR.match(line) if ":" in line or "：" in line else None
         self.pair = pair is not None and len(pair.group(0).split()) <= _PAIR_WORDS + 1
+        # All the parser reads of the line: two lines that read alike give a text the same tree.
+        self.reading = (
+            self.blank,
+            self.indent,
+            self.fence,
+            self.uniform,
+            self.open,
+            self.close,
+            self.heading,
+            self.item,
+            self.label,
+            self.pair,
+        )
 
 
 # Each distinct line is read once (lines recur across an app's prompts and across requests).
@@ -130,18 +146,23 @@ class Units:
 
     __slots__ = ("_framing", "_nonblank", "_wholes", "roots", "starts")
 
-    def __init__(self, text: str) -> None:
-        lines = text.split("\n")
-        self.starts = [0]
-        for line in lines:
-            self.starts.append(self.starts[-1] + len(line) + 1)
+    def __init__(self, text: str | None, lines: list[str] | None = None, like: Units | None = None) -> None:
+        lines = lines if lines is not None else (text or "").split("\n")
+        self.starts = _starts(lines)
+        self._nonblank: list[int]
+        self.roots: tuple[Unit, ...]
+        self._wholes: dict[frozenset[int], frozenset[int]]
+        self._framing: frozenset[int] | None
+        if like is not None:
+            # The tree of a text whose lines read alike line for line (``_alike``): the same units.
+            self._nonblank, self.roots, self._wholes = like._nonblank, like.roots, like._wholes
+            self._framing = like._framing
+            return
         reads = [_read(line) for line in lines]
-        self._nonblank = [0]
-        for read in reads:
-            self._nonblank.append(self._nonblank[-1] + (not read.blank))
+        self._nonblank = [0, *accumulate(not read.blank for read in reads)]
         self.roots = _Parser(reads).parse()
-        self._wholes: dict[frozenset[int], frozenset[int]] = {}
-        self._framing: frozenset[int] | None = None
+        self._wholes = {}
+        self._framing = None
 
     def span(self, unit: Unit) -> tuple[int, int]:
         """The unit's characters in the text: ``text[start:end]``, its last line's newline excluded."""
@@ -384,17 +405,58 @@ def _plain(read: _Line) -> bool:
     return not (read.label or read.item or read.pair or read.heading)
 
 
+def _starts(lines: list[str]) -> list[int]:
+    """Where each line starts in the text, and one past its end (in C: a prompt is re-read whole
+    when a clock in it ticks)."""
+    return [0, *map(add, accumulate(map(len, lines)), count(1))]
+
+
 # Texts seen before, by digest: a system prompt re-sent is a lookup.
 _TREES: LRUCache[int, Units] = LRUCache(4096)
+# The lines of the texts parsed last, with their trees: a text that differs from one of them in a
+# few lines that read alike (a clock ticking, a count, a date: a value in a line) has its tree.
+_RECENT: deque[tuple[list[str], Units]] = deque(maxlen=8)
+# Lines a text may differ in from a recent one and still take its tree (past them, parsed anew).
+_ALIKE_LINES = 8
 
 
 def units_of(text: str) -> Units:
-    """The unit tree of ``text`` (kept by the text's digest)."""
+    """The unit tree of ``text`` (kept by the text's digest; a text that differs from one parsed
+    lately only in values within its lines takes that one's tree, without a pass in Python over
+    its lines)."""
     key = xxhash.xxh3_128_intdigest(text.encode("utf-8", "surrogatepass"))
     found = _TREES.get(key)
-    if found is None:
-        found = _TREES[key] = Units(text)
+    if found is not None:
+        return found
+    lines = text.split("\n")
+    for recent, tree in reversed(_RECENT):
+        if len(recent) == len(lines) and _alike(recent, lines):
+            found = Units(None, lines, like=tree)
+            break
+    else:
+        found = Units(None, lines)
+    _TREES[key] = found
+    _RECENT.append((lines, found))
     return found
+
+
+def _alike(old: list[str], new: list[str]) -> bool:
+    """Whether two texts of as many lines differ in at most ``_ALIKE_LINES`` lines, each read alike
+    by the parser. The differing lines are found by halving slices compared in C."""
+    differing: list[int] = []
+    pending = [(0, len(new))]
+    while pending:
+        start, end = pending.pop()
+        if old[start:end] == new[start:end]:
+            continue
+        if end - start == 1:
+            differing.append(start)
+            if len(differing) > _ALIKE_LINES:
+                return False
+            continue
+        middle = (start + end) // 2
+        pending += ((middle, end), (start, middle))
+    return all(_read(old[i]).reading == _read(new[i]).reading for i in differing)
 
 
 def whole_units(text: str, moving: Iterable[int]) -> frozenset[int]:
