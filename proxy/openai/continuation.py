@@ -296,8 +296,14 @@ def _through_equal(kept: Sequence[Any], messages: Sequence[Any], at: int, n: int
     its leading system messages against a whole one, a block of lines inserted."""
     # The most recent first (``new``: as long as the prefix); a copy of the few entries, as another
     # thread's proxy (tests run several apps in one process) may append meanwhile.
-    for old, new in reversed(tuple(_EQUAL)):
-        where = _near(old, kept[at], at, len(new))
+    entries = tuple(reversed(_EQUAL))
+    # A prefix at the same index first: there the runs compared are often whole lists (the same
+    # kept list, a list as long as the prefix), which are compared without touching a message; a
+    # slice takes a reference to each (a kept list's messages are long out of cache).
+    aligned = [
+        (old, new, at) for old, new in entries if at < len(new) and old[at] is kept[at] and new[at] is messages[at]
+    ]
+    for old, new, where in aligned or ((old, new, _near(old, kept[at], at, len(new))) for old, new in entries):
         if where < 0 or new[where] is not messages[at]:
             continue
         length = min(n - at, len(new) - where)
