@@ -70,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-model-len", type=int, default=32768, help="the real engine's context (the tiny model holds 32768)"
     )
-    p.add_argument("--scenarios", default=None, help="plain,commits (default: plain)")
+    p.add_argument("--scenarios", default=None, help="plain,commits,edits (default: plain)")
     p.add_argument("--commits-between-turns", action="store_true", help="the commits scenario (coding agents)")
     p.add_argument("--turn-timeout", type=float, default=240.0, help="seconds per client process")
     p.add_argument("--policy-replies", action="store_true",
@@ -114,13 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         model = backend.model
         for client, binary in ready:
             for scenario in scenarios:
-                if scenario == "commits" and not client.coding_agent:
+                if scenario in ("commits", "edits") and not client.coding_agent:
                     continue
                 for mode in modes:
                     print(f"running {client.name} {scenario} {mode} ...", file=sys.stderr, flush=True)
                     result = run_client(
                         client, binary, backend, mode=mode, turns=args.turns, commits=scenario == "commits",
-                        turn_timeout=args.turn_timeout, log_dir=log_dir,
+                        edits=scenario == "edits", turn_timeout=args.turn_timeout, log_dir=log_dir,
                         inject_text_replies=not args.policy_replies,
                     )  # fmt: skip
                     runs.append(result)

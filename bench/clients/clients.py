@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.clients import dify, install, openwebui
+from bench.clients import dify, install, openwebui, pydantic_agent
 
 DUMMY_KEY = "sk-bench-dummy-key"
 
@@ -279,6 +279,71 @@ class DifyPlugin(Client):
         return [str(binary.with_name("python")), "-m", "bench.clients.dify", "turn", str(state), str(index)]
 
 
+class ContinueCLI(Client):
+    """Continue's CLI (``cn -p``, headless) on a local ``config.yaml`` naming an OpenAI-compatible model."""
+
+    name = "continue-cli"
+    protocol = "chat"
+
+    def install(self) -> Path:
+        return install.npm_package(self.name, "@continuedev/cli@1.5.47", "cn")
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        config_dir = ws.home / ".continue"
+        config_dir.mkdir(parents=True, exist_ok=True)
+        (config_dir / "config.yaml").write_text(
+            "name: bench\n"
+            "version: 0.0.1\n"
+            "schema: v1\n"
+            "models:\n"
+            f"  - name: {ws.model}\n"
+            "    provider: openai\n"
+            f"    model: {ws.model}\n"
+            f"    apiBase: {ws.openai_base}\n"
+            f"    apiKey: {DUMMY_KEY}\n"
+            "    roles: [chat, edit, apply]\n"
+        )
+        ws.state["config"] = str(config_dir / "config.yaml")
+        return {
+            "CONTINUE_GLOBAL_DIR": str(config_dir),
+            "CONTINUE_CLI_ENABLE_TELEMETRY": "0",
+            "CONTINUE_METRICS_ENABLED": "0",
+        }
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        more = [] if index == 0 else ["--resume"]
+        return [str(binary), "--config", ws.state["config"], "-p", *more, prompt]
+
+
+class PydanticAIAgent(Client):
+    """A pydantic-ai agent with tools and dynamic instructions (working directory, time, git status;
+    see pydantic_agent.py), the real ``pydantic-ai-slim`` from PyPI; one process per turn."""
+
+    name = "pydantic-ai"
+    protocol = "chat"
+
+    def install(self) -> Path:
+        python = install.pip_package(self.name, pydantic_agent.PACKAGE, "python", timeout=900.0)
+        wrapper = python.with_name("pydantic-ai-bench")
+        if not wrapper.exists():  # answers --version, as the bench prints each client's
+            wrapper.write_text(
+                "#!/bin/sh\n"
+                'exec "$(dirname "$0")/python" -c "import importlib.metadata as m; '
+                "print('pydantic-ai-slim', m.version('pydantic-ai-slim'))\"\n"
+            )
+            wrapper.chmod(0o755)
+        return wrapper
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        pydantic_agent.write_state(ws.home / pydantic_agent.STATE, ws.openai_base, ws.model)
+        return {"PYTHONPATH": str(openwebui.REPO_ROOT)}  # the turn driver: python -m bench.clients.pydantic_agent
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        state = str(ws.home / pydantic_agent.STATE)
+        return [str(binary.with_name("python")), "-m", "bench.clients.pydantic_agent", "turn", state, prompt]
+
+
 CLIENTS: dict[str, type[Client]] = {
-    c.name: c for c in (ClaudeCode, Codex, OpenCode, QwenCode, Aider, OpenWebUI, DifyPlugin)
+    c.name: c
+    for c in (ClaudeCode, Codex, OpenCode, QwenCode, Aider, OpenWebUI, DifyPlugin, ContinueCLI, PydanticAIAgent)
 }

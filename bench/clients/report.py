@@ -13,20 +13,20 @@ END = "<!-- clients-table:end -->"
 
 HEADER = (
     "| client | scenario | mode | exits | requests (client / backend) | errors | prompt tokens | cached "
-    "| prefill | hit rate | text not sent by client |\n"
-    "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    "| prefill | hit rate | text not sent by client | torn units |\n"
+    "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
 def row(run: dict[str, Any]) -> str:
     name = f"| {run['client']} | {run['scenario']} | {'via proxy' if run['mode'] == 'proxy' else 'direct'} "
     if run.get("skipped"):
-        return name + f"| skipped: {run['skipped']} | | | | | | | |"
+        return name + f"| skipped: {run['skipped']} | | | | | | | | |"
     exits = ",".join("T" if t["timed_out"] else str(t["exit_code"]) for t in run["turns"])
     return (
         name + f"| {exits} | {run['client_requests']} / {run['backend_requests']} | {run['errors']} "
         f"| {run['prompt_tokens']:,} | {run['cached_tokens']:,} | {run['prefill_tokens']:,} "
-        f"| {run['hit_rate']:.1%} | {run['foreign_text_requests']} |"
+        f"| {run['hit_rate']:.1%} | {run['foreign_text_requests']} | {run.get('torn_units', '-')} |"
     )
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from bench import servers
-from bench.clients.audit import audit
+from bench.clients.audit import audit, torn_units
 from bench.clients.clients import CLIENTS, Client, Workspace
 from bench.clients.recorder import Exchange, Recorder
 from bench.real_vllm.engine import parse_prefix_cache_counters
@@ -134,6 +134,7 @@ class RunResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     foreign: list[dict[str, Any]] = field(default_factory=list)
+    torn: list[dict[str, Any]] = field(default_factory=list)  # client system texts that arrived with units torn
     paths: dict[str, int] = field(default_factory=dict)
     statuses: dict[str, int] = field(default_factory=dict)
     cache_breaks: list[str] = field(default_factory=list)
@@ -180,6 +181,10 @@ class RunResult:
             "hit_rate": round(self.hit_rate, 4),
             "foreign_text_requests": len(self.foreign),
             "foreign_text": self.foreign[:10],
+            "torn_unit_requests": len({t["backend_seq"] for t in self.torn}),
+            "torn_units": sum(t["torn_count"] for t in self.torn),
+            "lost_lines": sum(t["lost_count"] for t in self.torn),
+            "torn": self.torn[:10],
             "paths": self.paths,
             "statuses": self.statuses,
             "cache_breaks": self.cache_breaks,
@@ -209,6 +214,18 @@ def commit_between_turns(repo: Path, turn: int) -> None:
         handle.write(f"\n# reviewed in round {turn + 1}\n")
     git(repo, "add", ".")
     git(repo, "commit", "-q", "-m", f"Review round {turn + 1}")
+
+
+def edit_between_turns(repo: Path, turn: int) -> None:
+    """What a developer does while an agent session goes on: edit files and not commit them (after the
+    first and the third turn: ``git status --short`` changes, an untracked file appears)."""
+    if turn == 0:
+        with (repo / "main.py").open("a") as handle:
+            handle.write("\n\ndef g(a, b):\n    return a * b\n")
+        (repo / "test_calc.py").write_text("from main import f\n\n\ndef test_f():\n    assert f(2, 3) == 5\n")
+    elif turn == 2:
+        with (repo / "README.md").open("a") as handle:
+            handle.write("\nRun the tests with `pytest`.\n")
 
 
 def git(repo: Path, *args: str) -> None:
@@ -250,9 +267,12 @@ def run_client(
     turn_timeout: float,
     log_dir: Path,
     inject_text_replies: bool = True,
+    edits: bool = False,
 ) -> RunResult:
-    """``turns`` turns of ``client`` against ``backend`` (directly or through a fresh proxy)."""
-    result = RunResult(client.name, mode, "commits" if commits else "plain", backend.engine)
+    """``turns`` turns of ``client`` against ``backend`` (directly or through a fresh proxy); ``commits``: a
+    commit between turns, ``edits``: uncommitted edits after the first and the third turn."""
+    scenario = "commits" if commits else "edits" if edits else "plain"
+    result = RunResult(client.name, mode, scenario, backend.engine)
     if backend.reset is not None:
         backend.reset()
     started = time.monotonic()
@@ -288,6 +308,8 @@ def run_client(
             )
             if commits and turn < turns - 1:
                 commit_between_turns(ws.repo, turn)
+            if edits and turn < turns - 1:
+                edit_between_turns(ws.repo, turn)
         time.sleep(0.5)  # a client's last background request (titles, telemetry it still sends)
     after = backend.settled_counters()
     result.prompt_tokens = int(after[0] - before[0])
@@ -395,6 +417,7 @@ def _fill(result: RunResult, client_ex: list[Exchange], backend_ex: list[Exchang
     else:
         pairs = [(b, b) for b in backend_ex]
     result.foreign = [f.to_json() for f in audit(pairs)]
+    result.torn = [t.to_json() for t in torn_units(pairs)]
     for e in backend_ex:
         if e.path.split("?")[0] in GENERATION_PATHS:
             usage = usage_of(e)

@@ -1,0 +1,108 @@
+"""Recorded sessions of real clients, replayed through a real proxy against the fake vLLM (issue 44).
+
+Each recording in tests/recorded/ holds the requests a client installed from its registry sent in one
+session (``python -m bench.clients --scenarios edits``: uncommitted edits after the first and the third
+turn, so the environment the clients report changes mid-session), saved by ``bench.clients.replay``:
+
+- Continue CLI (``@continuedev/cli`` 1.5.47, ``cn -p`` then ``cn -p --resume``): a system prompt with a
+  ``Notes:`` list, an ``<env>`` element (working directory, date) and ``<context name="gitStatus">``;
+- a pydantic-ai agent (``pydantic-ai-slim`` 2.68.0, bench/clients/pydantic_agent.py): instructions whose
+  dynamic part is ``Working directory:``, ``Current time:`` and ``Git status:`` with ``git status --short``.
+
+Each is replayed, in order, to a fresh fake vLLM directly and to another through a fresh in-process proxy
+(uvicorn, defaults), the fake answering what it answered when recorded. Through the proxy: every request
+answered, no unit of the client's system text torn (``bench.clients.audit.torn_units``: a label without
+what it introduces, an element emptied or split, a listing split), no line lost, no text the client did
+not send, and no more prefill than directly (the backend's own counters). No network, no client needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.clients.audit import moved_lines, system_texts, torn_units
+from bench.clients.recorder import Exchange
+from bench.clients.replay import Replay, load, replay
+
+RECORDED = Path(__file__).parent / "recorded"
+SESSIONS = ("continue-cli-edits", "pydantic-ai-edits")
+
+
+@pytest.fixture(scope="module", params=SESSIONS)
+def session(request: pytest.FixtureRequest) -> tuple[dict[str, Any], Replay, Replay]:
+    recording = load(RECORDED / f"{request.param}.json")
+    return recording, replay(recording, "direct"), replay(recording, "proxy")
+
+
+def _moves(recording: dict[str, Any], proxied: Replay) -> int:
+    """How many forwarded requests had lines of the client's system text moved."""
+    count = 0
+    for sent, got in zip(recording["requests"], proxied.backend_requests, strict=True):
+        forwarded = system_texts(got["path"], got["body"])
+        texts = system_texts(sent["path"], sent["body"])
+        count += any(moved_lines(text, forwarded, i)[0] for i, text in enumerate(texts))
+    return count
+
+
+def test_replay_through_the_proxy_tears_no_unit(session: tuple[dict[str, Any], Replay, Replay]) -> None:
+    recording, direct, proxied = session
+    assert proxied.statuses == [200] * len(recording["requests"]), proxied.statuses
+    assert direct.statuses == proxied.statuses
+    # The session exercises relocation: the check below has moves to judge.
+    assert _moves(recording, proxied) >= 1
+    assert proxied.torn == [], json.dumps(proxied.torn, indent=1, ensure_ascii=False)
+    assert proxied.foreign == [], proxied.foreign
+
+
+def test_replay_through_the_proxy_costs_no_more_than_direct(session: tuple[dict[str, Any], Replay, Replay]) -> None:
+    recording, direct, proxied = session
+    assert direct.prompt_tokens > 0 and direct.foreign == [] and direct.torn == []
+    assert proxied.prefill <= direct.prefill, (recording["client"], direct.prefill, proxied.prefill)
+
+
+def _exchange(seq: int, body: dict[str, Any]) -> Exchange:
+    return Exchange(seq, "POST", "/v1/chat/completions", {}, json.dumps(body).encode())
+
+
+def test_the_check_finds_a_label_left_without_its_content() -> None:
+    """What the proxy forwarded before relocation moved whole units (issue 44, defect 2): the agent's
+    ``Git status:`` label and the facts above it moved before the last user turn, its ``clean`` left
+    behind as a system message of its own (pydantic-ai sends each instruction part as one)."""
+    sent = load(RECORDED / "pydantic-ai-edits.json")["requests"][0]["body"]
+    system = sent["messages"][1]["content"]
+    assert system.endswith("Git status:\nclean")
+    lines = system.split("\n")
+    moved = [line for line in lines if line.startswith(("Working directory:", "Current time:", "Git status:"))]
+    forwarded = copy.deepcopy(sent)
+    forwarded["messages"][1]["content"] = "\n".join(line for line in lines if line not in moved)
+    forwarded["messages"].insert(-1, {"role": "system", "content": "\n".join(moved)})
+    findings = torn_units([(_exchange(0, forwarded), _exchange(0, sent))])
+    assert len(findings) == 1 and findings[0].lost == []
+    assert [(unit["kind"], unit["first"]) for unit in findings[0].torn] == [("group", "Git status:")]
+    # Moved whole (the label with its content), nothing is torn.
+    forwarded["messages"].pop(1)  # a system message left empty is dropped
+    forwarded["messages"][-2]["content"] = "\n".join([*moved, "clean"])
+    assert torn_units([(_exchange(0, forwarded), _exchange(0, sent))]) == []
+
+
+def test_the_check_finds_an_emptied_wrapper_and_a_lost_line() -> None:
+    """Continue's ``<context name="gitStatus">`` forwarded with its status lines moved elsewhere, and a
+    line that arrives nowhere."""
+    sent = load(RECORDED / "continue-cli-edits.json")["requests"][1]["body"]
+    system = sent["messages"][0]["content"]
+    lines = system.split("\n")
+    opening = next(i for i, line in enumerate(lines) if line.startswith('<context name="gitStatus">'))
+    closing = lines.index("</context>", opening)
+    status = [line for line in lines[opening + 1 : closing] if line.strip()]
+    forwarded = copy.deepcopy(sent)
+    forwarded["messages"][0]["content"] = "\n".join(line for line in lines if line not in status)
+    forwarded["messages"].insert(-1, {"role": "system", "content": "\n".join(status)})
+    findings = torn_units([(_exchange(0, forwarded), _exchange(0, sent))])
+    assert [unit["first"] for unit in findings[0].torn if unit["kind"] == "element"] == [lines[opening][:120]]
+    forwarded["messages"].pop(-2)  # the status lines now arrive nowhere
+    assert torn_units([(_exchange(0, forwarded), _exchange(0, sent))])[0].lost == status
