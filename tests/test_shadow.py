@@ -6,6 +6,7 @@ app whose rewrites pay keeps them. Against the fake vLLM, whose prefix cache cou
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,6 +71,40 @@ def test_the_cache_is_bounded_and_keeps_what_is_used() -> None:
     assert cached > 300  # the system prompt every request used survived the generations
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": f"tool_{i}",
+            "description": f"Looks up the shop's records of kind {i} and returns them as a JSON list.",
+            "parameters": {"type": "object", "properties": {"order": {"type": "string"}}},
+        },
+    }
+    for i in range(8)
+]
+
+
+def test_tools_are_rendered_after_the_first_system_message() -> None:
+    """As the engine's template lays them out (proxy.enginemodel: the tools follow the first system
+    message's text): a change inside that text recomputes every tool after it, and new tools leave
+    the text before them cached."""
+    cache = ArrangementCache()
+    tools_tokens = int(len(json.dumps(TOOLS, separators=(",", ":"))) * PER_BYTE)
+
+    def served(system: str, tools: list[dict[str, Any]]) -> tuple[int, int]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Where is order 12?"}]
+        prompt = digest_prompt({"model": "m", "messages": messages, "tools": tools}, "t")
+        result = cache.serve(prompt, messages, PER_BYTE)
+        return result.prompt_tokens, result.cached_tokens
+
+    served(f"{SYSTEM}\nSession: 1", TOOLS)
+    prompt, cached = served(f"{SYSTEM}\nSession: 2", TOOLS)
+    assert prompt - cached > tools_tokens  # the changed line, then every tool
+    assert cached >= int(len(SYSTEM) * PER_BYTE) - 16  # the lines before it
+    prompt, cached = served(f"{SYSTEM}\nSession: 2", TOOLS[:4])
+    assert cached >= int(len(SYSTEM) * PER_BYTE) - 16  # other tools: the text before them still hits
+
+
 # -- the trials --------------------------------------------------------------------------------
 
 
@@ -115,6 +150,91 @@ def test_rewrites_that_pay_are_kept() -> None:
         assert not verdict.stopped
         if i:
             assert verdict.extra_tokens < -300  # the whole system prompt saved
+
+
+def conversation(
+    shadow: RewriteShadow,
+    system: str,
+    turns: int,
+    rewrite: Callable[[list[dict[str, Any]], int], list[dict[str, Any]]],
+    *,
+    tag: str,
+) -> Iterator[tuple[bool, int, int]]:
+    """One conversation of short turns with ``TOOLS``; per request whether it went rewritten, the
+    rewrite's extra tokens and the verdict's stop."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for turn in range(turns):
+        messages = [*messages, {"role": "user", "content": f"{tag} question {turn}: and order {turn}?"}]
+        client = {"model": "m", "messages": messages, "tools": TOOLS}
+        admission = shadow.admit("t", client)
+        forwarded = {**client, "messages": rewrite(messages, turn)} if admission.rewrite else client
+        verdict = shadow.account(admission, client, forwarded)
+        yield admission.rewrite, verdict.extra_tokens, verdict.stopped
+        messages = [*messages, {"role": "assistant", "content": f"Done {turn}."}]
+
+
+def stamped_before_last_user(messages: list[dict[str, Any]], turn: int) -> list[dict[str, Any]]:
+    """The system prompt's first line moved before the last user message, in a block the next turn
+    no longer carries there: each turn recomputes the previous question and answer (a few tokens)."""
+    system, *rest = messages
+    environment, _, stable = system["content"].partition("\n")
+    moved = {"role": "system", "content": f"{environment}\nTurn: {turn}"}
+    return [{**system, "content": stable}, *rest[:-1], moved, rest[-1]]
+
+
+def test_a_rewrite_that_saves_each_new_conversation_its_prompt_is_kept_though_later_turns_cost() -> None:
+    """The coding agents' bet: the per-session line moved, every new conversation reuses the system
+    prompt and the tools the first one cached; later turns pay a few tokens each. Judged on the
+    whole trial, not on its last window, where only the costs are left."""
+    shadow = RewriteShadow(ShadowSettings(window=4, backoff=3))
+    sessions = [
+        conversation(shadow, f"Session: {session * 7919}\n{SYSTEM}", 12, stamped_before_last_user, tag=f"s{session}")
+        for session in range(4)
+    ]
+    seen = [step for steps in zip(*sessions, strict=True) for step in steps]  # in flight together
+    assert all(rewritten and not stopped for rewritten, _, stopped in seen)
+    extras = [extra for _, extra, _ in seen]
+    assert sum(extras) < -1000  # it pays
+    # ... though a window of later turns costs more than a block: a sliding window would stop it.
+    assert sum(extras[8:12]) > 16
+
+
+def test_a_conversation_held_rewritten_stays_so_past_the_backoff_until_staying_costs_its_history() -> None:
+    """Rewrites stopped: a conversation of short turns the backend holds rewritten stays rewritten
+    after the back-off is over (a new conversation went as sent meanwhile), and goes as sent only
+    once staying has cost what switching costs (its history, short here)."""
+    shadow = RewriteShadow(ShadowSettings(window=2, backoff=1))
+    held = conversation(shadow, f"Notes: none\n{SYSTEM}", 14, stamped_before_last_user, tag="a")
+    seen = []
+    for rewritten, extra, stopped in held:
+        seen.append((rewritten, extra))
+        if stopped:  # nothing to gain (one conversation): the trial is lost
+            newcomer = next(conversation(shadow, f"Notes: none\n{SYSTEM}", 1, stamped_before_last_user, tag="b"))
+            assert not newcomer[0]  # as sent: the back-off (one request) is over with it
+            stop = len(seen)
+    switched = [rewritten for rewritten, _ in seen].index(False)
+    assert switched > stop + 1  # kept past the back-off
+    assert not any(rewritten for rewritten, _ in seen[switched:])
+    assert sum(extra for _, extra in seen[stop:switched]) >= seen[switched][1]  # staying cost the switch
+
+
+def test_a_conversation_held_rewritten_switches_once_staying_has_cost_its_history() -> None:
+    """A rule that costs the whole prompt on every turn (a changing stamp first): the conversation in
+    flight when rewrites stop goes as sent after about a history's worth, not to its end."""
+    shadow = RewriteShadow(ShadowSettings(window=2, backoff=1))
+
+    def stamp_first(messages: list[dict[str, Any]], turn: int) -> list[dict[str, Any]]:
+        return [{"role": "system", "content": f"Request {turn}"}, *messages]
+
+    seen = list(conversation(shadow, SYSTEM, 24, stamp_first, tag="a"))
+    stopped = next(i for i, (_, _, stop) in enumerate(seen) if stop)
+    rewritten = [r for r, _, _ in seen]
+    switched = rewritten.index(False)
+    assert switched > stopped + 1  # kept a while: switching costs the history
+    assert not any(rewritten[switched:])  # then as sent to its end
+    held = sum(extra for _, extra, _ in seen[stopped + 1 : switched])
+    history = seen[switched][1]  # what the switch cost: the forwarded layout's miss on the client's
+    assert held <= 2 * max(history, max(extra for _, extra, _ in seen))
 
 
 def test_apps_are_bounded() -> None:

@@ -16,16 +16,26 @@ the smallest, and then displaces one: a template is recognized through its varyi
 Requests without a system prompt are an app per tool set.
 
 A *trial* is a run of rewritten requests. Once it holds ``window`` requests, the sum of the
-differences over the last ``window`` is its verdict: more than one block's worth (``block_size``
-tokens) and the app's rewrites stop: its new conversations go as sent, byte for byte, for
-``backoff`` requests, then a new trial starts (a conversation the backend holds rewritten stays
-rewritten: switching it back would cost its whole history; a trial starts with a new
-conversation too); each lost trial doubles the back-off (up to ``max_backoff``), a trial that
-lasted ``4 * window`` requests resets it. While rewrites are stopped both caches are still fed
-(the same prompt), so the next trial starts from what the backend really holds.
+differences over the whole trial so far is its verdict, checked on every request: more than one
+block's worth (``block_size`` tokens) and the app's rewrites stop. The sum covers the whole trial,
+not its last ``window`` requests: a rewrite that saves a new conversation its system prompt and
+tools and then costs a few tokens of framing on each later turn pays, and a sliding window that
+has forgotten the saving would see only the costs. The app's new conversations then go as sent,
+byte for byte, for ``backoff`` requests, then a new trial starts with a new conversation (a
+conversation held as sent is not rewritten mid-way); each lost trial doubles the back-off (up to
+``max_backoff``), a trial that lasted ``4 * window`` requests resets it. While rewrites are
+stopped both caches are still fed (the same prompt), so the next trial starts from what the
+backend really holds.
 
-A mistaken rule then costs an app, per trial, ``window`` requests and the rest of the conversations
-it was rewriting, and the trials grow rarer: a regret bounded per trial, not a session's worth.
+A conversation the backend holds rewritten when its app's rewrites stop would recompute its
+history if it switched layout. It stays rewritten until what the app's conversations kept so
+have cost since the last switch reaches the price of switching this one (its history, as the
+two caches see it), then goes as sent: a rule that costs little per turn keeps the conversations
+it began, one that costs much gives them up after about a history's worth.
+
+A mistaken rule then costs an app, per trial, ``window`` requests and at most about a history's
+worth per conversation it was rewriting, and the trials grow rarer: a regret bounded per trial,
+not a session's worth.
 
 Pure: no I/O, no clock; the caller serializes access (one event loop). Bounded: ``max_apps`` apps,
 least recently used out, each with two caches of at most ``max_links`` links.
@@ -34,15 +44,14 @@ least recently used out, each with two caches of at most ``max_links`` links.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from cachetools import LRUCache
 
 from proxy.observability.digests import PromptDigest, digest_prompt, line_hashes
-from proxy.observability.shadowcache import FRAMING_TOKENS, ArrangementCache, Served
+from proxy.observability.shadowcache import ArrangementCache, Served
 from proxy.openai import Continuations
 
 # What a conversation's kept message lists may hold, per arrangement (characters).
@@ -73,8 +82,12 @@ class _App:
     rewriting: bool = True
     # Requests still to go as sent before the next trial.
     waiting: int = 0
-    # The current trial's differences (forwarded - client prefill), last ``window`` requests.
-    recent: deque[int] = field(default_factory=deque)
+    # The current trial's differences (forwarded - client prefill), summed over all its requests:
+    # what a rewrite saved on a conversation's first request still counts against the framing
+    # its later turns pay (a sliding window would forget the gain and keep the costs).
+    balance: int = 0
+    # What the conversations kept rewritten while rewrites are stopped cost since the last switch.
+    held_extra: int = 0
     trial_requests: int = 0
 
 
@@ -88,6 +101,8 @@ class Admission:
     client: PromptDigest
     scope: str
     trial_started: bool = False
+    # Rewritten only because the backend holds its conversation rewritten (rewrites are stopped).
+    held: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,17 +146,24 @@ class RewriteShadow:
         state = self._apps.get(app)
         if state is None or state.rewriting:
             return Admission(True, app, prompt, scope)
+        messages = client.get("messages") or []
+        switch = self._switch_cost(state, prompt, messages)
+        if switch > self.settings.block_size:
+            # A conversation the backend holds in the rewritten layout: as sent, its history would be
+            # computed again. It stays rewritten until what staying cost the app's held conversations
+            # since the last switch reaches that price (rent until renting cost what buying does:
+            # at most twice the cheaper choice, whether the conversation ends soon or never).
+            if state.held_extra < switch:
+                return Admission(True, app, prompt, scope, held=True)
+            state.held_extra = 0
         if state.waiting > 0:
-            if self._held_rewritten(state, prompt, client.get("messages") or []):
-                # A conversation the backend holds in the rewritten layout stays in it: switching it
-                # back would cost its whole history. New conversations go as sent.
-                return Admission(True, app, prompt, scope)
             state.waiting -= 1
             return Admission(False, app, prompt, scope)
-        if self._continued(state, prompt, client.get("messages") or []):
+        if self._continued(state, prompt):
             return Admission(False, app, prompt, scope)  # a trial starts with a new conversation
         state.rewriting = True
-        state.recent.clear()
+        state.balance = 0
+        state.held_extra = 0
         state.trial_requests = 0
         return Admission(True, app, prompt, scope, trial_started=True)
 
@@ -176,28 +198,28 @@ class RewriteShadow:
             forwarded_prompt = _digest(self._forwarded_lists, scope, forwarded, forwarded_system_count)
         forwarded_served = state.forwarded.serve(forwarded_prompt, forwarded_messages, tokens_per_byte)
         verdict = Verdict(client_served, forwarded_served, rewritten)
+        if admission.held:
+            state.held_extra += verdict.extra_tokens
         if not (rewritten and state.rewriting):
             return verdict
         return self._judge(state, verdict)
 
-    def _held_rewritten(self, state: _App, prompt: PromptDigest, messages: Sequence[Any]) -> bool:
-        """Whether the prompt as sent would hit more than a block less on what the backend holds
-        (the forwarded layout) than on its own layout: its conversation went out rewritten."""
-        if not self._continued(state, prompt, messages):
-            return False
+    def _switch_cost(self, state: _App, prompt: PromptDigest, messages: Sequence[Any]) -> int:
+        """What the prompt as sent would lose on what the backend holds (the forwarded layout)
+        against its own layout, in tokens: more than a block where its conversation went out
+        rewritten; 0 for a prompt that continues no conversation."""
+        if not self._continued(state, prompt):
+            return 0
         own = state.client.serve(prompt, messages, 0.25, remember=False).cached_tokens
         held = state.forwarded.serve(prompt, messages, 0.25, remember=False).cached_tokens
-        return own - held > self.settings.block_size
+        return own - held
 
     @staticmethod
-    def _continued(state: _App, prompt: PromptDigest, messages: Sequence[Any]) -> bool:
-        """Whether the prompt continues a conversation seen before (its layout held past the
-        system prompt and first turn): a layout switch would cost its history."""
-        opening = prompt.system_count + 1
-        if len(prompt) <= opening:
-            return False
-        own = state.client.serve(prompt, messages, 0.25, remember=False).cached_tokens
-        return own > int(prompt.bytes_at(opening) * 0.25) + FRAMING_TOKENS * opening
+    def _continued(state: _App, prompt: PromptDigest) -> bool:
+        """Whether the prompt continues a conversation seen before: as the client lays it out, it
+        re-sends a reply the backend generated after its system prompt and first user turn (a layout
+        switch would cost that history). Counted in messages: a short turn continues too."""
+        return state.client.reach(prompt) > prompt.system_count + 1
 
     def _template(self, scope: str, prompt: PromptDigest) -> Hashable:
         """The id of the prompt's template among its tenant's model's (made when none matches)."""
@@ -224,17 +246,13 @@ class RewriteShadow:
 
     def _judge(self, state: _App, verdict: Verdict) -> Verdict:
         settings = self.settings
-        state.recent.append(verdict.extra_tokens)
+        state.balance += verdict.extra_tokens
         state.trial_requests += 1
-        if len(state.recent) > settings.window:
-            state.recent.popleft()
         if state.trial_requests == 4 * settings.window:
             state.backoff = settings.backoff  # a trial that held this long: the next loss starts over
-        if len(state.recent) < settings.window:
+        if state.trial_requests < settings.window or state.balance <= settings.block_size:
             return verdict
-        excess = sum(state.recent)
-        if excess <= settings.block_size:
-            return verdict
+        excess = state.balance
         state.rewriting = False
         state.waiting = state.backoff
         backoff = state.backoff

@@ -13,7 +13,9 @@ per-byte rate. A prompt is served
   tokens): an assistant message whose predecessor chain ended a prompt;
 * within the first leading system message that differs, the lines before its first new one
   (vLLM's blocks do not stop at message boundaries; a system prompt that changes at its line 40
-  still hits its first 39);
+  still hits its first 39). The tools are rendered after the first system message's text, as the
+  engine model's template renders them (``proxy.enginemodel.chat_template``: Qwen, Hermes): a
+  change in that text recomputes every tool, a change in the tools leaves that text cached;
 
 then cut to whole blocks and to the prompt's length less one token, as vLLM cuts it.
 
@@ -36,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
+
+import xxhash
 
 from proxy.observability.digests import ASSISTANT, PromptDigest, chain, content_text
 from proxy.openai import link_hash, utf8_size
@@ -80,18 +84,22 @@ class ArrangementCache:
         links = chain(prompt)
         count = len(prompt)
         found = self._reach(links)  # links[: found + 1] known (-1: not even the header)
-        served = found
-        if 0 <= found < count and prompt.role(found) == ASSISTANT and self._ended(links[found]):
-            served = found + 1  # the reply the backend generated, re-sent
+        served = self._served(prompt, links, found)
         cached_messages = max(0, served)
         cached_bytes = prompt.bytes_at(cached_messages) if served >= 0 else 0
         line_keys: list[int] = []
         if cached_messages < prompt.system_count:
-            # A leading system message that differs: the lines before its first new one hit (none
-            # where even the header is new), and its lines are remembered for the next prompt.
+            # A leading system message that differs: the lines before its first new one hit, and its
+            # lines are remembered for the next prompt.
             index = cached_messages
-            matched, line_keys = self._lines(links[index], prompt.system_lines[index], messages[index])
-            if served >= 0:
+            if index == 0:
+                # The template renders the tools after the first system message's text (Qwen,
+                # Hermes; Llama 3 in the first user turn): a change inside that text recomputes
+                # every tool, and the text does not depend on them.
+                matched, line_keys = self._lines(_untooled_header(prompt), prompt.system_lines[0], messages[0])
+                cached_bytes = matched
+            else:
+                matched, line_keys = self._lines(links[index], prompt.system_lines[index], messages[index])
                 cached_bytes += matched
         prompt_tokens = int(prompt.total_bytes * tokens_per_byte) + FRAMING_TOKENS * count
         cached = int(cached_bytes * tokens_per_byte) + FRAMING_TOKENS * cached_messages
@@ -101,6 +109,12 @@ class ArrangementCache:
             self._remember(links, found, served, line_keys)
         return Served(prompt_tokens, cached)
 
+    def reach(self, prompt: PromptDigest) -> int:
+        """How many leading messages of ``prompt`` this arrangement's cache holds, the reply the
+        backend generated after one of its prompts included (nothing is remembered)."""
+        links = chain(prompt)
+        return max(0, self._served(prompt, links, self._reach(links)))
+
     # -- internals ---------------------------------------------------------------------------------
 
     def _known(self, link: int) -> bool:
@@ -108,6 +122,13 @@ class ArrangementCache:
 
     def _ended(self, link: int) -> bool:
         return bool(self._new.get(link) or self._old.get(link))
+
+    def _served(self, prompt: PromptDigest, links: Sequence[int], found: int) -> int:
+        """``found``, or one more where the message after it is the reply the backend generated
+        after a prompt that ended there, re-sent."""
+        if 0 <= found < len(prompt) and prompt.role(found) == ASSISTANT and self._ended(links[found]):
+            return found + 1
+        return found
 
     def _reach(self, links: Sequence[int]) -> int:
         """The last index whose link is known, on the links being known as prefixes (every prompt's
@@ -153,3 +174,8 @@ class ArrangementCache:
         newer[links[-1]] = True  # a reply is generated after it
         if len(newer) >= self._half:
             self._old, self._new = newer, {}
+
+
+def _untooled_header(prompt: PromptDigest) -> int:
+    """What the first system message's lines chain from: the tenant and model, not the tools."""
+    return xxhash.xxh3_64_intdigest(f"{prompt.namespace}\x00{prompt.model}".encode("utf-8", "surrogatepass"))
