@@ -219,10 +219,9 @@ class VolatileRule(Section):
 class ShadowSection(Section):
     """The shadow (docs/canonicalization.md): per app, the prefill of the requests as sent beside
     that of the requests as forwarded; an app whose rewrites cost more over ``window`` requests is
-    forwarded as sent for ``backoff_requests`` (doubling per lost trial), then rewritten again.
-    Off by default: on bench.workload its estimates still stop rewrites that pay on coding agents."""
+    forwarded as sent for ``backoff_requests`` (doubling per lost trial), then rewritten again."""
 
-    enabled: bool = False
+    enabled: bool = True
     window: int = Field(8, ge=1)
     backoff_requests: int = Field(8, ge=1)
     max_backoff_requests: int = Field(1024, ge=1)
