@@ -7,7 +7,9 @@ turn, so the environment the clients report changes mid-session), saved by ``ben
 - Continue CLI (``@continuedev/cli`` 1.5.47, ``cn -p`` then ``cn -p --resume``): a system prompt with a
   ``Notes:`` list, an ``<env>`` element (working directory, date) and ``<context name="gitStatus">``;
 - a pydantic-ai agent (``pydantic-ai-slim`` 2.68.0, bench/clients/pydantic_agent.py): instructions whose
-  dynamic part is ``Working directory:``, ``Current time:`` and ``Git status:`` with ``git status --short``.
+  dynamic part is ``Working directory:``, ``Current time:`` and ``Git status:`` with ``git status --short``
+  (pydantic-ai sends each instruction part as a system message of its own);
+- and Continue CLI again with nothing changing between turns (``--scenarios plain``).
 
 Each is replayed, in order, to a fresh fake vLLM directly and to another through a fresh in-process proxy
 (uvicorn, defaults), the fake answering what it answered when recorded. Through the proxy: every request
@@ -19,6 +21,7 @@ not send, and no more prefill than directly (the backend's own counters). No net
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -30,12 +33,27 @@ from bench.clients.recorder import Exchange
 from bench.clients.replay import Replay, load, replay
 
 RECORDED = Path(__file__).parent / "recorded"
-SESSIONS = ("continue-cli-edits", "pydantic-ai-edits")
+SESSIONS = ("continue-cli-edits", "pydantic-ai-edits", "continue-cli-plain")
+# Continue CLI with nothing changing between turns: the environment block moves at the first request
+# (an environment span moves at first sight) into a system message of its own, whose role framing
+# adds 5 prompt tokens to every request; nothing in the session varies, so nothing pays it back.
+FRAMING_COSTS_MORE = pytest.mark.xfail(
+    strict=True,
+    reason="proxy/canon/relocation.py:622 (_varied_spans) moves FIRST_SIGHT_KINDS (proxy/canon/volatile.py:65, "
+    "'environment') at a conversation's first request, into a system message of its own (+5 prompt tokens a "
+    "request); in a session where the environment never changes that costs more than direct: 1,597 against "
+    "1,588 (issue 44, defect 1's framing)",
+)
+PREFILL_CASES = [
+    "continue-cli-edits",
+    "pydantic-ai-edits",
+    pytest.param("continue-cli-plain", marks=FRAMING_COSTS_MORE),
+]
 
 
-@pytest.fixture(scope="module", params=SESSIONS)
-def session(request: pytest.FixtureRequest) -> tuple[dict[str, Any], Replay, Replay]:
-    recording = load(RECORDED / f"{request.param}.json")
+@functools.cache
+def _session(name: str) -> tuple[dict[str, Any], Replay, Replay]:
+    recording = load(RECORDED / f"{name}.json")
     return recording, replay(recording, "direct"), replay(recording, "proxy")
 
 
@@ -49,8 +67,9 @@ def _moves(recording: dict[str, Any], proxied: Replay) -> int:
     return count
 
 
-def test_replay_through_the_proxy_tears_no_unit(session: tuple[dict[str, Any], Replay, Replay]) -> None:
-    recording, direct, proxied = session
+@pytest.mark.parametrize("name", SESSIONS)
+def test_replay_through_the_proxy_tears_no_unit(name: str) -> None:
+    recording, direct, proxied = _session(name)
     assert proxied.statuses == [200] * len(recording["requests"]), proxied.statuses
     assert direct.statuses == proxied.statuses
     # The session exercises relocation: the check below has moves to judge.
@@ -59,8 +78,9 @@ def test_replay_through_the_proxy_tears_no_unit(session: tuple[dict[str, Any], R
     assert proxied.foreign == [], proxied.foreign
 
 
-def test_replay_through_the_proxy_costs_no_more_than_direct(session: tuple[dict[str, Any], Replay, Replay]) -> None:
-    recording, direct, proxied = session
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_replay_through_the_proxy_costs_no_more_than_direct(name: str) -> None:
+    recording, direct, proxied = _session(name)
     assert direct.prompt_tokens > 0 and direct.foreign == [] and direct.torn == []
     assert proxied.prefill <= direct.prefill, (recording["client"], direct.prefill, proxied.prefill)
 
