@@ -223,6 +223,25 @@ def test_generated_tool_calls_restored_byte_for_byte() -> None:
     assert "tool_call_ids_restored:1" in [str(a) for a in result.actions]
 
 
+def test_arguments_are_restored_only_where_the_engine_renders_them_otherwise() -> None:
+    """The engine parses argument strings before the template renders them (keys in their order):
+    spacing and escapes reach no prompt, key order does."""
+    generated = '{"city": "Zürich", "unit": "C"}'
+    for sent, restored in (
+        ('{"city":"Z\\u00fcrich","unit":"C"}', False),  # spacing and an escape: rendered alike
+        ('{"unit": "C", "city": "Zürich"}', True),  # another key order: rendered otherwise
+    ):
+        memory = ToolCallMemory()
+        prior = [{"role": "user", "content": "weather in Paris?"}]
+        remember_generated_calls(prior, "t", [("call-1", "get_weather", generated)], memory)
+        body = {"model": "m", "messages": _dify_agent_history(str(uuid.uuid4()), sent)}
+        result = canonicalize(body, RELOCATE, namespace="t", tool_memory=memory)
+        call = result.body["messages"][2]["tool_calls"][0]
+        assert call["id"] == "call-1"
+        assert call["function"]["arguments"] == (generated if restored else sent), sent
+        assert ("tool_call_arguments_restored:1" in [str(a) for a in result.actions]) is restored
+
+
 def test_unknown_tool_calls_keep_the_first_bytes_forwarded() -> None:
     memory = ToolCallMemory()
     first_id = str(uuid.uuid4())
@@ -242,7 +261,9 @@ def test_unknown_tool_calls_keep_the_first_bytes_forwarded() -> None:
         namespace="t",
         tool_memory=memory,
     )
-    assert json.dumps(first.body) == json.dumps(second.body)
+    # (the arguments differ only in spacing, which the engine does not render: kept as sent)
+    assert json.dumps(first.body) == json.dumps(second.body).replace('{\\"city\\": ', '{\\"city\\":')
+    assert second.body["messages"][2]["tool_calls"][0]["id"] == first_id
     # Without a memory nothing is rewritten.
     alone = canonicalize({"model": "m", "messages": _dify_agent_history("mine", "{}")}, RELOCATE, namespace="t")
     assert alone.body["messages"][2]["tool_calls"][0]["id"] == "mine"

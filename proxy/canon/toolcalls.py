@@ -20,10 +20,12 @@ and a request looks up only the calls it adds.
 
 from __future__ import annotations
 
+import json
 from array import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import compress, repeat
 from operator import methodcaller
 from typing import Any
@@ -295,7 +297,7 @@ def _restore(
                     new_arguments: Any = _KEPT
                     if original is not None:
                         new_id = original.id
-                        if original.arguments != function.get("arguments"):
+                        if _renders_differently(original.arguments, function.get("arguments")):
                             new_arguments = original.arguments
                             arguments_restored += 1
                         if new_id != old_id:
@@ -337,6 +339,29 @@ def _restore(
         known, user_anchor, ordinal, calls, bases, ids, renames, restored_at, arguments_at, edits, tool_ids, tools
     )
     return actions, state
+
+
+def _renders_differently(generated: str, sent: Any) -> bool:
+    """Whether the client's arguments reach the prompt otherwise than the bytes the backend
+    generated. The engine parses a call's argument string before the chat template renders it
+    (vLLM's ``_postprocess_messages``; the templates then ``tojson`` the value, keys in their
+    order): spacing and escapes are not rendered, key order and values are. Restoring bytes that
+    render the same would rewrite the client's request for nothing."""
+    if generated == sent:
+        return False
+    if not isinstance(sent, str):
+        return True
+    return _rendered(generated) != _rendered(sent)
+
+
+@lru_cache(maxsize=8192)
+def _rendered(arguments: str) -> str | None:
+    # History re-sends the same argument strings on every turn: each is parsed once. None: not JSON
+    # (the engine cannot render it as the generated call).
+    try:
+        return json.dumps(json.loads(arguments), ensure_ascii=False, separators=(",", ":"))
+    except ValueError:
+        return None
 
 
 def _edited(message: dict[str, Any], edit: tuple[Edit, ...]) -> dict[str, Any]:
