@@ -63,6 +63,7 @@ from bench import shapes, stacks
 from bench.servers import fake_backend, free_port, spawn
 from bench.shapes import Shape
 from proxy.tokenization import load_encoding
+from testbed.reference import PREFILL_TOKENS_PER_S, REFERENCE_GPU
 
 MODEL = "fake-model"
 FILLER = (
@@ -70,15 +71,6 @@ FILLER = (
     "Each section lists the figures, the change against last quarter and the reasons given by managers. "
 )
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-# What the prefill a proxy saves is worth, as GPU time on a stated reference: an H100-class GPU
-# (H100 SXM: 989 TFLOPS dense BF16, NVIDIA's H100 datasheet) running Llama-3.1-8B in BF16 (8.03 B
-# parameters, 32 layers of 4,096: Meta's model card). A prompt token's prefill is about
-# 2 x 8.03 = 16.1 GFLOP for the weights and 2 x 32 x 4,096 x 8,192 = 2.1 GFLOP for attention over
-# an 8k-token context; at half the peak (a prefill's usual model FLOPs utilization) that is about
-# 27,000 tokens/s, taken as 25,000: 40 us of GPU time a token. An estimate from the hardware's and
-# the model's published figures, not a measurement (--prefill-rate states another).
-REFERENCE_GPU = "an H100-class GPU running Llama-3.1-8B (BF16)"
-PREFILL_TOKENS_PER_S = 25_000
 CPU_ROUNDS = 4
 LITELLM_KEY = "sk-bench-hop-0000000000000000"  # a local benchmark process, not a credential
 BARE_HOP = "bare stack (no logic)"

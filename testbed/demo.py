@@ -28,7 +28,8 @@ from proxy.progress import ProgressBar
 
 if TYPE_CHECKING:
     from proxy.config import Settings
-    from testbed.workload import ScenarioResult
+from testbed.reference import PREFILL_TOKENS_PER_S, REFERENCE_GPU, gpu_ms
+from testbed.workload import ScenarioResult
 
 
 @dataclass
@@ -125,14 +126,19 @@ class DemoResult:
         own = cpu["proxied"].get(PROXY, 0.0)
         extra = sum(cpu["proxied"].values()) - sum(cpu["direct"].values())
         share = f", {100 * own / extra:.0f}% of the extra CPU time" if extra > own > 0 else ""
+        saved = sum(self.direct[name].prefill_tokens - self.proxied[name].prefill_tokens for name in self.proxied)
+        saved_per_request = saved / requests
         lines.append(
             f"The proxy's own CPU is {own:.1f} s, {1000 * own / requests:.1f} ms a request (reading the request, "
             "canonicalizing, sessions, relaying the answer): "
             f"{100 * own / sum(cpu['proxied'].values()):.0f}% of the pass through the proxy{share}. That is a "
-            "large share only because the fake backend computes no model: in front of vLLM the proxy runs in a "
-            "process of its own, and these milliseconds sit beside the model's prefill and decoding (tens of "
-            "milliseconds to seconds a request). Every response reports them (x-prefix-proxy-overhead-ms), and "
-            "so does /metrics (prefix_proxy_overhead_seconds)."
+            "large share only because the fake backend computes no model. Against what it saves: "
+            f"{saved_per_request:,.0f} prompt tokens of prefill a request, {gpu_ms(saved_per_request):.1f} ms of "
+            f"GPU time a request on {REFERENCE_GPU} (about {PREFILL_TOKENS_PER_S:,} prompt tokens/s; "
+            "testbed/reference.py says where that figure comes from). In front of vLLM the proxy runs in a "
+            "process of its own, and its milliseconds sit beside the model's prefill and decoding. Every "
+            "response reports them (x-prefix-proxy-overhead-ms), and so does /metrics "
+            "(prefix_proxy_overhead_seconds)."
         )
         busy = max(self.phase_s.get(phase, 0.0) - sum(cpu[phase].values()) for phase in cpu)
         if busy > 0.25 * max(direct_s, proxied_s, 1e-9):

@@ -48,6 +48,8 @@ def test_the_summary_says_what_the_figure_means_why_it_took_longer_and_what_to_r
     # The proxy's own share, said plainly: per request, of the pass, of the extra time.
     assert "The proxy's own CPU is 12.9 s, 4.6 ms a request" in flat
     assert "32% of the pass through the proxy, 76% of the extra CPU time" in flat
+    # Beside what it saves: 1,600,000 prompt tokens over 2,792 requests, at 25,000 tokens/s.
+    assert "573 prompt tokens of prefill a request, 22.9 ms of GPU time a request on an H100-class GPU" in flat
     assert "waited" not in flat  # wall times here are the CPU times: no note about a busy machine
     assert text.splitlines()[-len(NEXT_STEPS) :] == list(NEXT_STEPS)
     assert "prefix-proxy serve --upstream http://127.0.0.1:8000/v1" in NEXT_STEPS[-1]
