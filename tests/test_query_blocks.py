@@ -63,7 +63,9 @@ def test_without_restoring_the_history_diverges_at_the_previous_question() -> No
 def test_restored_blocks_are_the_template_around_each_earlier_question() -> None:
     last = conversation(CanonOptions())[-1]
     restated = [m["content"] for m in last if m["role"] == "system"][1:]
-    assert restated == [f'"""{q}"""' for q in QUESTIONS]
+    # The question moves as a whole unit: the heading that introduces it goes along (a "## 问题"
+    # left with nothing under it would tell the model of a question that is not there).
+    assert restated == [f'## 问题\n"""{q}"""\n' for q in QUESTIONS]
     users = [m["content"] for m in last if m["role"] == "user"]
     assert users == QUESTIONS  # nothing the client sent is changed or dropped
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any
 
-from proxy.canon.units import units_of
+from proxy.canon import units_of
 
 SYSTEM_ROLES = ("system", "developer")
 

@@ -9,6 +9,7 @@ from proxy.canon.learned import LearnedVolatility, PromptLines
 from proxy.canon.toolcalls import GeneratedCall, ToolCallMemory, remember_generated_calls
 from proxy.canon.tools import ToolOrders, canonicalize_tool_fields
 from proxy.canon.tools import expire_idle as expire_idle_tool_forms
+from proxy.canon.units import Units, units_of
 from proxy.canon.varying import _VARIED, Place, VaryingPlaces
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "PromptLines",
     "ToolCallMemory",
     "ToolOrders",
+    "Units",
     "VaryingPlaces",
     "canonicalize",
     "canonicalize_tool_fields",
@@ -33,4 +35,5 @@ __all__ = [
     "leading_system_count",
     "remember_generated_calls",
     "stable_prefix_hash",
+    "units_of",
 ]
