@@ -9,7 +9,7 @@
 
 from summarizer.anchor import SUMMARY_HEADER, Anchored, Known, anchor, summary_message
 from summarizer.compactor import Compaction, CompactionFailed, Compactor, CompactorOptions, client_messages
-from summarizer.policy import SummaryPolicy, is_due, needed_soon, plan_chunk
+from summarizer.policy import SummaryPolicy, is_due, kept_when_used, needed_soon, plan_chunk, requests_until_used
 from summarizer.prompt import DEFAULT_INSTRUCTION, RENDERING_FIELDS, build_request
 from summarizer.state import SummaryState
 
@@ -29,7 +29,9 @@ __all__ = [
     "build_request",
     "client_messages",
     "is_due",
+    "kept_when_used",
     "needed_soon",
     "plan_chunk",
+    "requests_until_used",
     "summary_message",
 ]

@@ -13,6 +13,7 @@ same side of the cut.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,30 @@ def needed_soon(
         return True
     step = max(prompt_tokens - previous_prompt_tokens, completion_tokens)
     return step > 0 and prompt_tokens + requests * step >= used_at
+
+
+def requests_until_used(
+    prompt_tokens: int, completion_tokens: int, previous_prompt_tokens: int, used_at: float
+) -> int | None:
+    """In how many requests a conversation growing as its latest request did (see :func:`needed_soon`)
+    first carries a summary computed now: 1 for the next request; None when its growth is unknown
+    (the first request of the session, or none measured)."""
+    if prompt_tokens + completion_tokens >= used_at:
+        return 1
+    step = max(prompt_tokens - previous_prompt_tokens, completion_tokens)
+    if previous_prompt_tokens <= 0 or step <= 0:
+        return None
+    return max(1, math.ceil((used_at - prompt_tokens) / step))
+
+
+def kept_when_used(keep_last_turns: int, requests: int | None) -> int:
+    """The turns a summary computed ``requests`` requests ahead of its use leaves out, so that
+    ``keep_last_turns`` whole turns follow it verbatim when it is used (each request until then adds
+    one): the policy holds where the summary is read, not where it was made. A summary applied
+    later than foreseen leaves more verbatim, one applied sooner fewer (at least one turn)."""
+    if requests is None or keep_last_turns <= 0:
+        return keep_last_turns
+    return max(1, keep_last_turns - (requests - 1))
 
 
 def plan_chunk(messages: list[dict[str, Any]], first: int, policy: SummaryPolicy) -> Chunk | None:
