@@ -43,6 +43,7 @@ from summarizer import (
     SummaryState,
     build_request,
     client_messages,
+    kept_when_used,
 )
 
 logger = logging.getLogger("prefix_proxy.summarizer")
@@ -85,6 +86,9 @@ class CompactionJob:
     # Tokens the engine's context leaves after ``messages`` (None: not known): where a summary fits
     # in it, the summary request carries the whole conversation (a slot engine keeps its prompt).
     room: int | None = None
+    # In how many requests the conversation is foreseen to carry the summary (None: not foreseen,
+    # or at once): the turns that come meanwhile count among the ones it leaves verbatim.
+    requests_until_used: int | None = None
 
 
 class CompactionService:
@@ -135,7 +139,8 @@ class CompactionService:
         options = replace(
             self._options, repair=job.slides_window, timeout_s=self.deadline(str(job.forwarded.get("model")))
         )
-        return Compactor(complete, self._policy, options)
+        keep = kept_when_used(self._policy.keep_last_turns, job.requests_until_used)
+        return Compactor(complete, replace(self._policy, keep_last_turns=keep), options)
 
     async def _complete(self, job: CompactionJob, body: dict[str, Any]) -> tuple[str, int]:
         started = time.perf_counter()
