@@ -35,7 +35,7 @@ from proxy.protocols import CHAT, SummaryChannel
 from proxy.sessions import Reservation, SessionService, SessionView, StoreUnavailable, UsageLimit, conversation_root
 from proxy.tenants import Tenant
 from proxy.tokenization import CAUTIOUS_TOKENS_PER_BYTE, TYPICAL_TOKENS_PER_BYTE, TokenCounter
-from summarizer import Anchored, Known, SummaryState, anchor, is_due, needed_soon
+from summarizer import Anchored, Known, SummaryState, anchor, is_due, needed_soon, requests_until_used
 
 # A session's summary as read from its record, by the record's dict (an in-process store hands out
 # the same dict until the summary changes): its covered fingerprints (one a message it stands for)
@@ -435,6 +435,7 @@ class ChatTurn:
             tokens_per_byte=self.session.tokens_per_byte,
             inserted=self.forwarded_inserted(),
             room=room,
+            requests_until_used=self._requests_until_used(usage),
         )
 
     def _compaction_due(self, usage: Usage | None, messages: list[dict[str, Any]]) -> bool:
@@ -465,6 +466,15 @@ class ChatTurn:
         used_at = self.limit * self.settings.summarizer.apply_ratio
         lookahead = self.settings.summarizer.lookahead_requests
         return needed_soon(usage.prompt_tokens, usage.completion_tokens, previous, used_at, lookahead)
+
+    def _requests_until_used(self, usage: Usage | None) -> int | None:
+        """In how many requests a summary computed now replaces history (``apply_ratio``), at the
+        conversation's latest growth; None where it is used at once (a sliding window) or unknown."""
+        if usage is None or self.limit is None or self.slides_window or self.session is None:
+            return None
+        previous = self.session.record.context_tokens if self.session.record else 0
+        used_at = self.limit * self.settings.summarizer.apply_ratio
+        return requests_until_used(usage.prompt_tokens, usage.completion_tokens, previous, used_at)
 
     def finish_later(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
         """:meth:`finish` from synchronous code (the end of a stream), as a background task."""
