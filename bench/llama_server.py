@@ -123,10 +123,23 @@ class Pass:
     prefill: list[int] = field(default_factory=list)  # per answered turn: prompt - cached
     engine_prompt_tokens: float = 0.0  # llamacpp:prompt_tokens_total over the pass
     errors: list[str] = field(default_factory=list)
+    # Per turn: status, prompt_tokens, cached_tokens, the proxy's actions, and what llama-server
+    # computed in all (its counter) from the turn's sending to the next turn's: the turn itself plus
+    # any summary request the proxy made meanwhile.
+    turns: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def answered(self) -> int:
         return self.statuses.count(200)
+
+    def breakdown(self) -> list[str]:
+        lines = [f"  {'turn':>4} {'status':>6} {'prompt':>6} {'cached':>6} {'prefill':>7} {'engine':>7}  actions"]
+        for index, turn in enumerate(self.turns, 1):
+            lines.append(
+                f"  {index:4} {turn['status']:6} {turn['prompt']:6} {turn['cached']:6} {turn['prefill']:7} "
+                f"{turn['engine']:7.0f}  {turn['actions']}"
+            )
+        return lines
 
     def row(self) -> str:
         per_turn = sum(self.prefill) / len(self.prefill) if self.prefill else 0.0
@@ -155,12 +168,24 @@ def chat(base: str, server: str, name: str, turns: int, max_tokens: int = 96) ->
     with httpx.Client(timeout=600) as client:
         for turn in range(turns):
             messages.append({"role": "user", "content": asked[turn % len(asked)]})
+            sent_at = _engine_prompt_tokens(server)
+            if result.turns:
+                result.turns[-1]["engine"] = sent_at - float(result.turns[-1]["engine"])
             response = client.post(
                 base + "/chat/completions",
                 json={"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0},
                 headers={"x-session-id": f"long-chat-{name}"},
             )
             result.statuses.append(response.status_code)
+            record: dict[str, object] = {
+                "status": response.status_code,
+                "prompt": 0,
+                "cached": 0,
+                "prefill": 0,
+                "engine": sent_at,  # made a difference at the next turn's sending
+                "actions": response.headers.get("x-prefix-proxy-actions", ""),
+            }
+            result.turns.append(record)
             if response.status_code != 200:
                 result.errors.append(response.text[:200])
                 messages.pop()  # the client gives up on that question, as a user would retry another
@@ -169,9 +194,13 @@ def chat(base: str, server: str, name: str, turns: int, max_tokens: int = 96) ->
             usage = body.get("usage") or {}
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             result.prefill.append(int(usage.get("prompt_tokens", 0)) - int(cached))
+            record.update(prompt=int(usage.get("prompt_tokens", 0)), cached=int(cached), prefill=result.prefill[-1])
             messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"] or ""})
     time.sleep(1.0)  # the proxy's background summary, counted by the engine too
-    result.engine_prompt_tokens = _engine_prompt_tokens(server) - before
+    after = _engine_prompt_tokens(server)
+    if result.turns:
+        result.turns[-1]["engine"] = after - float(result.turns[-1]["engine"])
+    result.engine_prompt_tokens = after - before
     return result
 
 
@@ -187,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         help="llama-server --cache-reuse N (both passes): KV chunks of N+ tokens reused by shifting, "
         "such as the turns kept verbatim after a summary swapped in ahead of them",
     )
+    parser.add_argument("--proxy-log", type=Path, help="the proxy's log to this file")
+    parser.add_argument("--breakdown", action="store_true", help="per turn: prompt, cached, engine, actions")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     binary, model = ensure_engine(args.cache), ensure_model(args.cache)
@@ -194,13 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     passes = []
     with llama_server(binary, model, args.ctx_size, extra=extra) as server:
         passes.append(chat(server + "/v1", server, "direct", args.turns))
-    with llama_server(binary, model, args.ctx_size, extra=extra) as server, proxy(server + "/v1") as base:
+    log = args.proxy_log.open("wb") if args.proxy_log else subprocess.DEVNULL
+    with llama_server(binary, model, args.ctx_size, extra=extra) as server, proxy(server + "/v1", stderr=log) as base:
         passes.append(chat(base, server, "proxy", args.turns))
     print(f"llama-server --ctx-size {args.ctx_size} {' '.join(extra)}, {MODEL_NAME}, a {args.turns}-turn chat:")
     for one in passes:
         print("  " + one.row())
         for error in one.errors[:3]:
             print("      " + error)
+        if args.breakdown:
+            print("\n".join(one.breakdown()))
     if args.json:
         print(json.dumps([one.__dict__ for one in passes]))
     return 0 if passes[1].answered == args.turns else 1

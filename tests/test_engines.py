@@ -39,6 +39,8 @@ from proxy.backends.engines import (
 )
 from proxy.config import Settings
 from proxy.tokenization import TokenCounter, load_encoding
+from summarizer import kept_when_used, requests_until_used
+from summarizer.anchor import is_summary_message
 from tests.helpers import LiveServer
 
 # As llama-server writes them (server-context.cpp get_res_model_info, get_res_props; server-task.cpp).
@@ -160,6 +162,8 @@ class LlamaServerDouble:
         # prefix it shares with the conversation's previous turn and its reply)
         self.answered: list[tuple[bool, int, int, int]] = []
         self._previous_turn: list[int] = []
+        # The messages of every answered request that is not a summary request.
+        self.turns: list[list[dict[str, Any]]] = []
 
     def app(self) -> Starlette:
         async def models(request: Request) -> JSONResponse:
@@ -204,6 +208,7 @@ class LlamaServerDouble:
             self.answered.append((summarizing, prompt, cached, common_prefix(self._previous_turn, tokens)))
             if not summarizing:
                 self._previous_turn = tokens + generated
+                self.turns.append(body["messages"])
             return JSONResponse(
                 {
                     "id": "chatcmpl-1",
@@ -319,3 +324,24 @@ def test_a_summary_request_keeps_the_conversation_in_a_single_slot() -> None:
             assert cached >= shared, "the summary request evicted the conversation from the slot"
     turns = [(prompt, cached) for summarizing, prompt, cached, _ in double.answered if not summarizing]
     assert len(turns) == 16
+    # The summary is computed a few requests ahead of the one that first carries it (lookahead): the
+    # turns it leaves verbatim are counted where it is read, so that request follows it with
+    # keep_last_turns whole exchanges and its own question, not those plus every turn that came
+    # meanwhile (which left it past the soft threshold at once, for another summary and another
+    # recompute of the kept turns a few requests later).
+    carrying = [messages for messages in double.turns if any(is_summary_message(m) for m in messages)]
+    assert carrying, "a turn carried the summary"
+    first = carrying[0]
+    after = next(i for i, m in enumerate(first) if is_summary_message(m))
+    keep = Settings().summarizer.keep_last_turns
+    assert sum(1 for m in first[after:] if m["role"] == "user") == keep + 1
+
+
+def test_a_summary_computed_ahead_leaves_verbatim_what_the_policy_says_where_it_is_used() -> None:
+    """A conversation at 1,542 of a 1,952-token budget, growing 141 tokens a request, reaches it in 3
+    requests: the summary computed now leaves out 2 turns, and 2 more come before it is used."""
+    assert requests_until_used(1542, 96, 1401, 1952) == 3
+    assert requests_until_used(1900, 96, 1750, 1952) == 1  # the next request carries it
+    assert requests_until_used(300, 20, 0, 1952) is None  # growth unknown: the session's first
+    assert [kept_when_used(4, n) for n in (None, 1, 2, 3, 4, 9)] == [4, 4, 3, 2, 1, 1]
+    assert kept_when_used(0, 3) == 0
