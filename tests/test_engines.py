@@ -1,6 +1,7 @@
 """Engines told apart and read in their own terms (proxy.backends.engines), against the answers
-llama-server (llama.cpp b-sources of llama-cpp-python 0.3.36: tools/server/server-context.cpp,
-server-task.cpp) and vLLM give, recorded here as they write them; and a conversation that outgrows a
+llama-server (llama.cpp sources of llama-cpp-python 0.3.36: tools/server/server-context.cpp,
+server-task.cpp; its listing, context error and chat answer recorded from the real server built from
+them) and vLLM give, as they write them; and a conversation that outgrows a
 small llama-server context kept going by the proxy on its defaults.
 
 The llama-server double serves what the proxy reads: ``GET /v1/models`` (``owned_by: "llamacpp"``,
@@ -43,13 +44,16 @@ from summarizer import kept_when_used, requests_until_used
 from summarizer.anchor import is_summary_message
 from tests.helpers import LiveServer
 
-# As llama-server writes them (server-context.cpp get_res_model_info, get_res_props; server-task.cpp).
-LLAMA_MODEL = {
+# Recorded from a real llama-server (build b1-0c1e570, the llama.cpp sources in llama-cpp-python 0.3.36's
+# sdist; SmolLM2-135M-Instruct Q4_1, --ctx-size 2048 --parallel 1 --alias SmolLM2-135M-Instruct), as it
+# wrote them: GET /v1/models (an Ollama-style "models" list beside OpenAI's "data"), the error of a
+# prompt past the slot's context, and a chat answer (usage with cached_tokens, and its own timings).
+LLAMA_MODEL: dict[str, Any] = {
     "id": "SmolLM2-135M-Instruct",
-    "aliases": [],
+    "aliases": ["SmolLM2-135M-Instruct"],
     "tags": [],
     "object": "model",
-    "created": 1764800000,
+    "created": 1796428348,
     "owned_by": "llamacpp",
     "meta": {
         "vocab_type": 2,
@@ -58,16 +62,73 @@ LLAMA_MODEL = {
         "n_ctx_train": 8192,
         "n_embd": 576,
         "n_params": 134515008,
-        "size": 90000000,
-        "ftype": 3,
+        "size": 96576768,
+        "ftype": "Q4_1",
+    },
+}
+LLAMA_LISTING = {
+    "models": [
+        {
+            "name": "SmolLM2-135M-Instruct",
+            "model": "SmolLM2-135M-Instruct",
+            "modified_at": "",
+            "size": "",
+            "digest": "",
+            "type": "model",
+            "description": "",
+            "tags": [""],
+            "capabilities": ["completion"],
+            "parameters": "",
+            "details": {
+                "parent_model": "",
+                "format": "gguf",
+                "family": "",
+                "families": [""],
+                "parameter_size": "",
+                "quantization_level": "",
+            },
+        }
+    ],
+    "object": "list",
+    "data": [LLAMA_MODEL],
+}
+LLAMA_ANSWER: dict[str, Any] = {
+    "choices": [
+        {
+            "finish_reason": "length",
+            "index": 0,
+            "message": {"role": "assistant", "content": "I'm glad you're enjoying the chat"},
+        }
+    ],
+    "created": 1796428354,
+    "model": "SmolLM2-135M-Instruct",
+    "system_fingerprint": "b1-0c1e570",
+    "object": "chat.completion",
+    "usage": {
+        "completion_tokens": 8,
+        "prompt_tokens": 32,
+        "total_tokens": 40,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    },
+    "id": "chatcmpl-BrvSC9mLyQtPeNcJdku1XshuvlhaFrmR",
+    "timings": {
+        "cache_n": 0,
+        "prompt_n": 32,
+        "prompt_ms": 505.917,
+        "prompt_per_token_ms": 15.80990625,
+        "prompt_per_second": 63.251481962456296,
+        "predicted_n": 8,
+        "predicted_ms": 229.846,
+        "predicted_per_token_ms": 32.835142857142856,
+        "predicted_per_second": 30.455174334119366,
     },
 }
 LLAMA_OVERFLOW = {
     "error": {
         "code": 400,
-        "message": "request (2301 tokens) exceeds the available context size (2048 tokens), try increasing it",
+        "message": "request (2131 tokens) exceeds the available context size (2048 tokens), try increasing it",
         "type": "exceed_context_size_error",
-        "n_prompt_tokens": 2301,
+        "n_prompt_tokens": 2131,
         "n_ctx": 2048,
     }
 }
@@ -95,7 +156,7 @@ def test_engines_are_told_apart_by_what_they_list() -> None:
 
 def test_context_errors_are_read_in_each_engines_shape() -> None:
     llama = context_overflow(400, json.dumps(LLAMA_OVERFLOW).encode())
-    assert llama is not None and (llama.prompt_tokens, llama.context) == (2301, 2048)
+    assert llama is not None and (llama.prompt_tokens, llama.context) == (2131, 2048)
     vllm = context_overflow(400, json.dumps(VLLM_OVERFLOW).encode())
     assert vllm is not None and (vllm.prompt_tokens, vllm.context) == (40000, 32768)
     other = {"error": {"message": "'messages' must be a non-empty array", "type": "invalid_request_error"}}
@@ -170,7 +231,7 @@ class LlamaServerDouble:
             if not self.lists_context:
                 return JSONResponse({"object": "list", "data": [{"id": LLAMA_MODEL["id"], "object": "model"}]})
             model = {**LLAMA_MODEL, "meta": {**LLAMA_MODEL["meta"], "n_ctx": self.n_ctx}}
-            return JSONResponse({"object": "list", "data": [model]})
+            return JSONResponse({**LLAMA_LISTING, "data": [model]})
 
         async def props(request: Request) -> JSONResponse:
             return JSONResponse({"default_generation_settings": {"n_ctx": self.n_ctx, "params": {}}, "total_slots": 1})
@@ -209,22 +270,15 @@ class LlamaServerDouble:
             if not summarizing:
                 self._previous_turn = tokens + generated
                 self.turns.append(body["messages"])
-            return JSONResponse(
-                {
-                    "id": "chatcmpl-1",
-                    "object": "chat.completion",
-                    "model": body.get("model"),
-                    "choices": [
-                        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
-                    ],
-                    "usage": {
-                        "prompt_tokens": prompt,
-                        "completion_tokens": completion,
-                        "total_tokens": prompt + completion,
-                        "prompt_tokens_details": {"cached_tokens": cached},
-                    },
-                }
-            )
+            usage = {
+                "completion_tokens": completion,
+                "prompt_tokens": prompt,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            }
+            timings = {**LLAMA_ANSWER["timings"], "cache_n": cached, "prompt_n": prompt - cached}
+            choice = {"finish_reason": "stop", "index": 0, "message": {"role": "assistant", "content": text}}
+            return JSONResponse({**LLAMA_ANSWER, "choices": [choice], "usage": usage, "timings": timings})
 
         return Starlette(
             routes=[
