@@ -61,6 +61,42 @@ def test_a_system_prompt_changed_at_its_end_still_hits_its_first_lines() -> None
     assert cold == 0  # changed at its first line: nothing before it to reuse
 
 
+class EveryLink(ArrangementCache):
+    """The cache with every prompt's links made at once (what ``_links`` defers): the reference."""
+
+    __slots__ = ()
+
+    def _links(self, prompt: Any) -> tuple[Any, bool]:
+        from proxy.observability.digests import chain
+
+        return chain(prompt), False
+
+
+def test_links_made_only_once_a_prompt_reaches_its_system_messages_serve_the_same() -> None:
+    """A system message that changes on every request (a clock) makes no link for each message of
+    the history; what is served is what making every link serves, over conversations whose system
+    messages change, come back (the same minute) and whose histories grow and fork. (A system text
+    that comes back after ``PENDING_PROMPTS`` others finds its history no more: an estimate that
+    errs towards the client's arrangement costing more.)"""
+    import random
+
+    rng = random.Random(5)
+    # Bounds that forget nothing here: what each remembers is compared, not when each forgets.
+    lazy, every = ArrangementCache(max_links=1 << 20), EveryLink(max_links=1 << 20)
+    histories: list[list[dict[str, Any]]] = [[]]
+    for request in range(400):
+        history = list(rng.choice(histories))
+        history += [{"role": "user", "content": f"question {request}"}]
+        clock = rng.choice([request, request, request - 1])  # mostly new, sometimes the last one again
+        messages = [{"role": "system", "content": f"{SYSTEM}\nNow: {clock}"}, *history]
+        body = {"model": "m", "messages": messages}
+        assert lazy.serve(digest_prompt(body, "t"), messages, PER_BYTE) == every.serve(
+            digest_prompt(body, "t"), messages, PER_BYTE
+        ), request
+        histories.append([*history, {"role": "assistant", "content": f"answer {request}"}])
+        del histories[:-6]
+
+
 def test_the_cache_is_bounded_and_keeps_what_is_used() -> None:
     cache = ArrangementCache(max_links=64)
     system = {"role": "system", "content": SYSTEM}
@@ -380,3 +416,28 @@ def test_rewrites_that_pay_keep_being_made(backends: list[LiveServer]) -> None:
     assert not any("forwarded_as_sent" in a or "rewrites_stopped" in a for _, a in through)
     assert any("volatile_moved" in a for _, a in through)
     assert sum(p for p, _ in through) < sum(p for p, _ in direct)
+
+
+def test_a_digest_resumed_after_changed_system_messages_equals_one_made_whole() -> None:
+    """``digest_after_lead``: a history resumed after system messages that changed (in size too)
+    gives the digest that digesting the prompt whole gives, its chain included."""
+    import random
+
+    from proxy.observability.digests import chain, digest_after_lead
+
+    rng = random.Random(3)
+    previous = None
+    history: list[dict[str, Any]] = []
+    sent = 0  # the history messages the previous prompt carried
+    for request in range(60):
+        history = [*history, {"role": "user", "content": f"q{request}" * rng.randint(1, 3)}]
+        lead = rng.choice([1, 1, 2])
+        systems = [{"role": "system", "content": f"{SYSTEM}\nNow: {'9' * rng.randint(1, 3)}"} for _ in range(lead)]
+        body = {"model": "m", "messages": [*systems, *history]}
+        resumed = digest_after_lead(body, "t", lead, previous, sent)
+        whole = digest_prompt(body, "t", system_count=lead)
+        assert (resumed.digests, resumed.ends, resumed.roles) == (whole.digests, whole.ends, whole.roles), request
+        assert (resumed.system_count, resumed.system_lines) == (whole.system_count, whole.system_lines)
+        assert chain(resumed) == chain(whole)
+        previous, sent = resumed, len(history)
+        history = [*history, {"role": "assistant", "content": f"a{request}"}]

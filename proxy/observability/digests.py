@@ -18,6 +18,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import repeat
+from operator import add
 from typing import Any
 
 import orjson
@@ -120,7 +122,9 @@ def message_hash(message: Any) -> tuple[int, int]:
 
 
 def line_hashes(text: str) -> tuple[int, ...]:
-    return tuple(xxhash.xxh3_64_intdigest(_utf8(line)) for line in text.split("\n"))
+    """The hash of each line's UTF-8 bytes (a newline is one byte of its own in UTF-8: the text's
+    bytes split where the text's lines end), in C: a system prompt with a clock is new every request."""
+    return tuple(map(xxhash.xxh3_64_intdigest, _utf8(text).split(b"\n")))
 
 
 # Line hashes of recent system prompts, by message hash: a conversation re-sends the same one.
@@ -232,6 +236,71 @@ def digest_prompt(
         summary_at=summary_at,
         links=links,
     )
+
+
+def digest_after_lead(
+    body: dict[str, Any],
+    namespace: str,
+    system_count: int,
+    previous: PromptDigest | None,
+    shared: int,
+) -> PromptDigest:
+    """:func:`digest_prompt`, where ``previous``'s history (its messages after its own leading
+    system messages) begins with this prompt's first ``shared`` history messages: a prompt whose
+    system message changes on every request (a clock, retrieved text) digests only its system
+    messages and what its history adds. The chain is taken from ``previous`` only where the system
+    messages and the header are the same too."""
+    if previous is None or not shared:
+        return digest_prompt(body, namespace, system_count=system_count)
+    messages: Sequence[Any] = body.get("messages") or []
+    tools = body.get("tools") or body.get("functions") or []
+    tools_raw = shared_dumps(tools) if tools else b""
+    digests, ends, roles = array("Q"), array("Q", [len(tools_raw)]), bytearray()
+    for message in messages[:system_count]:
+        _append(message, digests, ends, roles)
+    start = previous.system_count
+    digests.extend(previous.digests[start : start + shared])
+    offset = ends[-1] - previous.ends[start]
+    shared_ends = previous.ends[start + 1 : start + shared + 1]
+    # A clock that ticks keeps its message's size: the ends are the previous ones, copied in C.
+    ends.extend(shared_ends if not offset else map(add, shared_ends, repeat(offset)))
+    roles += previous.roles[start : start + shared]
+    for message in messages[system_count + shared :]:
+        _append(message, digests, ends, roles)
+    system_lines = tuple(
+        _system_lines(digests[index], message)
+        for index, message in enumerate(messages[:system_count])
+        if isinstance(message, dict)
+    )
+    model = str(body.get("model", ""))
+    tools_digest = xxhash.xxh3_64_intdigest(tools_raw)
+    links = None
+    same_lead = system_count == start and digests[:start] == previous.digests[:start]
+    if (
+        same_lead
+        and previous.links is not None
+        and (previous.namespace, previous.model, previous.tools) == (namespace, model, tools_digest)
+    ):
+        links = previous.links[: system_count + shared + 1]
+    return PromptDigest(
+        namespace=namespace,
+        model=model,
+        tools=tools_digest,
+        digests=digests,
+        roles=bytes(roles),
+        ends=ends,
+        system_count=system_count,
+        system_lines=system_lines,
+        links=links,
+    )
+
+
+def _append(message: Any, digests: array[int], ends: array[int], roles: bytearray) -> None:
+    digest, size = message_hash(message)
+    digests.append(digest)
+    ends.append(ends[-1] + size)
+    role = message.get("role") if isinstance(message, dict) else None
+    roles.append(ROLE_CODES.get(str(role), 0))
 
 
 def header_key(prompt: PromptDigest) -> int:

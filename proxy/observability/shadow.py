@@ -50,12 +50,15 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from proxy.observability.digests import PromptDigest, digest_prompt, line_hashes
+from proxy.canon import leading_system_count
+from proxy.observability.digests import PromptDigest, digest_after_lead, line_hashes
 from proxy.observability.shadowcache import ArrangementCache, Served
 from proxy.openai import Continuations
 
 # What a conversation's kept message lists may hold, per arrangement (characters).
 KEPT_CHARS = 8 << 20
+# Leading system messages looked for, at most, before a prompt's history (a list is not walked whole).
+MAX_LEAD = 16
 # Line hashes a system prompt's sketch keeps, the share two sketches have in common to be one
 # template, and the templates a tenant's model keeps.
 SKETCH = 8
@@ -263,8 +266,13 @@ class RewriteShadow:
 def _digest(
     lists: Continuations[PromptDigest], scope: str, body: dict[str, Any], system_count: int | None
 ) -> PromptDigest:
+    """The prompt's digest, resumed on its history after its leading system messages: a client's
+    system message may change on every request (a clock) while its history comes back as it was."""
     messages = body.get("messages") or []
-    resumed = lists.resume(scope, messages)
-    prompt = digest_prompt(body, scope, system_count=system_count, previous=resumed.state, shared=resumed.shared)
-    resumed.keep(messages, prompt)
+    if system_count is None:
+        system_count = leading_system_count([m if isinstance(m, dict) else {} for m in messages[:MAX_LEAD]])
+    history = messages[system_count:]
+    resumed = lists.resume(scope, history)
+    prompt = digest_after_lead(body, scope, system_count, resumed.state, resumed.shared)
+    resumed.keep(history, prompt)
     return prompt

@@ -26,23 +26,49 @@ the two arrangements the shadow compares, so the comparison holds where the abso
 
 Bounded: at most ``max_links`` chain links, two generations (when the newer holds half, it
 becomes the older and the older is forgotten; a prefix found only in the older is copied to the
-newer, so what is used survives). Work per prompt: a binary search over its links, then only the
-links past what it found (and the lines of a leading system message it did not find).
+newer, so what is used survives); per place a system message was seen (its parent link), the line
+hashes of the last ``LINE_LISTS`` texts there, in at most ``max_links // 16`` places. Work per
+prompt: a binary search over its links, then only the links past what it found, and for a leading
+system message it did not find, a comparison in C of its line hashes with the few kept at its place.
 
 Pure: no I/O, no clock; the caller serializes access.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
 import xxhash
+from cachetools import LRUCache
 
-from proxy.observability.digests import ASSISTANT, PromptDigest, chain, content_text
-from proxy.openai import link_hash, utf8_size
+from proxy.observability.digests import ASSISTANT, PromptDigest, chain, content_text, header_key
+from proxy.openai import extend_links
+
+# The texts of a system message kept per place it was seen (a prompt's variants in the engine's
+# cache are mostly the last few: an app's clock, its retrieved chunks).
+LINE_LISTS = 8
+# Prompts kept whose history's links wait to be made (``ArrangementCache._links``).
+PENDING_PROMPTS = 4
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading items the two have equal: halving, each half compared in C."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # equal before low; not all equal before high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
 
 # Role markers a ChatML-like template renders around each message (``<|im_start|>user\n`` ...
 # ``<|im_end|>\n``): a message inserted by a rewrite costs them too.
@@ -64,7 +90,7 @@ class Served:
 class ArrangementCache:
     """The prefix cache one arrangement of an app's prompts would build."""
 
-    __slots__ = ("_block_size", "_half", "_new", "_old")
+    __slots__ = ("_block_size", "_half", "_lines_at", "_new", "_old", "_pending")
 
     def __init__(self, max_links: int = 4096, block_size: int = 16) -> None:
         self._block_size = max(1, block_size)
@@ -72,6 +98,11 @@ class ArrangementCache:
         # chain link -> True where a prompt ended there (the backend generated a reply after it).
         self._new: dict[int, bool] = {}
         self._old: dict[int, bool] = {}
+        # A system message's parent link -> the line hashes of the last texts seen there.
+        self._lines_at: LRUCache[int, list[tuple[int, ...]]] = LRUCache(max(1, max_links // 16))
+        # Prompts sent whose history's links are not made yet, by the link of their leading system
+        # messages (see ``_links``).
+        self._pending: LRUCache[int, PromptDigest] = LRUCache(PENDING_PROMPTS)
 
     def __len__(self) -> int:
         return len(self._new) + len(self._old)
@@ -81,13 +112,13 @@ class ArrangementCache:
     ) -> Served:
         """What the backend would serve ``prompt`` (whose ``messages`` are given for the lines of a
         leading system message it did not find); then remember it as sent."""
-        links = chain(prompt)
+        links, partial = self._links(prompt)
         count = len(prompt)
         found = self._reach(links)  # links[: found + 1] known (-1: not even the header)
         served = self._served(prompt, links, found)
         cached_messages = max(0, served)
         cached_bytes = prompt.bytes_at(cached_messages) if served >= 0 else 0
-        line_keys: list[int] = []
+        seen_lines: tuple[int, tuple[int, ...]] | None = None
         if cached_messages < prompt.system_count:
             # A leading system message that differs: the lines before its first new one hit, and its
             # lines are remembered for the next prompt.
@@ -96,24 +127,53 @@ class ArrangementCache:
                 # The template renders the tools after the first system message's text (Qwen,
                 # Hermes; Llama 3 in the first user turn): a change inside that text recomputes
                 # every tool, and the text does not depend on them.
-                matched, line_keys = self._lines(_untooled_header(prompt), prompt.system_lines[0], messages[0])
-                cached_bytes = matched
+                parent = _untooled_header(prompt)
+                cached_bytes = self._lines(parent, prompt.system_lines[0], messages[0])
             else:
-                matched, line_keys = self._lines(links[index], prompt.system_lines[index], messages[index])
-                cached_bytes += matched
+                parent = links[index]
+                cached_bytes += self._lines(parent, prompt.system_lines[index], messages[index])
+            seen_lines = (parent, prompt.system_lines[index])
         prompt_tokens = int(prompt.total_bytes * tokens_per_byte) + FRAMING_TOKENS * count
         cached = int(cached_bytes * tokens_per_byte) + FRAMING_TOKENS * cached_messages
         cached = max(0, min(cached, prompt_tokens - 1))
         cached -= cached % self._block_size
         if remember:
-            self._remember(links, found, served, line_keys)
+            self._remember(links, found, served, seen_lines, ended=not partial)
+            if partial:
+                self._pending[links[-1]] = prompt
         return Served(prompt_tokens, cached)
 
     def reach(self, prompt: PromptDigest) -> int:
         """How many leading messages of ``prompt`` this arrangement's cache holds, the reply the
         backend generated after one of its prompts included (nothing is remembered)."""
-        links = chain(prompt)
+        links, _ = self._links(prompt)
         return max(0, self._served(prompt, links, self._reach(links)))
+
+    def _links(self, prompt: PromptDigest) -> tuple[Sequence[int], bool]:
+        """The prompt's chain links; or, where its leading system messages are new to this cache
+        (then nothing after them can be cached), theirs only (``True``: partial): a system message
+        that changes on every request (a clock) would otherwise make a link for every message of the
+        history on every request, to be found by none. A prompt sent so waits (``_pending``) until
+        one reaches its system messages again: its history's links are made then, once."""
+        lead = prompt.system_count
+        if prompt.links is None and 0 < lead < len(prompt):
+            prompt.links = head = extend_links(array("Q", [header_key(prompt)]), prompt.digests[:lead])
+            if not self._known(head[-1]):
+                return head[:], True
+            self._materialize(head[-1])
+        return chain(prompt), False
+
+    def _materialize(self, link: int) -> None:
+        """The links of the prompt waiting at ``link``, remembered as when it was sent."""
+        waiting = self._pending.pop(link, None)
+        if waiting is None:
+            return
+        links = chain(waiting)
+        newer, older = self._new, self._old
+        # Whether a prompt ended at each, as either generation says: in C (a history's links).
+        ended = list(map(any, zip(map(newer.get, links), map(older.get, links), strict=True)))
+        newer.update(zip(links, ended, strict=True))
+        newer[links[-1]] = True
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -142,36 +202,47 @@ class ArrangementCache:
                 high = middle - 1
         return low
 
-    def _lines(self, parent: int, hashes: Sequence[int], message: Any) -> tuple[int, list[int]]:
-        """Bytes of the leading lines of a system message known under ``parent``, and the keys of
-        all its lines (to remember): one link per line, chained from the message's parent."""
+    def _lines(self, parent: int, hashes: tuple[int, ...], message: Any) -> int:
+        """Bytes of the leading lines of a system message that a text seen at its place (``parent``)
+        began with too: the longest such run among the texts kept there."""
+        known = self._lines_at.get(parent)
+        if not known:
+            return 0
+        matched = max(_common_prefix(hashes, seen) for seen in known)
+        if not matched:
+            return 0
         text = content_text(message.get("content")) if isinstance(message, dict) else ""
-        lines = text.split("\n")
-        keys: list[int] = []
-        matched = 0
-        matching = True
-        key = parent
-        for line, digest in zip(lines, hashes, strict=False):
-            key = link_hash(key, digest)
-            keys.append(key)
-            if matching and self._known(key):
-                matched += utf8_size(line) + 1
-            else:
-                matching = False
-        return matched, keys
+        # Each matched line's bytes and its newline, counted in C.
+        return sum(map(len, text.encode("utf-8", "surrogatepass").split(b"\n", matched)[:matched])) + matched
 
-    def _remember(self, links: Sequence[int], found: int, served: int, line_keys: list[int]) -> None:
+    def _remember(
+        self,
+        links: Sequence[int],
+        found: int,
+        served: int,
+        seen_lines: tuple[int, tuple[int, ...]] | None,
+        *,
+        ended: bool = True,
+    ) -> None:
         newer = self._new
         if found >= 0 and links[found] not in newer:
             # Known only in the older generation: the prefix this prompt used is kept whole.
-            newer.update(zip(links[: found + 1], repeat(False)))
-            for link in links[: found + 1]:
-                if self._old.get(link):
-                    newer[link] = True
+            # With whether a prompt ended there, as the older generation says (in C: a long
+            # conversation's prefix is copied at each change of generation).
+            prefix = links[: found + 1]
+            newer.update(zip(prefix, map(bool, map(self._old.get, prefix)), strict=True))
         start = max(0, found + 1)
         newer.update(zip(links[start:], repeat(False)))
-        newer.update(zip(line_keys, repeat(False)))
-        newer[links[-1]] = True  # a reply is generated after it
+        if seen_lines is not None:
+            parent, hashes = seen_lines
+            known = self._lines_at.get(parent)
+            if known is None:
+                self._lines_at[parent] = [hashes]
+            elif hashes not in known:
+                known.append(hashes)
+                del known[:-LINE_LISTS]
+        if ended:
+            newer[links[-1]] = True  # a reply is generated after it
         if len(newer) >= self._half:
             self._old, self._new = newer, {}
 
