@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,6 +14,7 @@ from proxy.analysis.captured import read_capture
 from proxy.cli import main
 from proxy.config import load_settings
 from proxy.config_sources import ConfigError
+from proxy.enginemodel import load_tokenizer
 from proxy.observability.capture import CaptureWriter
 
 SCENARIOS = ["timestamp_user", "fc_agent", "sliding_window", "append_only"]
@@ -117,3 +119,96 @@ def test_capture_through_the_proxy_holds_what_the_client_sent_and_the_streamed_r
     assert record.body == body  # as the client sent it: tools in their order, nothing moved
     assert record.reply is not None and record.reply["content"] == "".join(deltas) != ""
     assert record.prompt_tokens > 0 and stat.S_IMODE(capture.stat().st_mode) == 0o600
+
+
+# A bookshop's system prompt, long enough that the chat template's markers barely move its tokens per byte.
+RULES = [f"Rule {i}: answer questions about shelf {i} politely, in one sentence, naming the row." for i in range(25)]
+OPENING_HOURS = "Today the shop closes at 18:00, the cafe at 17:30."
+FIRST_REPLY = "Yes: Dune is on shelf 3, science fiction, second row from the top."
+HOLD = "Can you hold it for me until Friday afternoon?"
+
+
+def capture_record(seq: int, tenant: str, messages: list[dict[str, Any]], reply: str) -> str:
+    return json.dumps(
+        {
+            "seq": seq,
+            "tenant": tenant,
+            "session": f"{tenant}-1",
+            "request": {"model": "m", "messages": messages},
+            "response": {"message": {"role": "assistant", "content": reply}, "usage": {}},
+        }
+    )
+
+
+def line_bytes(*lines: str) -> int:
+    return sum(len(line.encode()) + 1 for line in lines)
+
+
+def test_analyze_reports_the_floor_beside_each_modes_prefill(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    system = "\n".join(RULES)
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Do you have Dune?"}]
+    # The same system prompt plus one new line; the user quotes the reply (seen: the backend generated it).
+    second = [
+        {"role": "system", "content": f"{system}\n{OPENING_HOURS}"},
+        first[1],
+        {"role": "assistant", "content": FIRST_REPLY},
+        {"role": "user", "content": f"{FIRST_REPLY}\n{HOLD}"},
+    ]
+    capture = tmp_path / "capture.jsonl"
+    capture.write_text(
+        "\n".join(
+            [
+                capture_record(1, "bookshop", first, FIRST_REPLY),
+                capture_record(2, "bookshop", second, "Done."),
+                # Another app: the bookshop's lines are not its own, every one of its lines is new to it.
+                capture_record(3, "library", first, FIRST_REPLY),
+            ]
+        )
+        + "\n"
+    )
+    assert main(["analyze", str(capture), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    floor = report["floor"]
+    assert floor["measure"].startswith("tokens estimated") and floor["skipped"] == 0
+
+    first_lines = (*RULES, "Do you have Dune?")
+    bookshop, library = floor["apps"]["bookshop/m"], floor["apps"]["library/m"]
+    assert (bookshop["requests"], bookshop["new_lines"]) == (2, len(first_lines) + 2)
+    assert bookshop["new_bytes"] == line_bytes(*first_lines) + line_bytes(OPENING_HOURS, HOLD)
+    assert (library["requests"], library["new_lines"], library["new_bytes"]) == (1, 26, line_bytes(*first_lines))
+
+    # In tokens, near the exact count of those lines (the floor is estimated from their bytes).
+    tokenizer = load_tokenizer()
+    first_tokens = len(tokenizer.encode("\n".join(first_lines) + "\n"))
+    second_tokens = len(tokenizer.encode(f"{OPENING_HOURS}\n{HOLD}\n"))
+    assert library["floor_tokens"] == pytest.approx(first_tokens, rel=0.1)
+    assert bookshop["floor_tokens"] - library["floor_tokens"] == pytest.approx(second_tokens, rel=0.2)
+    assert floor["overall"]["floor_tokens"] == bookshop["floor_tokens"] + library["floor_tokens"]
+
+    # Each mode's prefill as a multiple of the floor, per app and overall.
+    for mode, row in report["modes"].items():
+        overall = floor["overall"]["x_floor"][mode]
+        assert overall == round(row["prefill_tokens"] / floor["overall"]["floor_tokens"], 2) >= 1.0
+        for app, tally in floor["apps"].items():
+            assert tally["x_floor"][mode] == round(
+                report["apps"][app][mode]["prefill_tokens"] / tally["floor_tokens"], 2
+            )
+    # The library's one request is new from its first token: nothing to win, at the floor in every mode.
+    assert set(library["x_floor"].values()) == {1.0}
+    # The bookshop's second request recomputes from its new line on; the multiple says what is left to win.
+    assert bookshop["x_floor"]["off"] > 1.0
+
+    # The floor belongs to the requests as sent: the same whatever modes are replayed.
+    assert main(["analyze", str(capture), "--json", "--modes", "relocate"]) == 0
+    assert json.loads(capsys.readouterr().out)["floor"]["apps"]["library/m"] == {
+        **library,
+        "x_floor": {"relocate": library["x_floor"]["relocate"]},
+    }
+
+    assert main(["analyze", str(capture)]) == 0
+    table = capsys.readouterr().out
+    assert "x floor" in table and floor["measure"] in table
+    (bookshop_row,) = [line for line in table.splitlines() if line.startswith("bookshop/m") and "x" in line]
+    assert f"{bookshop['floor_tokens']:,}" in bookshop_row and f"{bookshop['x_floor']['relocate']:.2f}x" in bookshop_row

@@ -7,6 +7,7 @@ import json
 import sys
 
 from proxy.analysis.captured import read_capture
+from proxy.analysis.floors import measure_floors
 from proxy.analysis.replay import MODES, captured_tally, replay
 from proxy.analysis.report import format_report, to_json
 
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         replay(records, mode, tokenizer, canon=canon, block_size=args.block_size, capacity_blocks=args.capacity_blocks)
         for mode in modes
     ]
-    report = to_json(results, captured_tally(records), args.block_size, tokenizer.name)
+    floors = measure_floors(records, tokenizer)
+    report = to_json(results, captured_tally(records), args.block_size, tokenizer.name, floors)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
