@@ -5,6 +5,7 @@
 Families of requests the proxy rewrites, each answerable only from the text it moves:
 
 - ``date_line``: ``Current date: <weekday>, <month> <day>, <year>.`` atop the system prompt; asked the weekday;
+- ``date_asked`` (``--families``): the same line, asked the date (does the model read the moved line at all);
 - ``retrieved_fact``: a Dify-style ``<context>`` block holding a door code atop the system prompt; asked the code;
 - ``timestamped_chat``: a conversation whose system prompt opens with ``Current time: HH:MM:SS``; asked the time;
 - ``shuffled_tools`` (``--tools``: llama-server runs ``--jinja --chat-template-file`` a ChatML template with
@@ -67,6 +68,17 @@ def date_line(rng: random.Random) -> Probe:
     return Probe("date_line", _chat(system, "What day of the week is it today?"), weekday)
 
 
+def date_asked(rng: random.Random) -> Probe:
+    """The same date line, asked the date itself: whether the moved line is read at all, apart from
+    a weekday a small model often answers at chance whatever it reads."""
+    month, day = rng.choice(MONTHS), rng.randint(1, 28)
+    system = (
+        f"Current date: {rng.choice(WEEKDAYS)}, {month} {day}, 2025.\n"
+        "You are a helpful assistant for a travel agency. Answer in one short sentence."
+    )
+    return Probe("date_asked", _chat(system, "What is today's date?"), f"{month} {day}")
+
+
 def retrieved_fact(rng: random.Random) -> Probe:
     place, code = rng.choice(PLACES), str(rng.randint(1000, 9999))
     system = (
@@ -109,6 +121,7 @@ def shuffled_tools(rng: random.Random) -> Probe:
 
 FAMILIES: dict[str, Callable[[random.Random], Probe]] = {
     "date_line": date_line,
+    "date_asked": date_asked,
     "retrieved_fact": retrieved_fact,
     "timestamped_chat": timestamped_chat,
     "shuffled_tools": shuffled_tools,
@@ -182,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tools", action="store_true", help="add shuffled_tools (llama-server --jinja, a tools template)"
     )
+    parser.add_argument("--families", help="comma-separated families (default: all but shuffled_tools)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     binary, model = ensure_engine(args.cache), ensure_model(args.cache)
     families = ["date_line", "retrieved_fact", "timestamped_chat"] + (["shuffled_tools"] if args.tools else [])
+    if args.families:
+        families = args.families.split(",")
     asked = probes(args.per_family, families)
     extra = ["--jinja", "--chat-template-file", str(TOOLS_TEMPLATE)] if args.tools else []
     with llama_server(binary, model, 4096, extra=extra) as server:
@@ -204,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             print("      LOST " + lost)
     if args.json:
         print(json.dumps([asdict(row) for row in scores.values()]))
+        answers = zip(asked, direct, proxied, rewritten, strict=True)
+        print(json.dumps([[p.family, p.expected, one, other, moved] for p, one, other, moved in answers]))
     return 0 if all(row.right_to_wrong == 0 for row in scores.values()) else 1
 
 
