@@ -38,6 +38,7 @@ from bench.servers import proxy
 TOOLS_TEMPLATE = Path(__file__).resolve().parent / "llama_templates" / "chatml_tools.jinja"
 WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 MONTHS = ["January", "March", "May", "July", "September", "November"]
+MONTH_NUMBERS = {"January": 1, "March": 3, "May": 5, "July": 7, "September": 9, "November": 11}
 PLACES = ["warehouse", "garage", "server room", "lab", "archive", "studio", "workshop", "cellar"]
 TOOLS = [
     ("get_weather", "Get the current weather for a city", "find out whether it will rain in Paris"),
@@ -54,6 +55,11 @@ class Probe:
     family: str
     body: dict[str, Any]
     expected: str
+    # Other spellings of the same answer (a date written 2025-09-08 for September 8).
+    also: tuple[str, ...] = ()
+
+    def answered_by(self, answer: str) -> bool:
+        return any(is_right(answer, expected) for expected in (self.expected, *self.also))
 
 
 def _chat(system: str, question: str, history: list[dict[str, str]] | None = None) -> dict[str, Any]:
@@ -76,7 +82,8 @@ def date_asked(rng: random.Random) -> Probe:
         f"Current date: {rng.choice(WEEKDAYS)}, {month} {day}, 2025.\n"
         "You are a helpful assistant for a travel agency. Answer in one short sentence."
     )
-    return Probe("date_asked", _chat(system, "What is today's date?"), f"{month} {day}")
+    iso = f"2025-{MONTH_NUMBERS[month]:02d}-{day:02d}"
+    return Probe("date_asked", _chat(system, "What is today's date?"), f"{month} {day}", (iso,))
 
 
 def retrieved_fact(rng: random.Random) -> Probe:
@@ -156,7 +163,7 @@ def score(probes: list[Probe], direct: list[str], proxied: list[str], rewritten:
     scores: dict[str, FamilyScore] = {}
     for probe, one, other, moved in zip(probes, direct, proxied, rewritten, strict=True):
         row = scores.setdefault(probe.family, FamilyScore(probe.family))
-        right_direct, right_proxy = is_right(one, probe.expected), is_right(other, probe.expected)
+        right_direct, right_proxy = probe.answered_by(one), probe.answered_by(other)
         row.requests += 1
         row.right_direct += right_direct
         row.right_proxy += right_proxy

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx-size", type=int, default=8192)
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--proxy-log", type=Path, help="the proxy's log (one line per request) to this file")
     args = parser.parse_args(argv)
     binary, model = ensure_engine(args.cache), ensure_model(args.cache)
     scenarios = args.scenarios.split(",")
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     with llama_server(binary, model, args.ctx_size, args.parallel) as server:
         direct, sent = run(server + "/v1", scenarios, args.sessions, args.max_tokens)
         totals["direct"] = _engine_prompt_tokens(server)
-    with llama_server(binary, model, args.ctx_size, args.parallel) as server, proxy(server + "/v1") as base:
+    log = args.proxy_log.open("wb") if args.proxy_log else subprocess.DEVNULL
+    with llama_server(binary, model, args.ctx_size, args.parallel) as server, proxy(server + "/v1", stderr=log) as base:
         proxied, _ = run(base, scenarios, args.sessions, args.max_tokens)
         totals["proxy"] = _engine_prompt_tokens(server)
     for one, floor in zip(sent, floor_tokens(sent), strict=True):
