@@ -1,6 +1,6 @@
 """Answer fidelity on a real model: what the proxy rewrites must not change what the model knows.
 
-    python -m bench.fidelity [--cache DIR] [--per-family 8] [--tools]
+    python -m bench.fidelity [--cache DIR] [--per-family 8] [--tools] [--families a,b] [--placements]
 
 Families of requests the proxy rewrites, each answerable only from the text it moves:
 
@@ -195,6 +195,36 @@ def run_pass(base: str, asked: list[Probe]) -> tuple[list[str], list[bool]]:
     return answers, rewritten
 
 
+def placements(probe: Probe) -> dict[str, list[dict[str, Any]]]:
+    """A probe whose system prompt opens with the line it asks about, that line put elsewhere, the
+    text unchanged: atop the system prompt (as sent), in a system message of its own before the
+    question (where the proxy moves it), at the system prompt's end, at the start of the question."""
+    system, question = probe.body["messages"][0]["content"], probe.body["messages"][-1]["content"]
+    line, rest = system.split("\n", 1)
+    return {
+        "atop_system": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "own_system_message": [
+            {"role": "system", "content": rest},
+            {"role": "system", "content": line},
+            {"role": "user", "content": question},
+        ],
+        "system_end": [{"role": "system", "content": f"{rest}\n{line}"}, {"role": "user", "content": question}],
+        "user_start": [{"role": "system", "content": rest}, {"role": "user", "content": f"{line}\n\n{question}"}],
+    }
+
+
+def run_placements(base: str, asked: list[Probe]) -> dict[str, int]:
+    """Per placement, the probes answered right, sent directly."""
+    right: dict[str, int] = {}
+    with httpx.Client(timeout=600) as client:
+        for probe in asked:
+            for name, messages in placements(probe).items():
+                moved = Probe(probe.family, {**probe.body, "messages": messages}, probe.expected, probe.also)
+                answer, _ = ask(base, moved, client)
+                right[name] = right.get(name, 0) + probe.answered_by(answer)
+    return right
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
@@ -203,9 +233,22 @@ def main(argv: list[str] | None = None) -> int:
         "--tools", action="store_true", help="add shuffled_tools (llama-server --jinja, a tools template)"
     )
     parser.add_argument("--families", help="comma-separated families (default: all but shuffled_tools)")
+    parser.add_argument(
+        "--placements",
+        action="store_true",
+        help="no proxy: the families' moved line sent directly in four places (date_line by default)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     binary, model = ensure_engine(args.cache), ensure_model(args.cache)
+    if args.placements:
+        asked = probes(args.per_family, (args.families or "date_line").split(","))
+        with llama_server(binary, model, 4096) as server:
+            right = run_placements(server + "/v1", asked)
+        print(f"llama-server, {MODEL_NAME}, greedy; {len(asked)} requests, answered right with the line:")
+        for name, count in right.items():
+            print(f"  {name:20} {count:3} / {len(asked)}")
+        return 0
     families = ["date_line", "retrieved_fact", "timestamped_chat"] + (["shuffled_tools"] if args.tools else [])
     if args.families:
         families = args.families.split(",")
