@@ -144,11 +144,13 @@ def _read(line: str) -> _Line:
 class Units:
     """The unit tree of one text: ``roots`` (in order), line offsets and what sets of lines make whole."""
 
-    __slots__ = ("_framing", "_nonblank", "_wholes", "roots", "starts")
+    __slots__ = ("_framing", "_lines", "_nonblank", "_starts", "_wholes", "roots")
 
     def __init__(self, text: str | None, lines: list[str] | None = None, like: Units | None = None) -> None:
         lines = lines if lines is not None else (text or "").split("\n")
-        self.starts = _starts(lines)
+        # Where each line starts, made when a span is asked for (most requests ask none).
+        self._lines: list[str] | None = lines
+        self._starts: list[int] | None = None
         self._nonblank: list[int]
         self.roots: tuple[Unit, ...]
         self._wholes: dict[frozenset[int], frozenset[int]]
@@ -163,6 +165,30 @@ class Units:
         self.roots = _Parser(reads).parse()
         self._wholes = {}
         self._framing = None
+
+    @classmethod
+    def same_lines(cls, like: Units) -> Units:
+        """The tree of a text whose lines are as long as ``like``'s and read alike: its line offsets too."""
+        found = cls.__new__(cls)
+        found._lines, found._starts = like._lines, like._starts
+        found._nonblank, found.roots, found._wholes, found._framing = (
+            like._nonblank,
+            like.roots,
+            like._wholes,
+            like._framing,
+        )
+        return found
+
+    @property
+    def line_count(self) -> int:
+        return len(self._nonblank) - 1
+
+    @property
+    def starts(self) -> list[int]:
+        if self._starts is None:
+            self._starts = _starts(self._lines or [""])
+            self._lines = None
+        return self._starts
 
     def span(self, unit: Unit) -> tuple[int, int]:
         """The unit's characters in the text: ``text[start:end]``, its last line's newline excluded."""
@@ -200,7 +226,7 @@ class Units:
         return found
 
     def _close(self, moving: frozenset[int]) -> frozenset[int]:
-        touched = sorted(i for i in moving if 0 <= i < len(self.starts) - 1 and self.nonblank(i, i))
+        touched = sorted(i for i in moving if 0 <= i < self.line_count and self.nonblank(i, i))
         if not touched:
             return moving
         taken: list[tuple[int, int]] = []
@@ -238,7 +264,7 @@ class Units:
     def torn(self, moving: Iterable[int]) -> list[Unit]:
         """The units ``moving`` tears: a run of code in part, a framed unit whose framing moves without all of
         its content or stays without any of it (what :meth:`whole` leaves none of)."""
-        lines = {i for i in moving if 0 <= i < len(self.starts) - 1 and self.nonblank(i, i)}
+        lines = {i for i in moving if 0 <= i < self.line_count and self.nonblank(i, i)}
         torn = []
         for unit in self.units():
             inside = [i for i in range(unit.first, unit.last + 1) if self.nonblank(i, i)]
@@ -412,10 +438,10 @@ def _starts(lines: list[str]) -> list[int]:
 
 
 # Texts seen before, by digest: a system prompt re-sent is a lookup.
-_TREES: LRUCache[int, Units] = LRUCache(4096)
-# The lines of the texts parsed last, with their trees: a text that differs from one of them in a
-# few lines that read alike (a clock ticking, a count, a date: a value in a line) has its tree.
-_RECENT: deque[tuple[list[str], Units]] = deque(maxlen=8)
+_TREES: LRUCache[int, Units] = LRUCache(256)
+# The texts parsed last, with their trees: a text that differs from one of them in a few lines that
+# read alike (a clock ticking, a count, a date: a value in a line) has its tree.
+_RECENT: deque[tuple[str, Units]] = deque(maxlen=8)
 # Lines a text may differ in from a recent one and still take its tree (past them, parsed anew).
 _ALIKE_LINES = 8
 
@@ -428,16 +454,49 @@ def units_of(text: str) -> Units:
     found = _TREES.get(key)
     if found is not None:
         return found
-    lines = text.split("\n")
-    for recent, tree in reversed(_RECENT):
-        if len(recent) == len(lines) and _alike(recent, lines):
-            found = Units(None, lines, like=tree)
-            break
-    else:
-        found = Units(None, lines)
+    found = _within_a_line(text)
+    if found is None:
+        lines = text.split("\n")
+        for recent, tree in reversed(_RECENT):
+            if tree.line_count == len(lines) and _alike(recent.split("\n"), lines):
+                found = Units(None, lines, like=tree)
+                break
+        else:
+            found = Units(None, lines)
     _TREES[key] = found
-    _RECENT.append((lines, found))
+    _RECENT.append((text, found))
     return found
+
+
+def _within_a_line(text: str) -> Units | None:
+    """The tree of a recent text as long as ``text`` whose characters differ from it within one
+    line only, that line read alike (a clock that ticked): found with string operations in C, the
+    text not split into lines."""
+    for recent, tree in reversed(_RECENT):
+        if len(recent) != len(text):
+            continue
+        first = _first_difference(recent, text)
+        last = len(text) - 1 - _first_difference(recent[::-1], text[::-1])
+        if "\n" in text[first : last + 1] or "\n" in recent[first : last + 1]:
+            continue
+        start = text.rfind("\n", 0, first) + 1
+        end = text.find("\n", last)
+        end = len(text) if end < 0 else end
+        if _read(text[start:end]).reading == _read(recent[start:end]).reading:
+            return Units.same_lines(tree)
+    return None
+
+
+def _first_difference(a: str, b: str) -> int:
+    """The first index where two different strings of one length differ: halving, slices compared in C."""
+    low, high = 0, len(a)  # equal before low; not all equal before high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def _alike(old: list[str], new: list[str]) -> bool:
