@@ -36,6 +36,15 @@ GENERIC: EngineKind = "openai-compatible"
 _OWNERS: dict[str, EngineKind] = {"vllm": VLLM, "llamacpp": LLAMA_SERVER, "library": OLLAMA, "ollama": OLLAMA}
 
 
+def refuses_answer_room(kind: EngineKind) -> bool:
+    """Whether the engine refuses a prompt that leaves no room for the answer it asks for: vLLM
+    does (prompt plus ``max_tokens`` past ``max_model_len`` is a 400), and so is any engine it cannot
+    tell apart taken to do. llama-server refuses only a prompt that fills the slot's context
+    (``n_tokens >= n_ctx``: server-context.cpp) and stops the answer where the context ends; a
+    prompt it would take is not compacted for the answer's room."""
+    return kind != LLAMA_SERVER
+
+
 def engine_of(model: Any) -> EngineKind:
     """The engine that lists ``model`` (one entry of ``GET /v1/models``'s ``data``)."""
     if not isinstance(model, dict):

@@ -82,13 +82,18 @@ def requested_completion_tokens(body: dict[str, Any]) -> int | None:
 MAX_OUTPUT_SHARE = 0.25
 
 
-def context_limit(budget: BudgetSettings, max_model_len: int | None, body: dict[str, Any]) -> int | None:
+def context_limit(
+    budget: BudgetSettings, max_model_len: int | None, body: dict[str, Any], *, answer_room: bool = True
+) -> int | None:
     """The request's context budget: ``context_limit_tokens``, else the model's context less the
-    room its answer asks for (at most :data:`MAX_OUTPUT_SHARE` of it)."""
+    room its answer asks for (at most :data:`MAX_OUTPUT_SHARE` of it) where the engine refuses a
+    prompt without that room (``answer_room``), else less the one token the engine needs past it."""
     if budget.context_limit_tokens is not None:
         return budget.context_limit_tokens
     if max_model_len is None:
         return None
+    if not answer_room:
+        return max_model_len - 1
     reserve = min(requested_completion_tokens(body) or 0, int(max_model_len * MAX_OUTPUT_SHARE))
     return max_model_len - reserve
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from proxy.backends import BackendPool, ModelCatalog
+from proxy.backends import BackendPool, ModelCatalog, refuses_answer_room
 from proxy.canon import Canonicalizer, CanonResult
 from proxy.chat.admission import budget_refused
 from proxy.chat.budget import (
@@ -225,7 +225,8 @@ class ChatTurn:
             turn.summary = summary_of(session.record.summary)
         turn._anchor()
         turn.engine_context = await services.models.max_model_len(model)
-        turn.limit = context_limit(budget, turn.engine_context, canonical)
+        answer_room = refuses_answer_room(services.models.engine(model))
+        turn.limit = context_limit(budget, turn.engine_context, canonical, answer_room=answer_room)
         if turn._defers_summary():
             turn.summary_deferred = True
             turn._anchor()

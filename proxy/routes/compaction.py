@@ -40,6 +40,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
+from proxy.backends import refuses_answer_room
 from proxy.canon import CanonResult
 from proxy.chat import budget_for, context_limit, handoff, routing_key, usage_limits
 from proxy.http import InvalidRequest, ProxyError, RequestContext, overhead_header, parse_json_object, read_body
@@ -223,7 +224,8 @@ async def _default_threshold(state: ProxyState, tenant: Tenant, chat: dict[str, 
     model = str(chat.get("model"))
     settings = state.settings
     budget = budget_for(settings, model, tenant.budget)
-    limit = context_limit(budget, await state.models.max_model_len(model), chat)
+    answer_room = refuses_answer_room(state.models.engine(model))
+    limit = context_limit(budget, await state.models.max_model_len(model), chat, answer_room=answer_room)
     return None if limit is None else max(1, limit - settings.summarizer.max_summary_tokens - SUMMARY_INSTRUCTION_ROOM)
 
 
