@@ -184,8 +184,7 @@ def digest_prompt(
     (:mod:`proxy.openai.continuation`); their hashes, sizes and roles are taken from it, and its
     system prompt's line hashes where those messages hold the whole of it."""
     messages: Sequence[Any] = body.get("messages") or []
-    tools = body.get("tools") or body.get("functions") or []
-    tools_raw = shared_dumps(tools) if tools else b""
+    tools_raw = _tools_raw(body)
     if previous is not None and shared:
         digests = previous.digests[:shared]
         ends = previous.ends[: shared + 1]
@@ -200,41 +199,17 @@ def digest_prompt(
         ends = array("Q", [len(tools_raw)])
         roles = bytearray()
     for message in messages[shared:]:
-        digest, size = message_hash(message)
-        digests.append(digest)
-        ends.append(ends[-1] + size)
-        role = message.get("role") if isinstance(message, dict) else None
-        roles.append(ROLE_CODES.get(str(role), 0))
+        _append(message, digests, ends, roles)
     if system_count is None:
         system_count = leading_system_count([m if isinstance(m, dict) else {} for m in messages])
     if previous is not None and system_count <= shared and system_count == previous.system_count:
         system_lines = previous.system_lines
     else:
-        system_lines = tuple(
-            _system_lines(digests[index], message)
-            for index, message in enumerate(messages[:system_count])
-            if isinstance(message, dict)
-        )
-    model = str(body.get("model", ""))
-    tools_digest = xxhash.xxh3_64_intdigest(tools_raw)
-    links = None
-    if (
-        previous is not None
-        and previous.links is not None
-        and (previous.namespace, previous.model, previous.tools) == (namespace, model, tools_digest)
-    ):
-        links = previous.links[: shared + 1]  # the same header, the same messages
-    return PromptDigest(
-        namespace=namespace,
-        model=model,
-        tools=tools_digest,
-        digests=digests,
-        roles=bytes(roles),
-        ends=ends,
-        system_count=system_count,
-        system_lines=system_lines,
-        summary_at=summary_at,
-        links=links,
+        system_lines = _system_lines_of(messages, digests, system_count)
+    # The same header and the same messages: the chain's links so far.
+    linked = shared + 1 if previous is not None else 0
+    return _assembled(
+        body, namespace, tools_raw, digests, ends, roles, system_count, system_lines, previous, linked, summary_at
     )
 
 
@@ -253,8 +228,7 @@ def digest_after_lead(
     if previous is None or not shared:
         return digest_prompt(body, namespace, system_count=system_count)
     messages: Sequence[Any] = body.get("messages") or []
-    tools = body.get("tools") or body.get("functions") or []
-    tools_raw = shared_dumps(tools) if tools else b""
+    tools_raw = _tools_raw(body)
     digests, ends, roles = array("Q"), array("Q", [len(tools_raw)]), bytearray()
     for message in messages[:system_count]:
         _append(message, digests, ends, roles)
@@ -267,21 +241,58 @@ def digest_after_lead(
     roles += previous.roles[start : start + shared]
     for message in messages[system_count + shared :]:
         _append(message, digests, ends, roles)
-    system_lines = tuple(
+    system_lines = _system_lines_of(messages, digests, system_count)
+    same_lead = system_count == start and digests[:start] == previous.digests[:start]
+    linked = system_count + shared + 1 if same_lead else 0
+    return _assembled(body, namespace, tools_raw, digests, ends, roles, system_count, system_lines, previous, linked)
+
+
+def _tools_raw(body: dict[str, Any]) -> bytes:
+    tools = body.get("tools") or body.get("functions") or []
+    return shared_dumps(tools) if tools else b""
+
+
+def _append(message: Any, digests: array[int], ends: array[int], roles: bytearray) -> None:
+    digest, size = message_hash(message)
+    digests.append(digest)
+    ends.append(ends[-1] + size)
+    role = message.get("role") if isinstance(message, dict) else None
+    roles.append(ROLE_CODES.get(str(role), 0))
+
+
+def _system_lines_of(messages: Sequence[Any], digests: array[int], system_count: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(
         _system_lines(digests[index], message)
         for index, message in enumerate(messages[:system_count])
         if isinstance(message, dict)
     )
+
+
+def _assembled(
+    body: dict[str, Any],
+    namespace: str,
+    tools_raw: bytes,
+    digests: array[int],
+    ends: array[int],
+    roles: bytearray,
+    system_count: int,
+    system_lines: tuple[tuple[int, ...], ...],
+    previous: PromptDigest | None,
+    linked: int,
+    summary_at: int = -1,
+) -> PromptDigest:
+    """The digest made of its parts; ``previous``'s first ``linked`` chain links where it has them and
+    its header (tenant, model, tools) is this prompt's."""
     model = str(body.get("model", ""))
     tools_digest = xxhash.xxh3_64_intdigest(tools_raw)
     links = None
-    same_lead = system_count == start and digests[:start] == previous.digests[:start]
     if (
-        same_lead
+        linked
+        and previous is not None
         and previous.links is not None
         and (previous.namespace, previous.model, previous.tools) == (namespace, model, tools_digest)
     ):
-        links = previous.links[: system_count + shared + 1]
+        links = previous.links[:linked]
     return PromptDigest(
         namespace=namespace,
         model=model,
@@ -291,16 +302,9 @@ def digest_after_lead(
         ends=ends,
         system_count=system_count,
         system_lines=system_lines,
+        summary_at=summary_at,
         links=links,
     )
-
-
-def _append(message: Any, digests: array[int], ends: array[int], roles: bytearray) -> None:
-    digest, size = message_hash(message)
-    digests.append(digest)
-    ends.append(ends[-1] + size)
-    role = message.get("role") if isinstance(message, dict) else None
-    roles.append(ROLE_CODES.get(str(role), 0))
 
 
 def header_key(prompt: PromptDigest) -> int:
