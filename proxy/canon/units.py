@@ -45,6 +45,8 @@ from operator import add
 import xxhash
 from cachetools import LRUCache
 
+from proxy.openai import shared_length
+
 _FENCE = re.compile(r"\s*(`{3,}|~{3,})")
 _OPEN_TAG = re.compile(r"\s*<([A-Za-z][\w.:-]*)(?:\s[^<>]*)?>")
 _CLOSE_TAG = re.compile(r"</([A-Za-z][\w.:-]*)\s*>\s*$")
@@ -475,8 +477,8 @@ def _within_a_line(text: str) -> Units | None:
     for recent, tree in reversed(_RECENT):
         if len(recent) != len(text):
             continue
-        first = _first_difference(recent, text)
-        last = len(text) - 1 - _first_difference(recent[::-1], text[::-1])
+        first = shared_length(recent, text)
+        last = len(text) - 1 - shared_length(recent[::-1], text[::-1])
         if "\n" in text[first : last + 1] or "\n" in recent[first : last + 1]:
             continue
         start = text.rfind("\n", 0, first) + 1
@@ -485,18 +487,6 @@ def _within_a_line(text: str) -> Units | None:
         if _read(text[start:end]).reading == _read(recent[start:end]).reading:
             return Units.same_lines(tree)
     return None
-
-
-def _first_difference(a: str, b: str) -> int:
-    """The first index where two different strings of one length differ: halving, slices compared in C."""
-    low, high = 0, len(a)  # equal before low; not all equal before high
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[low:middle] == b[low:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 def _alike(old: list[str], new: list[str]) -> bool:

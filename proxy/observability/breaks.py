@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from cachetools import LRUCache
 
 from proxy.observability.digests import ASSISTANT, SYSTEM, USER, PromptDigest, chain
+from proxy.openai import shared_length
 from proxy.recent import LastWritten, peek
 from proxy.tokenization import TYPICAL_TOKENS_PER_BYTE
 
@@ -456,22 +457,6 @@ def _common_prefix(old: PromptDigest, new: PromptDigest) -> int:
     return shared_length(old.digests, new.digests)
 
 
-def shared_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading items two arrays of digests have equal: slices compared in C (equal most
-    of the way, as a conversation's prompts are: one comparison), halving the rest."""
-    count = min(len(a), len(b))
-    if a[:count] == b[:count]:
-        return count
-    low, high = 0, count  # a[:low] == b[:low]; a[:high] != b[:high]
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[low:middle] == b[low:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
-
-
 def _same_system(old: PromptDigest, new: PromptDigest) -> bool:
     """The leading system messages are the same (a break in front of them is in the tools)."""
     count = old.system_count
@@ -490,10 +475,7 @@ def _system_difference(old: PromptDigest, new: PromptDigest) -> tuple[int, int |
 
 def _first_difference(old: tuple[int, ...], new: tuple[int, ...]) -> int:
     """The first line (1-based, as editors count) that differs."""
-    for index, (a, b) in enumerate(zip(old, new, strict=False)):
-        if a != b:
-            return index + 1
-    return min(len(old), len(new)) + 1
+    return shared_length(old, new) + 1
 
 
 def _shifted(old: PromptDigest, new: PromptDigest, at: int) -> bool:

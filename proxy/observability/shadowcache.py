@@ -46,28 +46,13 @@ import xxhash
 from cachetools import LRUCache
 
 from proxy.observability.digests import ASSISTANT, PromptDigest, chain, content_text, header_key
-from proxy.openai import extend_links
+from proxy.openai import extend_links, shared_length
 
 # The texts of a system message kept per place it was seen (a prompt's variants in the engine's
 # cache are mostly the last few: an app's clock, its retrieved chunks).
 LINE_LISTS = 8
 # Prompts kept whose history's links wait to be made (``ArrangementCache._links``).
 PENDING_PROMPTS = 4
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """How many leading items the two have equal: halving, each half compared in C."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n  # equal before low; not all equal before high
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[low:middle] == b[low:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 # Role markers a ChatML-like template renders around each message (``<|im_start|>user\n`` ...
@@ -208,7 +193,7 @@ class ArrangementCache:
         known = self._lines_at.get(parent)
         if not known:
             return 0
-        matched = max(_common_prefix(hashes, seen) for seen in known)
+        matched = max(shared_length(hashes, seen) for seen in known)
         if not matched:
             return 0
         text = content_text(message.get("content")) if isinstance(message, dict) else ""

@@ -4,7 +4,7 @@ A leaf: it imports nothing else from the proxy, so every part (and ``summarizer`
 """
 
 from proxy.openai.assistant import AssistantRecorder, ToolCall
-from proxy.openai.continuation import Continuations, Resumption
+from proxy.openai.continuation import Continuations, Resumption, shared_length
 from proxy.openai.jsoncanon import canonical_arguments, canonical_dumps, sort_keys_deep
 from proxy.openai.jsonio import (
     MAX_DEPTH,
@@ -65,6 +65,7 @@ __all__ = [
     "same_text",
     "shared_dumps",
     "shared_json",
+    "shared_length",
     "sort_keys_deep",
     "token_count",
     "utf8_size",

@@ -267,6 +267,23 @@ def shared_prefix(kept: Sequence[Any], messages: Sequence[Any]) -> int:
 _EQUAL: deque[tuple[list[Any], list[Any]]] = deque(maxlen=4)
 
 
+def shared_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items two sequences (lists, arrays, tuples, strings) have equal: slices
+    compared in C (equal most of the way, as a conversation's prompts are: one comparison), halving
+    the rest."""
+    count = min(len(a), len(b))
+    if a[:count] == b[:count]:
+        return count
+    low, high = 0, count  # a[:low] == b[:low]; a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 def _agreeing(a: Sequence[Any], a_start: int, b: Sequence[Any], b_start: int, length: int) -> int:
     """How many items from ``a[a_start]`` and ``b[b_start]`` on (at most ``length``) are equal: one
     slice comparison where all are, else halving the rest (each slice compared in C, the same
