@@ -6,16 +6,7 @@ from typing import Any
 
 import xxhash
 
-from proxy.openai import STABLE_ROLES, dumps, shared_dumps
-
-
-def leading_system_count(messages: list[dict[str, Any]]) -> int:
-    count = 0
-    for message in messages:
-        if message.get("role") not in STABLE_ROLES:
-            break
-        count += 1
-    return count
+from proxy.openai import dumps, leading_system_count, shared_dumps
 
 
 def stable_prefix_hash(body: dict[str, Any], stable_count: int | None = None) -> str:

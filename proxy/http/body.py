@@ -17,11 +17,11 @@ from proxy.http import reading
 from proxy.http.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from proxy.openai import (
     MAX_DEPTH,
-    STABLE_ROLES,
     Continuations,
     TooDeep,
     check_depth,
     check_depth_once,
+    leading_system_count,
     loads,
     reuse_texts,
 )
@@ -114,7 +114,7 @@ def _check_nesting(body: dict[str, Any], namespace: str) -> None:
     if not isinstance(messages, list):
         check_depth(rest, MAX_DEPTH)
         return
-    lead = leading_system(messages)
+    lead = leading_system_count(messages, MAX_LEADING_SYSTEM)
     history = messages[lead:] if lead else messages
     resumed = CHECKED_MESSAGES.resume(namespace, history, "nesting")
     if resumed.shared:
@@ -123,22 +123,10 @@ def _check_nesting(body: dict[str, Any], namespace: str) -> None:
     resumed.keep(history, None)
 
 
-# Leading system messages looked at, at most, before the history a conversation re-sends.
+# Leading system messages looked at, at most, before the history a conversation re-sends: checks
+# that judge each message on its own resume on the history after them, so a system prompt that
+# changes (a Dify clock) does not make them judge the whole history again.
 MAX_LEADING_SYSTEM = 8
-
-
-def leading_system(messages: list[Any]) -> int:
-    """How many system (or developer) messages open ``messages``: what a client may write anew on
-    every request (a clock, retrieved text) ahead of the history it re-sends as it was. Checks that
-    judge each message on its own resume on the history after them, so a system prompt that
-    changes does not make them judge the whole history again."""
-    lead = 0
-    for message in messages[:MAX_LEADING_SYSTEM]:
-        role = message.get("role") if type(message) is dict else None
-        if type(role) is not str or role not in STABLE_ROLES:  # anything may be here: not validated yet
-            break
-        lead += 1
-    return lead
 
 
 def is_text(value: Any) -> bool:
@@ -177,7 +165,7 @@ def validate_chat_request(body: dict[str, Any], namespace: str | None = None) ->
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    lead = leading_system(messages) if namespace is not None else 0
+    lead = leading_system_count(messages, MAX_LEADING_SYSTEM) if namespace is not None else 0
     history = messages[lead:] if lead else messages
     resumed = CHECKED_MESSAGES.resume(namespace, history, "chat validation") if namespace is not None else None
     for index in range(lead):

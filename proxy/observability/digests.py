@@ -201,7 +201,7 @@ def digest_prompt(
     for message in messages[shared:]:
         _append(message, digests, ends, roles)
     if system_count is None:
-        system_count = leading_system_count([m if isinstance(m, dict) else {} for m in messages])
+        system_count = leading_system_count(messages)
     if previous is not None and system_count <= shared and system_count == previous.system_count:
         system_lines = previous.system_lines
     else:

@@ -270,7 +270,7 @@ def _digest(
     system message may change on every request (a clock) while its history comes back as it was."""
     messages = body.get("messages") or []
     if system_count is None:
-        system_count = leading_system_count([m if isinstance(m, dict) else {} for m in messages[:MAX_LEAD]])
+        system_count = leading_system_count(messages, MAX_LEAD)
     history = messages[system_count:]
     resumed = lists.resume(scope, history)
     prompt = digest_after_lead(body, scope, system_count, resumed.state, resumed.shared)

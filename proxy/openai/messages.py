@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import islice
 from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 if TYPE_CHECKING:
@@ -15,6 +16,19 @@ from proxy.openai.jsoncanon import canonical_arguments
 
 # The roles of the instructions ahead of a conversation (OpenAI's newer models say "developer").
 STABLE_ROLES = frozenset({"system", "developer"})
+
+
+def leading_system_count(messages: Sequence[Any], limit: int | None = None) -> int:
+    """How many system (or developer) messages open ``messages``, at most ``limit``: what a client
+    may write anew on every request (a clock, retrieved text) ahead of the history it re-sends as it
+    was. Anything else ends them, whatever it is (a list not validated yet is read too)."""
+    count = 0
+    for message in messages if limit is None else islice(messages, limit):
+        role = message.get("role") if isinstance(message, dict) else None
+        if type(role) is not str or role not in STABLE_ROLES:
+            break
+        count += 1
+    return count
 
 
 def message_text(message: Mapping[str, Any]) -> str:
