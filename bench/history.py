@@ -246,10 +246,6 @@ class Sender:
     def row(self) -> Row:
         return self._row
 
-    @property
-    def summary(self) -> bool:
-        return self._row.summary
-
     def made(self, turns: int) -> bytes:
         return orjson.dumps(self._conversation.body(turns))
 
@@ -264,7 +260,7 @@ async def window(sender: Sender, hop: Hop, turns: int, size: int, cell: Cell | N
     summary is in place), then ``size`` requests from ``turns`` on, their CPU added to ``cell``."""
     resumed = sender.made(turns - 1)
     deadline = asyncio.get_running_loop().time() + SUMMARY_WAIT_S
-    while not await sender.send(hop, resumed) and sender.summary and cell is not None:
+    while not await sender.send(hop, resumed) and sender.row.summary and cell is not None:
         if asyncio.get_running_loop().time() > deadline:
             raise RuntimeError(f"{sender.row.name}: no summary in place after {SUMMARY_WAIT_S:.0f} s")
         await asyncio.sleep(0.05)

@@ -63,7 +63,7 @@ from bench import shapes, stacks
 from bench.servers import fake_backend, free_port, spawn
 from bench.shapes import Shape
 from proxy.tokenization import load_encoding
-from testbed.reference import PREFILL_TOKENS_PER_S, REFERENCE_GPU
+from testbed.reference import PREFILL_TOKENS_PER_S, REFERENCE_GPU, gpu_ms
 
 MODEL = "fake-model"
 FILLER = (
@@ -409,14 +409,14 @@ def saved_table(rows: list[tuple[Shape, shapes.Size, list[HopResult]]], saved: d
         proxy = next((r for r in results if r.name == "prefix-proxy"), None)
         if found is None or proxy is None:
             continue
-        gpu_ms = found.tokens / rate * 1e3
+        gpu_time = gpu_ms(found.tokens, rate)
         cells = [
             shape.name,
             f"{proxy.cpu_ms_per_request:.2f}",
             f"{found.direct:,.0f} -> {found.proxied:,.0f}",
             f"{found.tokens:,.0f}",
-            f"{gpu_ms:.1f}",
-            f"{gpu_ms / proxy.cpu_ms_per_request:.0f}x" if proxy.cpu_ms_per_request > 0 and gpu_ms > 0 else "-",
+            f"{gpu_time:.1f}",
+            f"{gpu_time / proxy.cpu_ms_per_request:.0f}x" if proxy.cpu_ms_per_request > 0 and gpu_time > 0 else "-",
         ]
         if router is not None:
             cells.append(f"{results[router].cpu_ms_per_request:.2f}")
