@@ -3,8 +3,8 @@
 Each shape is an app: its requests' floor is the tokens of the lines no earlier request of the
 shape carried, the model's replies counted as seen (:class:`proxy.observability.floor.FloorMeter`,
 the operator page's own measure), in tokens at each request's reported prompt tokens per byte.
-Requests of every protocol are read in chat shape (a Messages request's ``system``, a Responses
-request's ``instructions`` and ``input``). Pure: fed exchanges, no I/O.
+Requests of every protocol are read in chat shape, through the proxy's own view of their
+protocol. Pure: fed exchanges, no I/O.
 """
 
 from __future__ import annotations
@@ -13,25 +13,23 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.observability import FloorMeter
+from proxy.protocols import CHAT_COMPLETIONS, MESSAGES, RESPONSES
 from testbed.workload import Exchange
 
 # Line hashes each shape remembers (a forgotten line counts again: the floor errs high).
 FLOOR_LINES = 1 << 20
 OVERALL = "overall"
+_PROTOCOLS = {"chat": CHAT_COMPLETIONS, "messages": MESSAGES, "responses": RESPONSES}
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request's messages in chat shape, whatever its protocol."""
-    messages: list[dict[str, Any]] = []
-    system = body.get("system") if body.get("system") is not None else body.get("instructions")
-    if system is not None:
-        messages.append({"role": "system", "content": system})
-    for source in (body.get("messages"), body.get("input")):
-        if isinstance(source, str):
-            messages.append({"role": "user", "content": source})
-        elif isinstance(source, list):
-            messages += [m for m in source if isinstance(m, dict)]
-    return messages
+def chat_request(body: dict[str, Any], protocol: str = "chat") -> tuple[list[Any], list[Any]]:
+    """The request's messages and tools in chat shape, as the proxy's own view of ``protocol`` reads
+    them (a Messages request's ``system`` and ``tool_result`` blocks, a Responses request's
+    ``instructions``, ``function_call`` and ``function_call_output`` items): the text the engine
+    renders, whatever the protocol."""
+    view = _PROTOCOLS.get(protocol, CHAT_COMPLETIONS).view(body, None, "").chat
+    messages, tools = view.get("messages"), view.get("tools")
+    return (messages if isinstance(messages, list) else []), (tools if isinstance(tools, list) else [])
 
 
 def reply_message(payload: Any) -> dict[str, Any] | None:
@@ -60,9 +58,8 @@ class ShapeFloors:
         meter = self._meters.get(exchange.scenario)
         if meter is None:
             meter = self._meters[exchange.scenario] = FloorMeter(FLOOR_LINES)
-        body = exchange.body
-        tools = body.get("tools") if isinstance(body.get("tools"), list) else ()
-        floor = meter.measure(chat_messages(body), tools or ())
+        messages, tools = chat_request(exchange.body, exchange.protocol)
+        floor = meter.measure(messages, tools)
         meter.saw_reply(reply_message(exchange.response))
         self.tokens[exchange.scenario] = self.tokens.get(exchange.scenario, 0) + floor.tokens(
             exchange.stat.prompt_tokens

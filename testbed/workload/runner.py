@@ -136,6 +136,8 @@ class Exchange:
     status: int
     response: Any
     stat: RequestStat
+    # The session's protocol (``Session.protocol``): how ``body`` reads.
+    protocol: str = "chat"
 
 
 ExchangeCallback = Callable[[Exchange], None]
@@ -232,7 +234,10 @@ async def run_workload_async(
             results[session.scenario].add(stat)
             if on_exchange is not None:
                 on_exchange(
-                    Exchange(session.scenario, session.session_id, step_index, body, stat.status, payload, stat)
+                    Exchange(
+                        session.scenario, session.session_id, step_index, body, stat.status, payload, stat,
+                        session.protocol,
+                    )
                 )
             done += 1
             expected = max(expected, done)
