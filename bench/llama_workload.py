@@ -10,21 +10,20 @@ of each answer (its ``usage.prompt_tokens_details.cached_tokens``), and beside i
 
 The floor (docs/engines.md, DESIGN "The floor"): per request, the tokens of the lines no earlier request
 of its shape carried (assistant lines count as seen: the engine generated them), computed from the
-requests the direct pass sent, at each request's own tokens per byte.
+requests the direct pass answered, at each request's own tokens per byte: ``bench.floors.ShapeFloors``,
+the measure ``bench.workload`` and ``prefix-proxy analyze`` report.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import subprocess
 import sys
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from bench.floors import ShapeFloors
 from bench.llama_server import (
     DEFAULT_CACHE,
     MODEL_NAME,
@@ -39,43 +38,6 @@ from testbed.workload import Exchange, run_workload_async
 DEFAULT_SCENARIOS = "dify_rag,timestamp_user,open_webui,stable_app,append_only"
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return ""
-
-
-@dataclass(frozen=True)
-class Sent:
-    app: str
-    messages: list[dict[str, Any]]
-    tools: list[Any]
-    prompt_tokens: int
-
-
-def floor_tokens(requests: Iterable[Sent]) -> list[int]:
-    """Per request, in order: the tokens of its lines that no earlier request of its app carried
-    (an assistant message's lines count as seen; each tool definition is one line), at the
-    request's ``prompt_tokens`` per byte of its text. Pure."""
-    seen: dict[str, set[str]] = {}
-    floors = []
-    for request in requests:
-        known = seen.setdefault(request.app, set())
-        lines = [json.dumps(tool, sort_keys=True) for tool in request.tools]
-        generated: list[str] = []
-        for message in request.messages:
-            split = _text(message.get("content")).split("\n")
-            (generated if message.get("role") == "assistant" else lines).extend(split)
-        total = sum(len(line.encode()) + 1 for line in lines + generated)
-        new = {line for line in lines if line.strip() and line not in known}
-        new_bytes = sum(len(line.encode()) + 1 for line in new)
-        floors.append(round(new_bytes * request.prompt_tokens / total) if total else 0)
-        known.update(lines, generated)
-    return floors
-
-
 @dataclass
 class Row:
     requests: int = 0
@@ -86,7 +48,7 @@ class Row:
 
 def run(
     base: str, scenarios: list[str], sessions: int, max_tokens: int, model: str | None = MODEL_NAME
-) -> tuple[dict[str, Row], list[Sent]]:
+) -> tuple[dict[str, Row], ShapeFloors]:
     exchanges: list[Exchange] = []
     asyncio.run(
         run_workload_async(
@@ -100,7 +62,7 @@ def run(
         )
     )
     rows: dict[str, Row] = {}
-    sent = []
+    floors = ShapeFloors()
     for exchange in exchanges:
         row = rows.setdefault(exchange.scenario, Row())
         row.requests += 1
@@ -108,11 +70,8 @@ def run(
             row.errors += 1
             continue
         row.prefill += exchange.stat.prompt_tokens - exchange.stat.cached_tokens
-        body = exchange.body
-        sent.append(
-            Sent(exchange.scenario, body.get("messages") or [], body.get("tools") or [], exchange.stat.prompt_tokens)
-        )
-    return rows, sent
+        floors.observe(exchange)
+    return rows, floors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,14 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = args.scenarios.split(",")
     totals = {}
     with llama_server(binary, model, args.ctx_size, args.parallel) as server:
-        direct, sent = run(server + "/v1", scenarios, args.sessions, args.max_tokens)
+        direct, floors = run(server + "/v1", scenarios, args.sessions, args.max_tokens)
         totals["direct"] = _engine_prompt_tokens(server)
     log = args.proxy_log.open("wb") if args.proxy_log else subprocess.DEVNULL
     with llama_server(binary, model, args.ctx_size, args.parallel) as server, proxy(server + "/v1", stderr=log) as base:
         proxied, _ = run(base, scenarios, args.sessions, args.max_tokens)
         totals["proxy"] = _engine_prompt_tokens(server)
-    for one, floor in zip(sent, floor_tokens(sent), strict=True):
-        direct[one.app].floor += floor
+    for name, floor in floors.tokens.items():
+        direct[name].floor = floor
     print(
         f"llama-server --ctx-size {args.ctx_size} --parallel {args.parallel}, {MODEL_NAME}, "
         f"{args.sessions} sessions each:"
