@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import platform
 import shutil
 import subprocess
 import sys
@@ -77,6 +78,11 @@ def ensure_engine(cache: Path) -> Path:
     root = next(sources.iterdir()) / "vendor" / "llama.cpp"
     build = cache / "build"
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        # Not -march=native: a VM's CPU can list AVX-512 and AMX features its hypervisor or kernel
+        # does not let run (seen: llama-server killed by SIGILL in libggml-cpu at its first
+        # computation). The x86-64-v3 set (AVX2, FMA, F16C) runs on every machine that has it.
+        flags += ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"]
     subprocess.run(["cmake", "-S", str(root), "-B", str(build), *flags], check=True)
     subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j"], check=True)
     return binary
