@@ -22,7 +22,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress, count, islice
 from typing import Any
 
@@ -56,6 +56,15 @@ class Digested:
     # (``ForwardedLayouts.written``).
     blocks: list[int]
     mark: int
+    # What the next request's restorations start from (``relocation._Layout.restorations``):
+    # which blocks' lines are where (a moved line -> the offsets of the blocks that hold it, for
+    # every block at ``blocks``), and the offsets whose blocks were all in the system texts
+    # (by message and text part) of a request of the conversation. A block can be held by the
+    # next request only if it was held then, is new, or holds a line that is new in its system
+    # texts: only those are looked at, not every block of a long conversation.
+    line_offsets: dict[MovedLine, frozenset[int]] = field(default_factory=dict)
+    system_texts: dict[tuple[int, int], str] | None = None
+    held: frozenset[int] = frozenset()
 
 
 class ForwardedLayouts:

@@ -844,6 +844,13 @@ class _Layout:
         self._blocks: list[int] = []
         self._mark = 0
         self._resumed: Resumption[Digested] | None = None
+        # Restorations' memory (``Digested.line_offsets``, ``system_texts``, ``held``), carried
+        # from the conversation's last request; ``_fresh``: the offsets whose blocks it did not
+        # know (None: nothing carried, every block is looked at).
+        self._line_offsets: dict[MovedLine, frozenset[int]] = {}
+        self._system_texts: dict[tuple[int, int], str] | None = None
+        self._held: frozenset[int] = frozenset()
+        self._fresh: set[int] | None = None
 
     def resume(self, namespace: str, messages: list[dict[str, Any]]) -> None:
         """Digest and chain the request's history, taking what its conversation's last request
@@ -855,6 +862,7 @@ class _Layout:
         self._resumed = resumed = self._layouts.digested.resume(namespace, history)
         digests, systems, chain = array("Q"), [], array("Q", [self._header])
         blocks: list[int] | None = None
+        rewritten: list[int] = []
         state, shared = resumed.state, resumed.shared
         if state is not None and shared:
             digests = state.digests[:shared]
@@ -864,7 +872,8 @@ class _Layout:
                 since = self._layouts.written_since(state.mark)
                 if since is not None:
                     blocks = state.blocks[: bisect_left(state.blocks, shared)]
-                    blocks += self._offsets(chain, since, shared)
+                    rewritten = self._offsets(chain, since, shared)
+                    blocks += rewritten
         for offset in range(len(digests), len(history)):
             message = history[offset]
             if isinstance(message, dict) and message.get("role") == "system":
@@ -873,8 +882,31 @@ class _Layout:
         self._history_digests, self._history_systems = digests, systems
         self._history_chain = chain = extend_links(chain, digests[len(chain) - 1 :])
         known = 0 if blocks is None else shared
-        self._blocks = sorted({*(blocks or ()), *self._layouts.with_blocks(chain[1:], known)})
+        added = self._layouts.with_blocks(chain[1:], known)
+        self._blocks = sorted({*(blocks or ()), *added})
         self._mark = self._layouts.written
+        if blocks is not None and state is not None:
+            # Carried: index only the blocks it did not know (a few: those this turn adds).
+            self._fresh = {*rewritten, *added}
+            self._line_offsets = state.line_offsets
+            self._system_texts, self._held = state.system_texts, state.held
+        else:
+            self._fresh, self._line_offsets = None, {}
+        self._index_blocks(chain, self._blocks if self._fresh is None else sorted(self._fresh))
+
+    def _index_blocks(self, chain: Sequence[int], offsets: Iterable[int]) -> None:
+        """Add the lines of the blocks at these history offsets to ``_line_offsets`` (a copy: the
+        carried one is the last request's, which a lane of the conversation may resume too)."""
+        index: dict[MovedLine, set[int]] = {}
+        for offset in offsets:
+            for block in self._layouts.blocks_at(chain[offset + 1]):
+                for line in block:
+                    index.setdefault(line, set()).add(offset)
+        if index:
+            merged = dict(self._line_offsets)
+            for line, found in index.items():
+                merged[line] = merged.get(line, frozenset()) | found
+            self._line_offsets = merged
 
     @staticmethod
     def _offsets(chain: array[int], positions: list[int], below: int) -> list[int]:
@@ -903,7 +935,24 @@ class _Layout:
         if since:
             blocks = sorted({*blocks, *self._offsets(chain, since, len(chain) - 1)})
         mark = self._layouts.written if since is not None else _UNKNOWN_MARK
-        digested = Digested(self._history_digests, self._header, chain, self._history_systems, blocks, mark)
+        held = self._held
+        if since:
+            # Blocks written since the request began (by this request): the next one knows their
+            # lines and looks at them (they are where its unchanged lines go again).
+            written = self._offsets(chain, since, len(chain) - 1)
+            self._index_blocks(chain, written)
+            held = held.union(written)
+        digested = Digested(
+            self._history_digests,
+            self._header,
+            chain,
+            self._history_systems,
+            blocks,
+            mark,
+            self._line_offsets,
+            self._system_texts,
+            held,
+        )
         self._resumed.keep(self._history, digested)
 
     def _digest(self, message: Any) -> int:
@@ -975,10 +1024,48 @@ class _Layout:
         # The position before history message ``offset`` is named by the link after it.
         positions, offsets = self._block_offsets(messages, system_count)
         present = _SystemLines(messages[:system_count], memories.texts)
-        for offset in offsets:
-            for block in self._layouts.blocks_at(positions[offset]):
-                if present.hold(block):
-                    yield system_count + offset, self.split_again(messages, system_count, block, placement, memories)
+        looked_at, tracked = self._maybe_held(messages, system_count, offsets, memories.texts)
+        found: list[tuple[int, Block]] = []
+        for offset in looked_at:
+            held = [block for block in self._layouts.blocks_at(positions[offset]) if present.hold(block)]
+            found.extend((offset, block) for block in held)
+        if tracked:
+            self._held = frozenset(offset for offset, _ in found)
+        for offset, block in found:
+            yield system_count + offset, self.split_again(messages, system_count, block, placement, memories)
+
+    def _maybe_held(
+        self, messages: list[dict[str, Any]], system_count: int, offsets: list[int], texts: TextScope | None
+    ) -> tuple[list[int], bool]:
+        """The offsets (of ``offsets``, in order) whose blocks this request's system messages may
+        hold, and whether what is found held is to be remembered (``_held``): those held by the
+        request the carried memory was taken at (and blocks it wrote), those it did not know, and
+        those with a line new in the system texts since. Exact: a block whose every line is held
+        now and was not then has a line that was not there then. ``offsets`` itself where nothing
+        is carried (each block is looked at, and the memory starts here)."""
+        if texts is None or not self._is_history(messages, system_count):
+            return offsets, False
+        before, fresh = self._system_texts, self._fresh
+        now: dict[tuple[int, int], str] = {}
+        for index in range(system_count):
+            for part, text in enumerate(_texts(messages[index].get("content"))):
+                now[(index, part)] = text
+        self._system_texts = now
+        if before is None or fresh is None:
+            return offsets, True
+        maybe: set[int] = {*self._held, *fresh}
+        line_offsets = self._line_offsets
+        for place, text in now.items():
+            was = before.get(place)
+            if was is text or was == text:
+                continue
+            new_lines = texts.facts(text, "").hash_set()
+            if was is not None:
+                new_lines = new_lines - texts.facts(was, "").hash_set()
+            index, part = place
+            for line in new_lines:
+                maybe.update(line_offsets.get((index, part, line), ()))
+        return sorted(maybe.intersection(offsets)), True
 
     def forwarded_conversation(self, messages: list[dict[str, Any]], stable_count: int) -> bool:
         """Whether this conversation (its first user turn) was forwarded before right after these
