@@ -2,12 +2,14 @@
 
     python -m bench.history [--turns 10,50,200,1000] [--window 10] [--rounds 3]
                             [--styles dify,agent] [--cases plain,session,summary,summary-session]
-                            [--tokens 8000] [--before CHECKOUT] [--profile DIR]
+                            [--tokens 8000] [--before CHECKOUT] [--profile DIR] [--grown]
 
 A client re-sends a conversation's whole history on every turn: request ``t`` is request ``t-1``
 plus the reply and a new user message. Per row (a style and a case) and per history length ``N``,
 a new conversation is resumed at ``N - 1`` earlier turns (one request carrying that history whole,
-as a client resuming a long chat sends it; not timed), then ``--window`` requests carrying
+as a client resuming a long chat sends it; not timed; with ``--grown``, every earlier turn is sent
+first, one request each, as a conversation held through the proxy from its start, so that what
+the proxy keeps per turn is there), then ``--window`` requests carrying
 ``N``, ``N + 1``, ... earlier turns are sent one after the other, and the CPU the proxy process
 spent on them (each thread's schedstat nanoseconds, ``bench.overhead.CpuReading``) is divided by
 their number. Rows, lengths and proxies take turns in an order that rotates (``bench.overhead.
@@ -255,9 +257,14 @@ class Sender:
         return "summary_anchored" in response.headers.get("x-prefix-proxy-actions", "")
 
 
-async def window(sender: Sender, hop: Hop, turns: int, size: int, cell: Cell | None) -> None:
+async def window(sender: Sender, hop: Hop, turns: int, size: int, cell: Cell | None, grown: bool = False) -> None:
     """The conversation resumed at ``turns - 1`` earlier turns (on a summary row, re-sent until its
-    summary is in place), then ``size`` requests from ``turns`` on, their CPU added to ``cell``."""
+    summary is in place), then ``size`` requests from ``turns`` on, their CPU added to ``cell``.
+    ``grown``: every earlier turn sent first, one request each (untimed), as a conversation held
+    through the proxy from its start: what the proxy keeps per turn is there, as in production."""
+    if grown:
+        for earlier in range(1, turns - 1):
+            await sender.send(hop, sender.made(earlier))
     resumed = sender.made(turns - 1)
     deadline = asyncio.get_running_loop().time() + SUMMARY_WAIT_S
     while not await sender.send(hop, resumed) and sender.row.summary and cell is not None:
@@ -294,7 +301,7 @@ def started(before: str | None) -> Iterator[Proxies]:
 
 
 async def measure(
-    proxies: Proxies, rows: list[Row], turns: tuple[int, ...], size: int, rounds: int, tokens: int
+    proxies: Proxies, rows: list[Row], turns: tuple[int, ...], size: int, rounds: int, tokens: int, grown: bool = False
 ) -> Results:
     results = Results(turns, size, rows, [hop.name for hop in proxies.plain])
     rows = [*rows, *(Row(style, FLOOR) for style in dict.fromkeys(row.style for row in rows))]
@@ -315,7 +322,7 @@ async def measure(
                         number += 1
                         sender = Sender(client, row, Conversation(row.style, number, tokens))
                         print(f"  {hops[k].name}: {row.name}, {n} turns", file=sys.stderr, flush=True)
-                        await window(sender, hops[k], n, size, results.cell(hops[k].name, row, n))
+                        await window(sender, hops[k], n, size, results.cell(hops[k].name, row, n), grown)
                     step += 1
     return results
 
@@ -412,13 +419,15 @@ async def run(args: argparse.Namespace) -> str:
     rows = rows_of(args.styles, args.cases)
     turns = tuple(sorted(int(n) for n in args.turns.split(",")))
     with started(args.before) as proxies:
-        results = await measure(proxies, rows, turns, args.window, args.rounds, args.tokens)
+        results = await measure(proxies, rows, turns, args.window, args.rounds, args.tokens, args.grown)
         notes = []
         if args.profile:
             notes = await profile(proxies, rows, turns[-1], args.window, args.tokens, Path(args.profile))
     title = (
         f"CPU per request in the proxy process as one conversation grows ({args.rounds} rounds of "
-        f"{args.window} requests per row and length, each resumed at one turn less; instant backend)"
+        f"{args.window} requests per row and length, each "
+        + ("grown turn by turn through the proxy" if args.grown else "resumed at one turn less")
+        + "; instant backend)"
     )
     logic = f"The same over the JSON floor ({JSON_HOP}: reading and writing the body) of the style and length:"
     return "\n".join([title, table(results), "", logic, over_floor_table(results), f"data: {source()}", *notes])
@@ -434,6 +443,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=8000, help="the Dify system prompt's size")
     parser.add_argument("--before", help="another checkout of prefix-proxy, measured beside this one")
     parser.add_argument("--profile", help="a folder for py-spy profiles at the longest length")
+    parser.add_argument(
+        "--grown",
+        action="store_true",
+        help="send every earlier turn first (untimed), not one resuming request: what the proxy keeps per turn",
+    )
     return parser
 
 
