@@ -13,6 +13,7 @@ relocation delivers against them.
 # ruff: noqa: E501
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,6 +160,54 @@ def test_pydantic_ai_git_status_keeps_its_label() -> None:
             lines = text.strip("\n").split("\n")
             assert lines[0] != status, "the status arrived without its label"
             assert lines[-1] != "Git status:", "the label arrived without its status"
+
+
+# -- LangChain RAG template ----------------------------------------------------------------------
+
+
+def langchain_rag_prompt(now: str, context: str, blank: str = "") -> str:
+    """A ``ChatPromptTemplate`` system message as LangChain apps write it: a date partial, then the
+    retrieved documents (``"\\n\\n".join(doc.page_content ...)``) after ``Context:`` (``blank``: a blank
+    line between the label and the documents)."""
+    return (
+        "You are an assistant for questions about a small software repository.\n"
+        f"Current date and time: {now}\n"
+        "\n"
+        "Use the following pieces of retrieved context to answer the question.\n"
+        "\n"
+        f"Context:\n{blank}{context}"
+    )
+
+
+README = "# tiny-calc\n\nA tiny calculator used to benchmark coding agents."
+CODE = "def f(a, b):\n    return a + b"
+
+
+def test_a_label_introduces_the_heading_or_label_after_it() -> None:
+    """A retrieved document that opens with a Markdown heading, or with a line ending with ``:`` (code),
+    is what ``Context:`` introduces, on the next line or after a blank line: moved without it, the
+    label reads as introducing nothing."""
+    for blank, documents in itertools.product(("", "\n"), (f"{README}\n\n\n{CODE}\n", f"{CODE}\n\n\n{README}\n")):
+        text = langchain_rag_prompt("12/05/2026, 02:23:01", documents, blank)
+        lines = text.split("\n")
+        label = lines.index("Context:")
+        documents = {i for i in range(label + 1, len(lines)) if lines[i].strip()}
+        units = units_of(text)
+        group = next(u for u in units.units() if u.first == label)
+        assert group.kind == GROUP and group.last > label, (blank, group)  # its first document, at least
+        assert [(u.kind, u.first) for u in units.torn(documents)] == [(GROUP, label)]
+        assert units.whole(documents) >= documents | {label}
+
+
+def test_langchain_context_moves_with_its_label() -> None:
+    proxy = Proxy()
+    contexts = [f"{README}\n\n\n{CODE}\n", f"{CODE}\n\n\ndef g(a, b):\n    return a * b\n", f"{README}\n\nRun it.\n"]
+    for turn in range(6):
+        sent = langchain_rag_prompt(f"12/05/2026, 02:23:{turn:02d}", contexts[turn % 3])
+        out = proxy.send(chat(sent, *[f"question {n}" for n in range(turn + 1)]))
+        assert_whole(sent, out)
+        for text in delivered_system(out):
+            assert text.rstrip("\n").split("\n")[-1] != "Context:", (turn, "the label arrived without its documents")
 
 
 # -- Claude Code ----------------------------------------------------------------------------------

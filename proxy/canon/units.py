@@ -12,7 +12,9 @@ text's own marks (never from one client's wording):
   up to the line that ends with its ``</name>``), tags included;
 - a labelled group: a line ending with ``:`` and what it introduces (the following lines up to a
   blank line or the next label at its indentation; a label ending its paragraph introduces the next
-  unit, such as the ``<env>`` element right after ``Here is useful information ...:``);
+  unit, such as the ``<env>`` element right after ``Here is useful information ...:``, and so does a
+  label right before another label or a heading: ``Context:`` then a retrieved README that opens
+  with ``# title``, or code that opens with ``def f(a, b):``);
 - a list item (``-``, ``*``, ``+``, ``•``, ``1.``, ``1)``) with its more indented continuation;
 - a section: a Markdown heading and what follows up to a heading of its level or above;
 - a listing: the run of other lines a label introduces (``Status:`` then ``git status --short``'s
@@ -377,14 +379,26 @@ class _Parser:
         reads = self.reads
         units: list[Unit] = []
         index = start
+        waiting: int | None = None  # a label with nothing of its own: it introduces the unit after it
         while index < end:
             read = reads[index]
+            if waiting is not None and units[-1].first > waiting:
+                _introduce(units)
+                waiting = None
             if read.label and not read.item and index + 1 < end:
                 stop = index + 1
                 while stop < end and not (
                     reads[stop].indent <= read.indent and (reads[stop].label or reads[stop].heading)
                 ):
                     stop += 1
+                if stop == index + 1:
+                    # Another label or a heading right after it: it introduces that (a heading's
+                    # section is joined to it once sections are made). Of a run of such labels,
+                    # only the last introduces what follows: one level, however long the run.
+                    units.append(Unit(index, index, LINE))
+                    waiting = None if reads[stop].heading else index
+                    index = stop
+                    continue
                 inner = tuple(self._block(index + 1, stop, introduced=True))
                 units.append(Unit(index, stop - 1, GROUP, inner, head=True))
                 index = stop
@@ -404,6 +418,8 @@ class _Parser:
             else:
                 units.append(Unit(index, index, LINE))
                 index += 1
+        if waiting is not None and units[-1].first > waiting:
+            _introduce(units)
         return units
 
     def _sections(self, units: list[Unit]) -> list[Unit]:
@@ -425,8 +441,16 @@ class _Parser:
                 stop += 1
             inner = tuple(self._sections(units[index + 1 : stop]))
             out.append(Unit(unit.first, units[stop - 1].last, SECTION, inner, head=True) if inner else unit)
+            if len(out) > 1 and out[-2].kind == LINE and reads[out[-2].first].label:
+                _introduce(out)  # ``Context:`` then a document that opens with a heading
             index = stop
         return out
+
+
+def _introduce(units: list[Unit]) -> None:
+    """The label before the last unit made the framing of a group around that unit."""
+    label, first = units.pop(-2), units.pop()
+    units.append(Unit(label.first, first.last, GROUP, (first,), head=True))
 
 
 def _plain(read: _Line) -> bool:
