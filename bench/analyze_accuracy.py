@@ -46,7 +46,10 @@ def run_mode(
         settings = base.model_copy(
             update={
                 "canon": base.canon.model_copy(update={"mode": mode}),
-                "tenants": [TenantSettings(name=s, api_key=api_key(s)) for s in scenarios],  # type: ignore[arg-type]
+                # analyze models canonicalization, not the repair of a sliding window (the default
+                # repairs the workload's unnamed one): what it predicts is compared with that alone.
+                "summarizer": base.summarizer.model_copy(update={"sliding_window_repair": "named"}),
+                "tenants": [TenantSettings(name=s, api_key=api_key(s)) for s in scenarios],
                 "capture": base.capture.model_copy(update={"path": str(capture) if capture else None}),
             }
         )

@@ -420,11 +420,13 @@ class SummarizerSettings(Section):
     # the soft threshold whatever the growth.
     lookahead_requests: int = Field(4, ge=0)
     # Restore messages a client's sliding window dropped, until they are folded into the summary:
-    # "named": in sessions the client names (a session header, prompt_cache_key), whose identity is
-    # certain; "inferred": in inferred sessions too, where the window re-sends replies the backend
-    # generated for the conversation (deterministic replies can make two conversations look alike,
-    # docs/summarizer.md); "off". true / false mean "named" / "off".
-    sliding_window_repair: WindowRepair = "named"
+    # "inferred" (default): in inferred sessions too, where the window re-sends replies the backend
+    # generated for the conversation, and never where the request starts with a conversation
+    # opening the proxy saw open in another session (deterministic replies can make a conversation's
+    # whole history equal the end of another's; docs/summarizer.md); "named": only in sessions the
+    # client names (a session header, prompt_cache_key), whose identity is certain; "off".
+    # true / false mean "named" / "off".
+    sliding_window_repair: WindowRepair = "inferred"
     repair_max_tokens: int = Field(4096, gt=0)
 
     @field_validator("sliding_window_repair", mode="before")

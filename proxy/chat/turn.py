@@ -249,9 +249,13 @@ class ChatTurn:
 
     def _anchor(self) -> None:
         """Apply the session's summary (and window repair) to the canonical request. Not to a side
-        lane: the summary and its tail are of the session's conversation, which it does not extend."""
+        lane, nor to a request that opens another conversation (``SessionView.opens_elsewhere``):
+        the summary and its tail are of the session's conversation, which neither extends."""
         settings = self.settings.summarizer
-        if not settings.enabled or self.session is None or not self.summarize or self.session.side_lane:
+        session = self.session
+        if not settings.enabled or session is None or not self.summarize or session.side_lane:
+            return
+        if session.opens_elsewhere:
             return
         model = self.canonical.get("model")
         self.anchored = anchor(
@@ -259,7 +263,7 @@ class ChatTurn:
             SummaryState() if self.summary_deferred else self.summary,
             self.stable_count,
             repair=self.repairs_window,
-            repair_needs_reply=self.session is not None and not self.session.explicit,
+            repair_needs_reply=not session.explicit,
             # A model whose template takes one system message only (found out by a refusal, or
             # configured with relocate_target system_end) gets the summary inside it.
             into_system=self.services.canonicalizer.one_system_message(model),
@@ -301,16 +305,18 @@ class ChatTurn:
     @property
     def repairs_window(self) -> bool:
         """Restore what a sliding window dropped (``summarizer.sliding_window_repair``). A session the
-        client names is certain. An inferred one (mode "inferred") only where the window re-sends
-        replies the backend generated for the conversation (``anchor``); with deterministic replies a
-        conversation whose history equals the end of another's cannot be told from a slide of it,
-        which is why that mode is not the default. Either way the tail must have been forwarded after
-        this request's system prompt and tools."""
+        client names is certain. An inferred one (mode "inferred", the default) where the window
+        re-sends replies the backend generated for the conversation (``anchor``), and never where
+        the request starts with a conversation opening the proxy saw open in another session
+        (``SessionView.opens_elsewhere``): with deterministic replies a conversation whose whole
+        history equals the end of another's shares every pair with it but its first, and where it
+        began is what tells it from a slide of that one. Either way the tail must have been
+        forwarded after this request's system prompt and tools."""
         mode = self.settings.summarizer.sliding_window_repair
         if mode == "off" or self.session is None or (mode == "named" and not self.session.explicit):
             return False
-        if self.session.side_lane:
-            return False  # a side task's window is not the conversation's
+        if self.session.side_lane or self.session.opens_elsewhere:
+            return False  # a side task's window is not the conversation's, nor another conversation's
         return not self.summary.tail_prefix or self.summary.tail_prefix == self.prefix_hash
 
     @property

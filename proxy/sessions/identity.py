@@ -21,6 +21,12 @@ sends no history, so each of its requests is a new session (give it an explicit
 id); two conversations whose histories are identical so far (same messages,
 same replies) are one conversation as far as any observer can tell, and are told
 apart from the first message in which they differ.
+
+Openings: a conversation's first pair (the start and its first message) is also indexed under
+:func:`opening_key` for the session it opened. A request that starts with another live session's
+opening re-sends that conversation, never a window slid over this one: with deterministic replies, a
+conversation whose whole history equals the end of another's shares every pair with it but its
+first, and where it began is what tells the two apart (``SessionService``).
 """
 
 from __future__ import annotations
@@ -38,10 +44,19 @@ import xxhash
 from proxy.openai import STABLE_ROLES, link_hash, message_fingerprint
 
 _START = 0x5EED
+# Seeds the index key of a conversation's opening (:func:`opening_key`), apart from every pair.
+_OPENED = 0x09E4ED
 
 
 def pair_fingerprint(previous: int, current: int) -> int:
     return link_hash(previous, current)
+
+
+def opening_key(first_pair: int) -> int:
+    """Where the pair index holds the session that opened with ``first_pair`` (a request's first
+    pair: the start and its first non-system message). Not a pair of any conversation, so a window
+    that slid, whose first pair is a later message's, never takes it."""
+    return link_hash(_OPENED, first_pair)
 
 
 # A message and its :func:`message_fingerprint`.

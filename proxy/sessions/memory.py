@@ -161,7 +161,15 @@ class MemorySessionStore:
             record.last_pair = turn.reply_pair
             record.last_request_pair = turn.request_pair
             record.first_pair = turn.first_pair
+        if turn.opening and not record.opening:
+            record.opening = turn.opening
         self._store(record)
+        if turn.opening_key:
+            # A conversation's opening, not one of its pairs: whose it is moves no session's pair
+            # token (the identity's shortcut never reads it). Re-inserted: the newest again.
+            opening_key = _tenant_key(tenant, turn.opening_key)
+            self._fingerprints.pop(opening_key, None)
+            self._fingerprints[opening_key] = session_id
         for fingerprint in turn.new_fingerprints:
             fingerprint_key = _tenant_key(tenant, fingerprint)
             holder = self._fingerprints.pop(fingerprint_key, None)  # re-inserted: the newest again

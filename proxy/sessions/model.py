@@ -27,6 +27,9 @@ class SessionRecord:
     last_request_pair: int = 0
     # The first pair of the latest request: a client whose next request starts elsewhere slides a window.
     first_pair: int = 0
+    # The first pair of the request that opened the session (0 for a record from before it was
+    # kept): a request that starts there re-sends the conversation from its beginning.
+    opening: int = 0
     summary: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -45,6 +48,11 @@ class TurnRecord:
     reply_pair: int = 0
     request_pair: int = 0
     first_pair: int = 0
+    # The session's opening (its record's ``opening``, kept once) and its index key
+    # (``identity.opening_key``), set to the session: when the request opens the session, or
+    # re-sends the opening (which keeps that entry alive). 0: neither.
+    opening: int = 0
+    opening_key: int = 0
     # A side lane of a named session (a title or tags request, a sub-agent: it shares the session
     # but does not extend its conversation): it counts the tokens and the request, and leaves the
     # conversation's place (pairs, context) and fingerprints as they were.

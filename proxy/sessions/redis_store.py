@@ -2,7 +2,8 @@
 
 Layout (``p`` = configured key prefix, tenant-namespaced everywhere):
   p s:<tenant>:<sid>       hash   the session record (summary as JSON)
-  p fp:<tenant>:<hex>      string session id of one adjacent-message fingerprint
+  p fp:<tenant>:<hex>      string session id of one adjacent-message fingerprint, or of the
+                                  session a conversation opening opened (identity.opening_key)
   p idx:<tenant>           zset   session ids by last-seen (listing)
   p active                 zset   "<tenant>\\0<sid>" by last-seen (gauges)
   p u:<scope>:<window>     string tokens used in one budget window
@@ -81,6 +82,7 @@ _INT_FIELDS = (
     "last_pair",
     "last_request_pair",
     "first_pair",
+    "opening",
 )
 
 
@@ -172,6 +174,8 @@ class RedisSessionStore:
                         "first_pair": turn.first_pair,
                     },
                 )
+            if turn.opening:
+                pipe.hsetnx(key, "opening", turn.opening)
             pipe.expire(key, self._ttl)
             if self._cluster:
                 # One slot per transaction: the indexes and fingerprints live elsewhere.
@@ -192,6 +196,10 @@ class RedisSessionStore:
         pipe.zadd(f"{self._prefix}active", {f"{tenant}\x00{session_id}": now})
         for fingerprint in turn.new_fingerprints:
             pipe.set(self._fp_key(tenant, fingerprint), session_id, ex=self._ttl)
+        if turn.opening_key:
+            # A conversation's opening (identity.opening_key): set again by every request that
+            # re-sends it, so it lives as long as the conversation does.
+            pipe.set(self._fp_key(tenant, turn.opening_key), session_id, ex=self._ttl)
 
     async def list_sessions(self, tenant: str, limit: int = 100) -> list[SessionRecord]:
         index = f"{self._prefix}idx:{tenant}"

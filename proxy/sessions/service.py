@@ -36,6 +36,7 @@ from proxy.sessions.identity import (
     conversation_fingerprints,
     elect,
     explicit_session_id,
+    opening_key,
     reply_fingerprint,
     weights,
 )
@@ -76,6 +77,11 @@ class SessionView:
     # conversation (a title or tags request, a sub-agent, a compaction). Its root (the first pair,
     # 0 without one) names the lane; None: the session's own conversation.
     lane: int | None = None
+    # The request starts with the opening of another live session than this one, whose latest turn
+    # it does not continue: it re-sends a conversation from its beginning, one that only looks like
+    # part of this session (deterministic replies make a conversation's whole history equal the end
+    # of another's). It is never a window slid over this session, and gets none of its summary.
+    opens_elsewhere: bool = False
 
     @property
     def side_lane(self) -> bool:
@@ -251,13 +257,23 @@ class SessionService:
         held: tuple[str, int] | None,
     ) -> SessionView:
         """The session the history's pairs name (:func:`vote`); ``held``: a session that holds the
-        history's first pairs, which are not looked up."""
+        history's first pairs, which are not looked up.
+
+        Where the request starts with the opening of another live session (:func:`opening_key`),
+        it re-sends that conversation from its beginning: it is that session's where it continues
+        the session's latest turn (:func:`_continues`), else it stays with the session its pairs
+        name, as a conversation that only looks like part of it (``SessionView.opens_elsewhere``).
+        A request that starts with the named session's own opening needs no more."""
         first = 0
         if held is not None:
             first = min(held[1], len(history))
             if await call(store.get(tenant, held[0])) is None:
                 first = 0  # not live: its pairs name nothing, as a lookup would find
-        matches, last_seen = await call(store.lookup(tenant, history[first:]))
+        # Whose opening the request's first pair is, looked up with the history's pairs: no round
+        # trip of its own.
+        start = fingerprints[0]
+        matches, last_seen = await call(store.lookup(tenant, [*history[first:], opening_key(start)]))
+        opener = matches.pop()
         counts = weights(matches, first + 1)
         if first:
             assert held is not None
@@ -269,10 +285,18 @@ class SessionService:
         if session_id is None:
             return SessionView(tenant, unique_id(), None, fingerprints)
         record = await call(store.get(tenant, session_id))
+        opens_elsewhere = False
+        if opener is not None and opener != session_id and (record is None or record.opening != start):
+            other = await call(store.get(tenant, opener))
+            if other is not None and other.opening == start:
+                if _continues(other, history):
+                    session_id, record = opener, other
+                else:
+                    opens_elsewhere = True
         if record is not None and _forked(record, history):
             return SessionView(tenant, unique_id(), None, fingerprints)
         known = set(compress(history[first:], map(eq, matches, repeat(session_id))))
-        view = SessionView(tenant, session_id, record, fingerprints, known)
+        view = SessionView(tenant, session_id, record, fingerprints, known, opens_elsewhere=opens_elsewhere)
         if first and held is not None and session_id == held[0]:
             view.known_prefix = first
         return view
@@ -342,6 +366,13 @@ class SessionService:
         reply_fp = reply_fingerprint(messages, reply, view.last_message) if reply is not None else None
         if reply_fp is not None and not view.side_lane:
             new.append(reply_fp)
+        # The session's opening, when the request opens the session or re-sends it: the index
+        # entry that tells a conversation that starts there from a window slid over another.
+        opening = 0
+        if not view.side_lane and view.fingerprints:
+            start = view.fingerprints[0]
+            if view.record is None or view.record.opening == start:
+                opening = start
         prompt = usage.prompt_tokens if usage else 0
         tokens_per_byte = prompt / request_bytes if usage and request_bytes > 0 else (view.tokens_per_byte or 0.0)
         turn = TurnRecord(
@@ -354,6 +385,8 @@ class SessionService:
             request_pair=view.fingerprints[-1] if view.fingerprints else 0,
             first_pair=view.fingerprints[0] if view.fingerprints else 0,
             side_lane=view.side_lane,
+            opening=opening,
+            opening_key=opening_key(opening) if opening else 0,
         )
         now = time.time()
         if self.local is not None:
@@ -514,6 +547,15 @@ async def _extends(
         return True
     matches, _ = await call(store.lookup(record.tenant, history))
     return record.session_id in matches
+
+
+def _continues(record: SessionRecord, history: list[int]) -> bool:
+    """Whether a history that starts with the session's opening continues the session's latest turn:
+    it re-sends the latest reply, or the latest request's newest pair past the opening itself (which
+    every conversation that opens alike shares)."""
+    if record.last_pair and record.last_pair in history:
+        return True
+    return bool(record.last_request_pair) and record.last_request_pair in history[1:]
 
 
 def _forked(record: SessionRecord, history: list[int]) -> bool:
