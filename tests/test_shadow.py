@@ -167,6 +167,25 @@ def test_rewrites_that_cost_more_stop_within_the_window_and_try_again_after_a_do
     assert "".join(outcomes) == "RRRS" + "---" + "RRRS" + "-" * 6 + "RRRS" + "-" * 12 + "RRRS" + "---"
 
 
+def test_a_trial_is_judged_on_the_requests_it_rewrote() -> None:
+    """An app whose first rewrite comes late (what varies shows itself only after a few requests:
+    a LangGraph agent's clock and retrieved context, two requests a turn with its tool loop) is not
+    judged on that first rewrite with the as-sent requests before it: its window begins with the
+    first request it changed. Before, the trial stopped on the first rewrite, whose cost (the move)
+    comes before its gain (the next turn), and the run cost more than direct."""
+    shadow = RewriteShadow(ShadowSettings(window=4, backoff=3))
+    outcomes = []
+    for i in range(20):
+        client = one_shot(f"question {i}")
+        admission = shadow.admit("t", client)
+        # A copy, as the canonicalizer forwards a request it did not change.
+        forwarded = moved_to_the_end(client, f"request {i}") if admission.rewrite and i >= 10 else dict(client)
+        verdict = shadow.account(admission, client, forwarded)
+        outcomes.append("S" if verdict.stopped else ("R" if admission.rewrite else "-"))
+    # Ten requests rewritten to nothing, then a rule that costs: judged after four of its requests.
+    assert "".join(outcomes) == "R" * 10 + "RRRS" + "---" + "RRR"
+
+
 def test_rewrites_that_pay_are_kept() -> None:
     shadow = RewriteShadow(ShadowSettings(window=4, backoff=3))
     for i in range(30):

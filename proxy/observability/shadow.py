@@ -15,7 +15,9 @@ least half of, else starts one. A line that varies enters the sketch only when i
 the smallest, and then displaces one: a template is recognized through its varying lines.
 Requests without a system prompt are an app per tool set.
 
-A *trial* is a run of rewritten requests. Once it holds ``window`` requests, the sum of the
+A *trial* is a run of rewritten requests, counted from the first one the rewrite changed (an app
+whose rewrites wait for what varies to show itself is not judged on its as-sent requests and its
+first move, whose gain comes a turn later). Once it holds ``window`` requests, the sum of the
 differences over the whole trial so far is its verdict, checked on every request: more than one
 block's worth (``block_size`` tokens) and the app's rewrites stop. The sum covers the whole trial,
 not its last ``window`` requests: a rewrite that saves a new conversation its system prompt and
@@ -91,7 +93,9 @@ class _App:
     balance: int = 0
     # What the conversations kept rewritten while rewrites are stopped cost since the last switch.
     held_extra: int = 0
+    # Requests of the trial since the first one it changed, and whether it changed one yet.
     trial_requests: int = 0
+    placed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +172,7 @@ class RewriteShadow:
         state.balance = 0
         state.held_extra = 0
         state.trial_requests = 0
+        state.placed = False
         return Admission(True, app, prompt, scope, trial_started=True)
 
     def account(
@@ -205,6 +210,14 @@ class RewriteShadow:
             state.held_extra += verdict.extra_tokens
         if not (rewritten and state.rewriting):
             return verdict
+        if not state.placed:
+            if forwarded_prompt.tools == client_prompt.tools and forwarded_prompt.digests == client_prompt.digests:
+                # Nothing rewritten yet: the trial's bet is not placed and its window not begun. An
+                # app whose first rewrite waits for what varies to show itself is judged on the
+                # requests it rewrote, not on its first one with the as-sent ones before it.
+                state.balance += verdict.extra_tokens
+                return verdict
+            state.placed = True
         return self._judge(state, verdict)
 
     def _switch_cost(self, state: _App, prompt: PromptDigest, messages: Sequence[Any]) -> int:
