@@ -9,7 +9,17 @@ turn, so the environment the clients report changes mid-session), saved by ``ben
 - a pydantic-ai agent (``pydantic-ai-slim`` 2.68.0, bench/clients/pydantic_agent.py): instructions whose
   dynamic part is ``Working directory:``, ``Current time:`` and ``Git status:`` with ``git status --short``
   (pydantic-ai sends each instruction part as a system message of its own);
-- and Continue CLI again with nothing changing between turns (``--scenarios plain``).
+- and Continue CLI again with nothing changing between turns (``--scenarios plain``);
+- an OpenAI Agents SDK agent (``openai-agents`` 0.24.0, bench/clients/openai_agents.py) on ``/v1/responses``
+  with ``store`` false: instructions whose last part is a ``## Environment`` section (a list with the
+  working directory, an ISO clock and ``Git status:`` before a fence of ``git status --short``), the history
+  re-sent as ``to_input_list()`` gives it;
+- a LangGraph ReAct agent (``langgraph`` 1.2.24, ``langchain-openai`` 1.8.1, bench/clients/langgraph_agent.py):
+  a ``ChatPromptTemplate`` system prompt with a clock at its second line and the retrieved documents after
+  ``Context:`` at its end (a README that opens with a Markdown heading, code);
+- and each agent again recorded with the fake's tool-calling replies (``--policy-replies``: a tool call then
+  text every turn, so two requests a turn; replayed with text replies like every recording, the tool calls
+  in the history are the client's text).
 
 Each is replayed, in order, to a fresh fake vLLM directly and to another through a fresh in-process proxy
 (uvicorn, defaults), the fake answering what it answered when recorded. Through the proxy: every request
@@ -33,7 +43,15 @@ from bench.clients.recorder import Exchange
 from bench.clients.replay import Replay, load, replay
 
 RECORDED = Path(__file__).parent / "recorded"
-SESSIONS = ("continue-cli-edits", "pydantic-ai-edits", "continue-cli-plain")
+SESSIONS = (
+    "continue-cli-edits",
+    "pydantic-ai-edits",
+    "continue-cli-plain",
+    "openai-agents-edits",
+    "openai-agents-tools",
+    "langgraph-edits",
+    "langgraph-tools",
+)
 # Continue CLI with nothing changing between turns: the environment block moves at the first request
 # (an environment span moves at first sight) into a system message of its own, whose role framing
 # adds 5 prompt tokens to every request; nothing in the session varies, so nothing pays it back.
@@ -48,6 +66,13 @@ PREFILL_CASES = [
     "continue-cli-edits",
     "pydantic-ai-edits",
     pytest.param("continue-cli-plain", marks=FRAMING_COSTS_MORE),
+    "openai-agents-edits",
+    "openai-agents-tools",
+    "langgraph-edits",
+    # Its first rewrite comes at its seventh request (the clock's place varied by then): the shadow
+    # judged the trial on it with the six as-sent requests before it and stopped rewriting (3,536
+    # against 3,494 directly) until a trial's window counted only the requests it changed.
+    "langgraph-tools",
 ]
 
 

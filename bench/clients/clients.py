@@ -12,8 +12,9 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
-from bench.clients import dify, install, openwebui, pydantic_agent
+from bench.clients import dify, install, langgraph_agent, openai_agents, openwebui, pydantic_agent
 
 DUMMY_KEY = "sk-bench-dummy-key"
 
@@ -315,35 +316,81 @@ class ContinueCLI(Client):
         return [str(binary), "--config", ws.state["config"], "-p", *more, prompt]
 
 
-class PydanticAIAgent(Client):
-    """A pydantic-ai agent with tools and dynamic instructions (working directory, time, git status;
-    see pydantic_agent.py), the real ``pydantic-ai-slim`` from PyPI; one process per turn."""
+class PythonAgent(Client):
+    """An agent framework from PyPI driven by a small script of ours (``python -m <driver> turn STATE PROMPT``,
+    one process per turn, with the framework venv's interpreter), the conversation kept in ``STATE``."""
 
-    name = "pydantic-ai"
-    protocol = "chat"
+    driver: ModuleType  # the driver module: PACKAGE, STATE, write_state()
+    distribution = ""  # the PyPI distribution whose version the bench prints
 
     def install(self) -> Path:
-        python = install.pip_package(self.name, pydantic_agent.PACKAGE, "python", timeout=900.0)
-        wrapper = python.with_name("pydantic-ai-bench")
+        python = install.pip_package(self.name, self.driver.PACKAGE, "python", timeout=900.0)
+        wrapper = python.with_name(f"{self.name}-bench")
         if not wrapper.exists():  # answers --version, as the bench prints each client's
             wrapper.write_text(
                 "#!/bin/sh\n"
                 'exec "$(dirname "$0")/python" -c "import importlib.metadata as m; '
-                "print('pydantic-ai-slim', m.version('pydantic-ai-slim'))\"\n"
+                f"print('{self.distribution}', m.version('{self.distribution}'))\"\n"
             )
             wrapper.chmod(0o755)
         return wrapper
 
     def prepare(self, ws: Workspace) -> dict[str, str]:
-        pydantic_agent.write_state(ws.home / pydantic_agent.STATE, ws.openai_base, ws.model)
-        return {"PYTHONPATH": str(openwebui.REPO_ROOT)}  # the turn driver: python -m bench.clients.pydantic_agent
+        self.driver.write_state(ws.home / self.driver.STATE, ws.openai_base, ws.model)
+        return {"PYTHONPATH": str(openwebui.REPO_ROOT)}  # the turn driver: python -m bench.clients.<driver>
 
     def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
-        state = str(ws.home / pydantic_agent.STATE)
-        return [str(binary.with_name("python")), "-m", "bench.clients.pydantic_agent", "turn", state, prompt]
+        state = str(ws.home / self.driver.STATE)
+        module = self.driver.__name__
+        return [str(binary.with_name("python")), "-m", module, "turn", state, prompt]
+
+
+class PydanticAIAgent(PythonAgent):
+    """A pydantic-ai agent with tools and dynamic instructions (working directory, time, git status;
+    see pydantic_agent.py), the real ``pydantic-ai-slim`` from PyPI; one process per turn."""
+
+    name = "pydantic-ai"
+    protocol = "chat"
+    driver = pydantic_agent
+    distribution = "pydantic-ai-slim"
+
+
+class OpenAIAgentsSDK(PythonAgent):
+    """An OpenAI Agents SDK agent on ``/v1/responses`` (``store`` false, the history re-sent from
+    ``to_input_list()``) with four function tools and instructions built per run (rules, then working
+    directory, time and git status; see openai_agents.py), the real ``openai-agents`` from PyPI."""
+
+    name = "openai-agents"
+    protocol = "responses"
+    driver = openai_agents
+    distribution = "openai-agents"
+
+
+class LangGraphAgent(PythonAgent):
+    """A LangGraph ReAct agent (``create_react_agent``, ``ChatOpenAI`` at the base URL) whose system
+    prompt a ``ChatPromptTemplate`` builds per model call from the date and time and the documents a
+    retriever found for the question (see langgraph_agent.py), the real ``langgraph`` and
+    ``langchain-openai`` from PyPI."""
+
+    name = "langgraph"
+    protocol = "chat"
+    driver = langgraph_agent
+    distribution = "langgraph"
 
 
 CLIENTS: dict[str, type[Client]] = {
     c.name: c
-    for c in (ClaudeCode, Codex, OpenCode, QwenCode, Aider, OpenWebUI, DifyPlugin, ContinueCLI, PydanticAIAgent)
+    for c in (
+        ClaudeCode,
+        Codex,
+        OpenCode,
+        QwenCode,
+        Aider,
+        OpenWebUI,
+        DifyPlugin,
+        ContinueCLI,
+        PydanticAIAgent,
+        OpenAIAgentsSDK,
+        LangGraphAgent,
+    )
 }

@@ -61,7 +61,8 @@ def npm_package(name: str, package: str, executable: str, *, timeout: float = 30
 
 
 def pip_package(name: str, package: str, executable: str, *, python: str | None = None, timeout: float = 900.0) -> Path:
-    """``package`` from PyPI into ``.work/venv-<name>`` (made with ``python``); returns ``bin/<executable>``."""
+    """``package`` from PyPI into ``.work/venv-<name>`` (made with ``python``); returns ``bin/<executable>``.
+    ``package`` may name several, separated by spaces (``"langgraph==1.2.24 langchain-openai==1.8.1"``)."""
     venv = WORK / f"venv-{name}"
     binary = venv / "bin" / executable
     if binary.exists():
@@ -69,7 +70,7 @@ def pip_package(name: str, package: str, executable: str, *, python: str | None 
     interpreter = python or find_python(("3.12", "3.11"))
     if not (venv / "bin" / "python").exists():
         _run([interpreter, "-m", "venv", str(venv)], name, 120.0)
-    _run([str(venv / "bin" / "pip"), "install", "-q", package], name, timeout)
+    _run([str(venv / "bin" / "pip"), "install", "-q", *package.split()], name, timeout)
     if not binary.exists():
         raise Unavailable(f"{name}: pip installed {package} but {binary} is missing")
     return binary
