@@ -58,12 +58,13 @@ class Digested:
     mark: int
     # What the next request's restorations start from (``relocation._Layout.restorations``):
     # which blocks' lines are where (a moved line -> the offsets of the blocks that hold it, for
-    # every block at ``blocks``), and the offsets whose blocks were all in the system texts
-    # (by message and text part) of a request of the conversation. A block can be held by the
-    # next request only if it was held then, is new, or holds a line that is new in its system
-    # texts: only those are looked at, not every block of a long conversation.
+    # every block at ``blocks``), and the offsets whose blocks were all in the system texts (by
+    # message and text part, each with its lines' hashes) of a request of the conversation. A
+    # block can be held by the next request only if it was held then, is new, or holds a line
+    # that is new in its system texts: only those are looked at, not every block of a long
+    # conversation.
     line_offsets: dict[MovedLine, frozenset[int]] = field(default_factory=dict)
-    system_texts: dict[tuple[int, int], str] | None = None
+    system_texts: dict[tuple[int, int], tuple[str, frozenset[int]]] | None = None
     held: frozenset[int] = frozenset()
 
 

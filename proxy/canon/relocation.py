@@ -848,7 +848,7 @@ class _Layout:
         # from the conversation's last request; ``_fresh``: the offsets whose blocks it did not
         # know (None: nothing carried, every block is looked at).
         self._line_offsets: dict[MovedLine, frozenset[int]] = {}
-        self._system_texts: dict[tuple[int, int], str] | None = None
+        self._system_texts: dict[tuple[int, int], tuple[str, frozenset[int]]] | None = None
         self._held: frozenset[int] = frozenset()
         self._fresh: set[int] | None = None
 
@@ -1046,25 +1046,23 @@ class _Layout:
         if texts is None or not self._is_history(messages, system_count):
             return offsets, False
         before, fresh = self._system_texts, self._fresh
-        now: dict[tuple[int, int], str] = {}
+        line_offsets = self._line_offsets
+        maybe: set[int] = {*self._held, *(fresh or ())}
+        now: dict[tuple[int, int], tuple[str, frozenset[int]]] = {}
         for index in range(system_count):
             for part, text in enumerate(_texts(messages[index].get("content"))):
-                now[(index, part)] = text
+                was = before.get((index, part)) if before is not None else None
+                if was is not None and (was[0] is text or was[0] == text):
+                    now[(index, part)] = was
+                    continue
+                lines = texts.facts(text, "").hash_set()
+                now[(index, part)] = (text, lines)
+                if before is not None and fresh is not None:
+                    for line in lines if was is None else lines - was[1]:
+                        maybe.update(line_offsets.get((index, part, line), ()))
         self._system_texts = now
         if before is None or fresh is None:
             return offsets, True
-        maybe: set[int] = {*self._held, *fresh}
-        line_offsets = self._line_offsets
-        for place, text in now.items():
-            was = before.get(place)
-            if was is text or was == text:
-                continue
-            new_lines = texts.facts(text, "").hash_set()
-            if was is not None:
-                new_lines = new_lines - texts.facts(was, "").hash_set()
-            index, part = place
-            for line in new_lines:
-                maybe.update(line_offsets.get((index, part, line), ()))
         return sorted(maybe.intersection(offsets)), True
 
     def forwarded_conversation(self, messages: list[dict[str, Any]], stable_count: int) -> bool:
