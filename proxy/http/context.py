@@ -58,6 +58,9 @@ class RequestContext:
     backend: str | None = None
     # The forwarded messages' roles differ from the client's (a message was inserted or removed).
     restructured: bool = False
+    # The rewrite shadow has accounted this client request already (this is a retry of it): once
+    # only, or the refused attempt's prompt, remembered as cached, makes the retry look free as sent.
+    shadow_accounted: bool = False
     # perf_counter() time by which the whole answer must be sent (``request_timeout_s``).
     deadline: float = math.inf
     # Only with ``log_prompts: true``: the messages as forwarded, for debugging.

@@ -29,6 +29,7 @@ async def chat_completions(state: ProxyState, request: Request, ctx: RequestCont
         retry.deadline = ctx.deadline
         retry.span, ctx.span = ctx.span, None  # one span for the client's request, ended with the retry
         retry.actions.append("retried_keeping_message_order")
+        retry.shadow_accounted = True
         view = CHAT_COMPLETIONS.view(body, state.canonicalizer.tool_orders, tenant.name)
         response = await forward_turn(state, request, retry, tenant, CHAT_COMPLETIONS, view, options)
         if response.status_code == 400:

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 def rewrite_or_forward(state: ProxyState, ctx: RequestContext, chat: dict[str, Any], tenant: str) -> CanonResult:
     """``chat`` canonicalized, or as sent (byte for byte) while its app's rewrites are stopped."""
     shadow = state.shadow
-    if shadow is None:
+    if shadow is None or ctx.shadow_accounted:
+        # A retry of a request the shadow admitted to a rewrite (a strict template refused the
+        # rewrite's message order): rewritten again, not accounted twice.
         return state.canonicalizer.apply(chat, tenant)
     metrics = state.metrics
     admission = shadow.admit(tenant, chat)
