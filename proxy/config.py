@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -131,6 +132,73 @@ def _lower(value: Any) -> Any:
     return value.strip().lower() if isinstance(value, str) else value
 
 
+def _key_problem(text: str) -> str | None:
+    """Why a key sent as ``Authorization: Bearer KEY`` could not be: HTTP carries visible ASCII (a
+    space inside), and drops spaces at either end."""
+    if text != text.strip():
+        return "starts or ends with a space, which HTTP drops before the key is compared: remove it"
+    if not all(" " <= c <= "~" for c in text):
+        return "holds a character an HTTP header cannot carry (a line break, a control or non-ASCII character)"
+    return None
+
+
+def _sendable_key(value: SecretStr | None) -> SecretStr | None:
+    """A key the proxy sends (upstream) or a client presents (admin, metrics); empty is allowed where
+    the setting gives it a meaning (no key)."""
+    if value is not None:
+        why = _key_problem(value.get_secret_value())
+        if why:
+            raise ValueError(f"a key is sent in an HTTP header (Authorization: Bearer KEY), and this one {why}")
+    return value
+
+
+HeaderKey = Annotated[SecretStr, AfterValidator(_sendable_key)]
+
+
+def _client_key(value: SecretStr) -> SecretStr:
+    """A tenant's key: what its clients present, so not empty."""
+    if not value.get_secret_value():
+        raise ValueError("empty: no client can present it; give the tenant a key")
+    return _sendable_key(value) or value
+
+
+# Headers the proxy sets on every upstream request itself, and the hop-by-hop ones (RFC 9110 7.6.1)
+# that frame one connection: a router's header written into one would replace the proxy's own, break
+# the request's framing, or never reach the router.
+PROXY_REQUEST_HEADERS = frozenset({"authorization", "content-type", "content-length", "host", "x-request-id"})
+HOP_BY_HOP_HEADERS = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade"}
+)
+_HEADER_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def router_header(name: str) -> str:
+    """A header a router behind the proxy reads (``routing.key_headers``, ``routing.echo_headers``),
+    lower-cased; ValueError saying why ``name`` cannot be one."""
+    lowered = name.strip().lower()
+    if not _HEADER_TOKEN.fullmatch(lowered):
+        raise ValueError(f"{name!r} is not a header name (letters, digits and !#$%&'*+-.^_`|~ only)")
+    if lowered in PROXY_REQUEST_HEADERS:
+        raise ValueError(
+            f"{lowered!r} is a header the proxy sets itself: name the router's own, e.g. x-smg-routing-key"
+        )
+    if lowered in HOP_BY_HOP_HEADERS:
+        raise ValueError(
+            f"{lowered!r} is a hop-by-hop header (RFC 9110), which breaks the request or never reaches the router: "
+            "name the router's own, e.g. x-smg-routing-key"
+        )
+    return lowered
+
+
+def _router_headers(value: list[str]) -> list[str]:
+    for index, name in enumerate(value):
+        try:
+            router_header(name)
+        except ValueError as error:
+            raise conflict((index,), str(error)) from None
+    return value
+
+
 def sentinel_address(address: str) -> tuple[str, int]:
     """``host:port`` or ``[ipv6]:port`` of a Redis sentinel."""
     text = address.strip()
@@ -163,10 +231,31 @@ def _importable(module: str) -> bool:
     return True
 
 
+# No setting means infinity or an astronomical number, and the libraries under the proxy overflow on
+# one (a socket timeout past 2**63 nanoseconds, a deque past 2**63 entries): every number a setting
+# holds is finite (allow_inf_nan), every duration (a setting named *_s) at most MAX_SECONDS, every
+# integer at most MAX_INTEGER.
+MAX_SECONDS = 1_000_000_000  # about 31 years
+MAX_INTEGER = 2**53 - 1  # the largest integer JSON carries exactly
+
+
+def _within_reach(value: Any, info: ValidationInfo) -> Any:
+    """Every field's value (a wildcard validator of each section): see :data:`MAX_SECONDS`."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    if (info.field_name or "").endswith("_s") and value > MAX_SECONDS:
+        raise ValueError(f"a duration is at most {MAX_SECONDS} seconds (about 31 years)")
+    if isinstance(value, int) and abs(value) > MAX_INTEGER:
+        raise ValueError(f"input should be at most {MAX_INTEGER} (the largest integer JSON carries exactly)")
+    return value
+
+
 class Section(BaseModel):
     """A settings section: a key it does not know is an error (a misspelling must not run on defaults)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    _within_reach = field_validator("*")(_within_reach)
 
 
 # The built-in volatile-span detectors (proxy.canon.volatile.BUILTIN_DETECTORS).
@@ -201,6 +290,8 @@ class VolatileRule(Section):
                 re.compile(value, re.MULTILINE)
             except re.error as error:
                 raise ValueError(f"not a regular expression: {error.msg} at position {error.pos}") from None
+            except (OverflowError, RecursionError) as error:  # a{99999999999}; thousands of nested groups
+                raise ValueError(f"not a regular expression Python can compile: {error}") from None
         return value
 
     @model_validator(mode="after")
@@ -301,8 +392,8 @@ class BudgetOverrides(Section):
 
 class TenantSettings(Section):
     name: str = Field(min_length=1)
-    api_key: SecretStr
-    upstream_api_key: SecretStr | None = None
+    api_key: Annotated[SecretStr, AfterValidator(_client_key)]
+    upstream_api_key: HeaderKey | None = None
     budget: BudgetOverrides = Field(default_factory=BudgetOverrides)
 
 
@@ -370,7 +461,10 @@ class SessionSettings(Section):
     def _redis_url(cls, value: str) -> str:
         """What redis-py accepts (``redis.connection.parse_url``), checked now rather than at the
         first request."""
-        parts = urlsplit(value)
+        try:
+            parts = urlsplit(value)
+        except ValueError:  # an unclosed [ (an IPv6 address)
+            raise ValueError("not a URL: write an IPv6 host in brackets, redis://[::1]:6379/0") from None
         if parts.scheme not in ("redis", "rediss", "unix"):
             raise ValueError("a Redis URL starts with redis://, rediss:// or unix://, e.g. redis://HOST:6379/0")
         if parts.scheme != "unix" and not parts.hostname:
@@ -481,6 +575,7 @@ class RoutingSettings(Section):
     echo_headers: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     _split_key_headers = field_validator("key_headers", "echo_headers", mode="before")(_string_list)
+    _header_names = field_validator("key_headers", "echo_headers")(_router_headers)
 
 
 class ReplicaSettings(Section):
@@ -685,13 +780,18 @@ class Settings(BaseSettings):
 
     # An error names the setting, never echoes its input: settings hold keys and credentialed URLs.
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", hide_input_in_errors=True
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        hide_input_in_errors=True,
+        allow_inf_nan=False,
     )
+    _within_reach = field_validator("*")(_within_reach)
 
     upstream: str = "http://127.0.0.1:8000/v1"
     # Several backends (base URLs) instead of ``upstream``: a list, or a comma-separated string.
     upstreams: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    upstream_api_key: SecretStr | None = None
+    upstream_api_key: HeaderKey | None = None
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
     host: ListenHost = "127.0.0.1"
@@ -735,7 +835,7 @@ class Settings(BaseSettings):
     # /metrics names tenants and backends and counts every tenant's traffic: keep it from clients
     # with a bearer token of its own (Prometheus: authorization.credentials), a listen address of
     # its own (metrics_port; then the API port answers /metrics with 404), or both.
-    metrics_api_key: SecretStr | None = None
+    metrics_api_key: HeaderKey | None = None
     metrics_host: ListenHost | None = None  # default: ``host``
     metrics_port: Port | None = None
     canon: CanonSettings = Field(default_factory=CanonSettings)
@@ -754,7 +854,7 @@ class Settings(BaseSettings):
     # store: one per process, the cache cold after every restart). Changing it cold-starts the
     # prefix cache once (docs/sessions.md).
     cache_salt_secret: SecretStr | None = None
-    admin_api_key: SecretStr | None = None
+    admin_api_key: HeaderKey | None = None
     max_model_len_cache_s: float = Field(300.0, ge=0)
     # The served model's KV shape, for the session KV-bytes gauge: a preset name or a config.json path.
     kv_model: str | None = None
@@ -785,6 +885,22 @@ class Settings(BaseSettings):
     def _split_upstreams(cls, value: Any) -> Any:
         value = _string_list(value)
         return [_upstream_url(u) for u in value] if isinstance(value, list) else value
+
+    @field_validator("upstreams")
+    @classmethod
+    def _distinct_upstreams(cls, urls: list[str]) -> list[str]:
+        """Each backend once: two URLs of one server (host, port and path) would be one backend under
+        one name twice (its metrics, its health, its share of the routing)."""
+        names: dict[str, int] = {}
+        for index, url in enumerate(urls):
+            earlier = names.setdefault(backend_name(url), index)
+            if earlier != index:
+                raise conflict(
+                    (index,),
+                    f"the backend {backend_name(url)} twice (upstreams[{earlier}] and upstreams[{index}] name the "
+                    "same host, port and path): list each backend once",
+                )
+        return urls
 
     @field_validator("tenants")
     @classmethod
@@ -873,18 +989,21 @@ class Settings(BaseSettings):
         keyed = "upstream_api_key" if self.upstream_api_key else None
         tenant = next((t.name for t in self.tenants if t.upstream_api_key), None)
         keyed = keyed or (f"tenants[{tenant!r}].upstream_api_key" if tenant is not None else None)
-        for url in self.upstream_urls:
+        for index, url in enumerate(self.upstream_urls):
+            loc: tuple[str | int, ...] = ("upstreams", index) if self.upstreams else ("upstream",)
             parts = urlsplit(url)
             shown = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path}"
             if "?" in url or "#" in url:
-                raise ValueError(
+                raise conflict(
+                    loc,
                     f"upstream URL {shown} has a query string or fragment, which every forwarded path would "
-                    "land in: give the base URL alone (requests keep their own query strings)"
+                    "land in: give the base URL alone (requests keep their own query strings)",
                 )
             if keyed and (parts.username or parts.password):
-                raise ValueError(
+                raise conflict(
+                    loc,
                     f"upstream URL {shown} carries credentials (user:password@) and {keyed} is set: the "
-                    f"URL's would replace the key on every request; remove one of them"
+                    f"URL's would replace the key on every request; remove one of them",
                 )
         return self
 
@@ -910,17 +1029,35 @@ class Settings(BaseSettings):
 
 
 def _upstream_url(value: str) -> str:
-    """A backend's base URL, checked: http(s), a host; the trailing slash dropped."""
+    """A backend's base URL, checked: http(s), a host, a port a server can listen on; the trailing
+    slash dropped."""
     text = value.strip().rstrip("/")
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    try:
+        parts = urlsplit(text)
+    except ValueError:  # an unclosed [ (an IPv6 address)
+        raise ValueError("not a URL: write an IPv6 host in brackets, http://[::1]:8000/v1") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         hint = f"http://{text}" if "://" not in text else "http://HOST:PORT/v1"
         raise ValueError(f"an upstream is an http(s) base URL such as http://127.0.0.1:8000/v1: write {hint}")
     try:
-        parts.port  # noqa: B018 (parsing it is the check)
+        port = parts.port
     except ValueError:
-        raise ValueError("the port of an upstream URL must be a number from 0 to 65535") from None
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError("the port of an upstream URL must be a number from 1 to 65535")
     return text
+
+
+def backend_name(base_url: str) -> str:
+    """``host:port`` (and a path other than ``/v1``): what metrics and logs call a backend.
+
+    Never the URL itself, which may carry credentials.
+    """
+    parts = urlsplit(base_url)
+    host = parts.hostname or "upstream"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    path = parts.path.rstrip("/")
+    return f"{host}:{port}" + (path if path and path != "/v1" else "")
 
 
 def load_settings(config_file: str | None = None, **overrides: Any) -> Settings:

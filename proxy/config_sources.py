@@ -288,8 +288,12 @@ def dotted(loc: Location) -> str:
 
 
 def masked_url(value: str) -> str:
-    """``value`` with a URL's password replaced by ``***``."""
-    parts = urlsplit(value)
+    """``value`` with a URL's password replaced by ``***`` (in text that is no URL, whatever stands
+    between ``://user:`` and ``@``)."""
+    try:
+        parts = urlsplit(value)
+    except ValueError:  # not a URL (an unclosed [): shown in a problem about it
+        return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", value)
     if not parts.password:
         return value
     host = parts.netloc.rpartition("@")[2]

@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal
 
@@ -128,8 +129,30 @@ def listen(host: str, port: int, setting: str) -> socket.socket:
     return sock
 
 
-def serve(settings: Settings, *, reload: Callable[[], Settings] | None = None) -> None:
-    """Serve until SIGTERM or SIGINT; SIGHUP calls ``reload`` and applies what it can (proxy.reload)."""
+@dataclass
+class Servers:
+    """What ``serve`` runs: the proxy app, the API server, the ``/metrics`` server when
+    ``metrics_port`` is set, and the sockets they listen on (bound, not yet accepting)."""
+
+    app: FastAPI
+    api: ProxyServer
+    metrics: SidecarServer | None
+    sockets: list[socket.socket]
+
+    def run(self) -> None:
+        """Serve until SIGTERM or SIGINT (or ``api.should_exit``)."""
+        if self.metrics is None:
+            # As uvicorn.run: Ctrl-C is a way to stop.
+            with contextlib.suppress(KeyboardInterrupt):
+                self.api.run(sockets=self.sockets)
+            return
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve_both(self.api, self.metrics, self.sockets))
+
+
+def build_servers(settings: Settings, *, reload: Callable[[], Settings] | None = None) -> Servers:
+    """The servers ``serve`` runs for ``settings``: the addresses bound first (:class:`ConfigError`
+    naming the setting when one cannot be), then the app built."""
     sockets = [listen(settings.host, settings.port, "port")]
     if settings.metrics_port is not None:
         try:
@@ -137,30 +160,38 @@ def serve(settings: Settings, *, reload: Callable[[], Settings] | None = None) -
         except ConfigError:
             sockets[0].close()
             raise
-    app = create_app(settings, reload=reload)
+    try:
+        app = create_app(settings, reload=reload)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     api = ProxyServer(server_config(app, settings, app, host=settings.host, port=settings.port))
+    metrics = None
+    if settings.metrics_port is not None:
+        metrics = SidecarServer(
+            server_config(
+                create_metrics_app(app),
+                settings,
+                app,
+                host=settings.metrics_host or settings.host,
+                port=settings.metrics_port,
+                lifespan="off",
+            )
+        )
+    return Servers(app, api, metrics, sockets)
+
+
+def serve(settings: Settings, *, reload: Callable[[], Settings] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT; SIGHUP calls ``reload`` and applies what it can (proxy.reload)."""
+    servers = build_servers(settings, reload=reload)
     # Everything built so far (modules, settings, the app) lives as long as the process:
     # out of the collector's sight, a full collection walks only what requests leave behind.
     gc.freeze()
-    if settings.metrics_port is None:
-        # As uvicorn.run: Ctrl-C is a way to stop, and a server that could not start exits 3.
-        with contextlib.suppress(KeyboardInterrupt):
-            api.run(sockets=sockets)
-        if not api.started:
-            sys.exit(STARTUP_FAILURE)
-        return
-    metrics = SidecarServer(
-        server_config(
-            create_metrics_app(app),
-            settings,
-            app,
-            host=settings.metrics_host or settings.host,
-            port=settings.metrics_port,
-            lifespan="off",
-        )
-    )
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_both(api, metrics, sockets))
+    servers.run()
+    if servers.metrics is None and not servers.api.started:
+        # As uvicorn.run: a server that could not start exits 3.
+        sys.exit(STARTUP_FAILURE)
 
 
 async def serve_both(api: uvicorn.Server, metrics: uvicorn.Server, sockets: list[socket.socket]) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from proxy.canon import Canonicalizer
 from proxy.config import Settings
 from proxy.config_sources import ConfigError
 from proxy.preflight import check_settings, load_settings
@@ -236,6 +237,56 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             "sessions: {ready_when_store_down: true}\nreadiness: {require_store: true}\n",
             "sessions.ready_when_store_down: contradicts readiness.require_store, which replaces it",
         ),
+        # Found by tests/test_config_properties.py (configs drawn from the schema); what each did before.
+        # serve: a ValueError traceback (BackendPool's own check of the header names).
+        (
+            "routing: {key_headers: [authorization]}\n",
+            "routing.key_headers[0]: 'authorization' is a header the proxy sets itself",
+        ),
+        # served, and every request answered 400 by the upstream (the request's framing broken).
+        (
+            "routing: {key_headers: [x-router-key, transfer-encoding]}\n",
+            "routing.key_headers[1]: 'transfer-encoding' is a hop-by-hop header (RFC 9110)",
+        ),
+        ("routing: {echo_headers: ['x(y)']}\n", "routing.echo_headers[0]: 'x(y)' is not a header name"),
+        # serve: a ValueError traceback (backend names must be unique).
+        (
+            "upstreams: [http://a:8000/v1, http://b:8000/v1, http://a:8000/v1/]\n",
+            "upstreams[2]: the backend a:8000 twice (upstreams[0] and upstreams[2]",
+        ),
+        # served: every request 502 (no host to connect to; port 0).
+        ("upstream: 'http://:8000/v1'\n", "upstream: an upstream is an http(s) base URL"),
+        ("upstream: 'http://a:0/v1'\n", "upstream: the port of an upstream URL must be a number from 1 to 65535"),
+        # check-config and serve: a ValueError traceback (Invalid IPv6 URL, raised again showing the value).
+        ("upstream: 'http://[::1/v1'\n", "upstream: not a URL: write an IPv6 host in brackets"),
+        ("sessions: {redis_url: 'redis://[::1/0'}\n", "sessions.redis_url: not a URL: write an IPv6 host"),
+        # the line named no key ("config: upstream URL ...").
+        ("upstream: 'http://a:8000/v1#top'\n", "upstream: upstream URL http://a:8000/v1 has a query string"),
+        # served: every request 500 (the header could not be encoded).
+        ("upstream_api_key: ключ\n", "upstream_api_key: a key is sent in an HTTP header (Authorization: Bearer"),
+        (
+            'tenants: [{name: a, api_key: k1, upstream_api_key: "up\\nkey"}]\n',
+            "tenants[0].upstream_api_key: a key is sent in an HTTP header",
+        ),
+        # served: the tenant's every request refused 401 (no client can present the key).
+        ("tenants: [{name: a, api_key: ''}]\n", "tenants[0].api_key: empty: no client can present it"),
+        ("tenants: [{name: a, api_key: ' k1'}]\n", "tenants[0].api_key: a key is sent in an HTTP header"),
+        ("metrics_api_key: 'k '\n", "metrics_api_key: a key is sent in an HTTP header (Authorization: Bearer KEY)"),
+        # served: a 500 on a request (OverflowError: a deque's length; infinity as an integer).
+        (
+            "canon: {learned_history: 9223372036854775808}\n",
+            "canon.learned_history: input should be at most 9007199254740991",
+        ),
+        ("upstream_keepalive_s: .inf\n", "upstream_keepalive_s: input should be a finite number"),
+        (
+            "sessions: {operation_timeout_s: 1.0e+12}\n",
+            "sessions.operation_timeout_s: a duration is at most 1000000000 seconds",
+        ),
+        # check-config and serve: an OverflowError traceback.
+        (
+            "canon: {rules: [{name: t, pattern: 'a{99999999999}'}]}\n",
+            "canon.rules[0].pattern: not a regular expression Python can compile",
+        ),
     ],
 )
 def test_each_check(tmp_path: Path, text: str, expected: str) -> None:
@@ -300,3 +351,14 @@ def test_variables_of_sections_and_lists_say_they_are_json(monkeypatch: pytest.M
         "PREFIX_PROXY_CANON__MODEL_MODES: not JSON (Expecting value): "
         "this setting is a section: write it as JSON, {...}"
     ]
+
+
+def test_a_value_the_schema_allows_works_where_it_is_used() -> None:
+    """``canon.learned_apps_max: 0`` (the schema allows 0) answered every relocated request 500: a cache
+    of no apps refused every insertion (found by tests/test_config_properties.py). It keeps one app now,
+    as the other per-app memory reading the same setting does."""
+    canonicalizer = Canonicalizer(load_settings(None, canon={"learned_apps_max": 0}).canon)
+    for minute in range(3):
+        system = f"You are a helpful assistant.\nCurrent time: 2024-05-01 10:0{minute}:00\nAnswer briefly."
+        body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+        assert canonicalizer.apply(body, "t").body["messages"]

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from datetime import UTC
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 import xxhash
 
 from proxy.backends.upstream import Upstream
+from proxy.config import backend_name as backend_name  # what metrics call a backend, read as settings load
 
 if TYPE_CHECKING:
     from proxy.config import RoutingSettings
@@ -110,18 +110,6 @@ class OutlierDetection:
 
 
 DEFAULT_OUTLIER_DETECTION = OutlierDetection()
-
-
-def backend_name(base_url: str) -> str:
-    """``host:port`` (and a path other than ``/v1``): what metrics and logs call a backend.
-
-    Never the URL itself, which may carry credentials.
-    """
-    parts = urlsplit(base_url)
-    host = parts.hostname or "upstream"
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    path = parts.path.rstrip("/")
-    return f"{host}:{port}" + (path if path and path != "/v1" else "")
 
 
 @dataclass(eq=False)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
-from proxy.backends.keyheaders import RESERVED, key_digest
+from proxy.backends.keyheaders import key_digest
+from proxy.config import router_header
 
 Load = Callable[[str], Awaitable[dict[str, str] | None]]
 Save = Callable[[str, dict[str, str]], None]
@@ -20,10 +21,10 @@ Save = Callable[[str, dict[str, str]], None]
 
 class EchoedHeaders:
     def __init__(self, names: Sequence[str], load: Load, save: Save) -> None:
-        self.names = tuple(dict.fromkeys(name.strip().lower() for name in names))
-        for name in self.names:
-            if not name or name in RESERVED or not name.isascii() or any(c in name for c in " \t:\r\n"):
-                raise ValueError(f"routing.echo_headers: {name!r} cannot be echoed")
+        try:
+            self.names = tuple(dict.fromkeys(router_header(name) for name in names))
+        except ValueError as error:
+            raise ValueError(f"routing.echo_headers: {error}") from None
         self._load = load
         self._save = save
 

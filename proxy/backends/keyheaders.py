@@ -12,8 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 
-# Headers the proxy sets for its own purposes: a routing key must not replace them.
-RESERVED = frozenset({"authorization", "content-type", "content-length", "host", "x-request-id"})
+from proxy.config import router_header
 
 
 def key_digest(key: str) -> str:
@@ -23,13 +22,11 @@ def key_digest(key: str) -> str:
 
 class KeyHeaders:
     def __init__(self, names: Sequence[str]) -> None:
-        lowered = [name.strip().lower() for name in names]
-        for name in lowered:
-            if not name or not name.isascii() or any(c in name for c in " \t:\r\n"):
-                raise ValueError(f"routing.key_headers: {name!r} is not a header name")
-            if name in RESERVED:
-                raise ValueError(f"routing.key_headers: {name!r} is the proxy's own header")
-        self.names = tuple(dict.fromkeys(lowered))
+        try:
+            # The settings' own rule (checked as they load): one reading of a header name.
+            self.names = tuple(dict.fromkeys(router_header(name) for name in names))
+        except ValueError as error:
+            raise ValueError(f"routing.key_headers: {error}") from None
 
     def apply(self, headers: Mapping[str, str] | None, key: str | None) -> Mapping[str, str] | None:
         """``headers`` plus the key headers (unchanged without a key or without names)."""

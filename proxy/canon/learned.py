@@ -180,7 +180,9 @@ MAX_MATCHES_REMEMBERED = 64
 class LearnedVolatility:
     # Templates per app key (tenant, model): a tenant's apps on one model share a key.
     def __init__(self, max_apps: int = 1024, history: int = 8, templates_per_app: int = 32) -> None:
-        self._apps: LRUCache[str, _App] = LRUCache(max_apps)
+        # At least one app (canon.learned_apps_max may be 0, as VaryingPlaces reads it): a cache of
+        # none refuses every insertion.
+        self._apps: LRUCache[str, _App] = LRUCache(max(1, max_apps))
         self._history = max(2, history)
         self._templates_per_app = templates_per_app
 
