@@ -317,6 +317,10 @@ class ChatTurn:
             return False
         if self.session.side_lane or self.session.opens_elsewhere:
             return False  # a side task's window is not the conversation's, nor another conversation's
+        if not self.session.explicit and (self.session.record is None or not self.session.record.opening):
+            # An inferred session whose opening the store does not hold (kept by a build before
+            # openings were recorded): where it began cannot be told, so neither can a slide.
+            return False
         return not self.summary.tail_prefix or self.summary.tail_prefix == self.prefix_hash
 
     @property
