@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from bench.clients import dify, install, langgraph_agent, openai_agents, openwebui, pydantic_agent
+from bench.clients import (
+    dify,
+    install,
+    langgraph_agent,
+    llamaindex_agent,
+    openai_agents,
+    openwebui,
+    pydantic_agent,
+    smolagents_agent,
+)
 
 DUMMY_KEY = "sk-bench-dummy-key"
 
@@ -378,6 +387,28 @@ class LangGraphAgent(PythonAgent):
     distribution = "langgraph"
 
 
+class SmolagentsAgent(PythonAgent):
+    """A smolagents ``ToolCallingAgent`` on an ``OpenAIServerModel`` at the base URL, two tools, the
+    system prompt smolagents builds, memory carried across turns (``run(..., reset=False)``; see
+    smolagents_agent.py), the real ``smolagents`` from PyPI."""
+
+    name = "smolagents"
+    protocol = "chat"
+    driver = smolagents_agent
+    distribution = "smolagents"
+
+
+class LlamaIndexChat(PythonAgent):
+    """A LlamaIndex ``ContextChatEngine`` on ``OpenAILike`` at the base URL whose system prompt holds the
+    date and the documents a retriever found for the question (see llamaindex_agent.py), the real
+    ``llama-index-core`` and ``llama-index-llms-openai-like`` from PyPI."""
+
+    name = "llamaindex"
+    protocol = "chat"
+    driver = llamaindex_agent
+    distribution = "llama-index-core"
+
+
 CLIENTS: dict[str, type[Client]] = {
     c.name: c
     for c in (
@@ -392,5 +423,7 @@ CLIENTS: dict[str, type[Client]] = {
         PydanticAIAgent,
         OpenAIAgentsSDK,
         LangGraphAgent,
+        SmolagentsAgent,
+        LlamaIndexChat,
     )
 }
