@@ -11,6 +11,7 @@ through the proxy and the fake vLLM backend (whose replies are a function of the
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -282,3 +283,26 @@ def test_a_conversation_equal_to_the_end_of_another_gets_none_of_its_messages(
     assert a.history[4:] == b.history  # B's whole history is A's tail
     assert not any(a.repaired(i) or b.repaired(j) for i in range(len(a.actions)) for j in range(len(b.actions)))
     assert all(len(forwarded) == 1 + 2 * index + 1 for index, forwarded in enumerate(b.forwarded))
+
+
+def test_a_session_kept_without_its_opening_is_not_repaired(
+    backend: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store carried over from a build that recorded no openings holds sessions whose start the
+    proxy cannot tell: their windows are forwarded as the client sends them, never repaired on
+    pairs alone (which could restore another conversation's turns)."""
+    original = MemorySessionStore.record_turn
+
+    async def without_opening(self: MemorySessionStore, tenant: str, session_id: str, turn: Any, now: float) -> None:
+        await original(self, tenant, session_id, dataclasses.replace(turn, opening=0, opening_key=0), now)
+
+    monkeypatch.setattr(MemorySessionStore, "record_turn", without_opening)
+    (proxy,) = proxies(backend, None)
+    try:
+        client = Client(backend, proxy, "end-user-23", window=6)
+        for current in range(8):
+            client.ask(question(current))
+    finally:
+        proxy.stop()
+    assert not any(client.repaired(i) for i in range(8))
+    assert client.forwarded[-1][1:] == client.history[-8:-1], "the window went as the client sent it"
