@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 from bench.clients import (
+    agent_turn,
     dify,
     install,
     langgraph_agent,
@@ -329,7 +330,7 @@ class PythonAgent(Client):
     """An agent framework from PyPI driven by a small script of ours (``python -m <driver> turn STATE PROMPT``,
     one process per turn, with the framework venv's interpreter), the conversation kept in ``STATE``."""
 
-    driver: ModuleType  # the driver module: PACKAGE, STATE, write_state()
+    driver: ModuleType  # the driver module: PACKAGE, STATE
     distribution = ""  # the PyPI distribution whose version the bench prints
 
     def install(self) -> Path:
@@ -345,7 +346,7 @@ class PythonAgent(Client):
         return wrapper
 
     def prepare(self, ws: Workspace) -> dict[str, str]:
-        self.driver.write_state(ws.home / self.driver.STATE, ws.openai_base, ws.model)
+        agent_turn.write_state(ws.home / self.driver.STATE, ws.openai_base, ws.model)
         return {"PYTHONPATH": str(openwebui.REPO_ROOT)}  # the turn driver: python -m bench.clients.<driver>
 
     def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:

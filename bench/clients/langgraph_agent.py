@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from bench.clients import agent_turn
 
 PACKAGE = "langgraph==1.2.24 langchain-openai==1.8.1"
 STATE = "langgraph-agent-state.json"
@@ -53,18 +53,6 @@ SYSTEM = (
     "{context}"
 )
 K = 2
-WORD = re.compile(r"[a-z0-9_]{3,}")
-
-
-def write_state(state_path: Path, openai_base: str, model: str) -> None:
-    """Before the first turn: where the agent's model is."""
-    if not state_path.exists():
-        state_path.write_text(json.dumps({"base_url": openai_base, "model": model, "history": []}))
-
-
-def _git(*args: str) -> str:
-    done = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
-    return done.stdout
 
 
 def _get_datetime() -> str:
@@ -76,15 +64,9 @@ def retrieve(question: str, k: int = K) -> list[Any]:
     """The ``k`` files of the repository sharing most words with the question, as Documents."""
     from langchain_core.documents import Document
 
-    paths = sorted(set(_git("ls-files").split()) | set(_git("ls-files", "--others", "--exclude-standard").split()))
-    asked = set(WORD.findall(question.lower()))
-    docs = []
-    for path in paths:
-        text = (Path.cwd() / path).read_text(errors="replace")
-        score = len(asked & set(WORD.findall((path + " " + text).lower())))
-        docs.append((-score, path, Document(page_content=text, metadata={"source": path})))
-    docs.sort(key=lambda item: item[:2])
-    return [doc for _, _, doc in docs[:k]]
+    return [
+        Document(page_content=text, metadata={"source": path}) for _, path, text in agent_turn.ranked_files(question, k)
+    ]
 
 
 def format_docs(docs: list[Any]) -> str:
@@ -111,20 +93,17 @@ def build_agent(base_url: str, model: str) -> Any:
     @tool
     def read_file(path: str) -> str:
         """Read a text file of the repository."""
-        try:
-            return (Path.cwd() / path).read_text()
-        except OSError as exc:  # a made-up path: the model reads the error, as from any careful tool
-            return f"error: {exc.strerror}: {path}"
+        return agent_turn.read_file(path)
 
     @tool
     def list_files() -> list[str]:
         """List the files git tracks in the repository."""
-        return _git("ls-files").split()
+        return agent_turn.git("ls-files").split()
 
     @tool
     def git_log(count: int = 5) -> str:
         """The latest commits (git log --oneline)."""
-        return _git("log", "--oneline", f"-{count}")
+        return agent_turn.git("log", "--oneline", f"-{count}")
 
     llm = ChatOpenAI(model=model, base_url=base_url, api_key="sk-bench-dummy-key", temperature=0)
     return create_react_agent(llm, [read_file, list_files, git_log], prompt=prompt)
@@ -146,12 +125,5 @@ def one_turn(state_path: Path, prompt: str) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] != "turn":
-        print(__doc__, file=sys.stderr)
-        return 2
-    return one_turn(Path(argv[1]), argv[2])
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(agent_turn.main(sys.argv[1:], __doc__, one_turn))

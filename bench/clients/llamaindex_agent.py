@@ -27,27 +27,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from bench.clients import agent_turn
+
 PACKAGE = "llama-index-core==0.14.25 llama-index-llms-openai-like==0.8.1"
 STATE = "llamaindex-agent-state.json"
 K = 2
-WORD = re.compile(r"[a-z0-9_]{3,}")
-
-
-def write_state(state_path: Path, openai_base: str, model: str) -> None:
-    """Before the first turn: where the engine's model is."""
-    if not state_path.exists():
-        state_path.write_text(json.dumps({"base_url": openai_base, "model": model, "history": []}))
-
-
-def _git(*args: str) -> str:
-    done = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
-    return done.stdout
 
 
 def system_prompt() -> str:
@@ -72,19 +60,9 @@ def build_engine(base_url: str, model: str) -> Any:
 
     class RepoRetriever(BaseRetriever):
         def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-            paths = sorted(
-                set(_git("ls-files").split()) | set(_git("ls-files", "--others", "--exclude-standard").split())
-            )
-            asked = set(WORD.findall(query_bundle.query_str.lower()))
-            scored = []
-            for path in paths:
-                text = (Path.cwd() / path).read_text(errors="replace")
-                score = len(asked & set(WORD.findall((path + " " + text).lower())))
-                scored.append((-score, path, text))
-            scored.sort(key=lambda item: item[:2])
             return [
-                NodeWithScore(node=TextNode(text=text, metadata={"file_path": path}), score=float(-neg))
-                for neg, path, text in scored[:K]
+                NodeWithScore(node=TextNode(text=text, metadata={"file_path": path}), score=float(score))
+                for score, path, text in agent_turn.ranked_files(query_bundle.query_str, K)
             ]
 
     llm = OpenAILike(
@@ -111,12 +89,5 @@ def one_turn(state_path: Path, prompt: str) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] != "turn":
-        print(__doc__, file=sys.stderr)
-        return 2
-    return one_turn(Path(argv[1]), argv[2])
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(agent_turn.main(sys.argv[1:], __doc__, one_turn))

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from bench.clients import agent_turn
 
 PACKAGE = "openai-agents==0.24.0"
 STATE = "openai-agents-state.json"
@@ -45,20 +46,9 @@ RULES = (
 )
 
 
-def write_state(state_path: Path, openai_base: str, model: str) -> None:
-    """Before the first turn: where the agent's model is."""
-    if not state_path.exists():
-        state_path.write_text(json.dumps({"base_url": openai_base, "model": model, "history": []}))
-
-
-def _git(*args: str) -> str:
-    done = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
-    return done.stdout
-
-
 def instructions(context: Any, agent: Any) -> str:
     """The agent's instructions, built on every run (the SDK calls it with the run context and the agent)."""
-    status = _git("status", "--short").rstrip("\n") or "clean"
+    status = agent_turn.git("status", "--short").rstrip("\n") or "clean"
     now = dt.datetime.now().replace(microsecond=0).isoformat()
     return (
         f"{RULES}\n\n"
@@ -85,15 +75,12 @@ def build_agent(base_url: str, model: str) -> Any:
         Args:
             path: The file's path, relative to the repository root.
         """
-        try:
-            return (Path.cwd() / path).read_text()
-        except OSError as exc:  # a made-up path: the model reads the error, as from any careful tool
-            return f"error: {exc.strerror}: {path}"
+        return agent_turn.read_file(path)
 
     @function_tool
     def list_files() -> list[str]:
         """List the files git tracks in the repository."""
-        return _git("ls-files").split()
+        return agent_turn.git("ls-files").split()
 
     @function_tool
     def show_diff(path: str | None = None) -> str:
@@ -102,7 +89,7 @@ def build_agent(base_url: str, model: str) -> Any:
         Args:
             path: Only this file's changes, when given.
         """
-        return _git("diff", *([path] if path else []))
+        return agent_turn.git("diff", *([path] if path else []))
 
     @function_tool
     def grep(pattern: str) -> str:
@@ -111,7 +98,7 @@ def build_agent(base_url: str, model: str) -> Any:
         Args:
             pattern: The regular expression.
         """
-        return _git("grep", "-n", "-E", pattern)
+        return agent_turn.git("grep", "-n", "-E", pattern)
 
     return Agent(
         name="repo-assistant",
@@ -134,12 +121,5 @@ def one_turn(state_path: Path, prompt: str) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] != "turn":
-        print(__doc__, file=sys.stderr)
-        return 2
-    return one_turn(Path(argv[1]), argv[2])
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(agent_turn.main(sys.argv[1:], __doc__, one_turn))

@@ -24,25 +24,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from bench.clients import agent_turn
+
 PACKAGE = "pydantic-ai-slim[openai]==2.68.0"
 STATE = "pydantic-agent-state.json"
 INSTRUCTIONS = "You are a careful coding assistant. Use the tools to read files before changing them."
-
-
-def write_state(state_path: Path, openai_base: str, model: str) -> None:
-    """Before the first turn: where the agent's model is."""
-    if not state_path.exists():
-        state_path.write_text(json.dumps({"base_url": openai_base, "model": model, "history": []}))
-
-
-def _git(*args: str) -> str:
-    done = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
-    return done.stdout
 
 
 def build_agent(base_url: str, model: str) -> Any:
@@ -55,7 +45,7 @@ def build_agent(base_url: str, model: str) -> Any:
 
     @agent.instructions
     def environment() -> str:
-        status = _git("status", "--short").rstrip("\n") or "clean"
+        status = agent_turn.git("status", "--short").rstrip("\n") or "clean"
         now = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         return f"Working directory: {Path.cwd()}\nCurrent time: {now}\nGit status:\n{status}"
 
@@ -67,12 +57,12 @@ def build_agent(base_url: str, model: str) -> Any:
     @agent.tool_plain
     def list_files() -> list[str]:
         """List the files git tracks in the repository."""
-        return _git("ls-files").split()
+        return agent_turn.git("ls-files").split()
 
     @agent.tool_plain
     def show_diff() -> str:
         """Show the uncommitted changes (git diff)."""
-        return _git("diff")
+        return agent_turn.git("diff")
 
     return agent
 
@@ -90,12 +80,5 @@ def one_turn(state_path: Path, prompt: str) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] != "turn":
-        print(__doc__, file=sys.stderr)
-        return 2
-    return one_turn(Path(argv[1]), argv[2])
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(agent_turn.main(sys.argv[1:], __doc__, one_turn))

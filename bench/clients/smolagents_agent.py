@@ -24,25 +24,15 @@ from __future__ import annotations
 
 import json
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from bench.clients import agent_turn
+
 PACKAGE = "smolagents==1.26.0 openai"
 STATE = "smolagents-agent-state.json"
 MAX_STEPS = 2
-
-
-def write_state(state_path: Path, openai_base: str, model: str) -> None:
-    """Before the first turn: where the agent's model is."""
-    if not state_path.exists():
-        state_path.write_text(json.dumps({"base_url": openai_base, "model": model}))
-
-
-def _git(*args: str) -> str:
-    done = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
-    return done.stdout
 
 
 def build_agent(base_url: str, model: str) -> Any:
@@ -55,15 +45,12 @@ def build_agent(base_url: str, model: str) -> Any:
         Args:
             path: The file's path, relative to the repository root.
         """
-        try:
-            return (Path.cwd() / path).read_text()
-        except OSError as exc:  # a made-up path: the model reads the error, as from any careful tool
-            return f"error: {exc.strerror}: {path}"
+        return agent_turn.read_file(path)
 
     @tool
     def list_files() -> str:
         """List the files git tracks in the repository, one a line."""
-        return _git("ls-files")
+        return agent_turn.git("ls-files")
 
     llm = OpenAIServerModel(model_id=model, api_base=base_url, api_key="sk-bench-dummy-key", temperature=0)
     return ToolCallingAgent(tools=[read_file, list_files], model=llm, max_steps=MAX_STEPS, verbosity_level=0)
@@ -103,12 +90,5 @@ def one_turn(state_path: Path, prompt: str) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] != "turn":
-        print(__doc__, file=sys.stderr)
-        return 2
-    return one_turn(Path(argv[1]), argv[2])
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(agent_turn.main(sys.argv[1:], __doc__, one_turn))
