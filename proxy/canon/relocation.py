@@ -931,17 +931,15 @@ class _Layout:
             return
         chain = self._history_chain
         since = self._layouts.written_since(self._mark)
-        blocks = self._blocks
-        if since:
-            blocks = sorted({*blocks, *self._offsets(chain, since, len(chain) - 1)})
-        mark = self._layouts.written if since is not None else _UNKNOWN_MARK
-        held = self._held
+        blocks, held = self._blocks, self._held
         if since:
             # Blocks written since the request began (by this request): the next one knows their
             # lines and looks at them (they are where its unchanged lines go again).
             written = self._offsets(chain, since, len(chain) - 1)
+            blocks = sorted({*blocks, *written})
             self._index_blocks(chain, written)
             held = held.union(written)
+        mark = self._layouts.written if since is not None else _UNKNOWN_MARK
         digested = Digested(
             self._history_digests,
             self._header,
