@@ -30,7 +30,7 @@ from proxy.http.errors import InvalidRequest
 from proxy.ids import unique_id
 from proxy.observability import digests
 from proxy.observability.digests import content_text
-from proxy.openai import canonical_arguments, jsonio, link_hash, message_fingerprint, message_text
+from proxy.openai import canonical_arguments, dumps_body, jsonio, link_hash, message_fingerprint, message_text
 from proxy.openai.jsonio import MAX_DEPTH, TooDeep, check_depth, dumps, loads
 from proxy.recent import LastWritten, RecentMap, RecentSet, peek
 from proxy.routes.forward import AfterSending
@@ -347,7 +347,7 @@ def test_a_lists_json_is_made_once_and_afresh_when_its_items_change() -> None:
 def test_a_body_is_written_with_its_shared_tool_list_as_without(tools: list[Any], text: str, stream: bool) -> None:
     body = {"model": "m", "tools": tools, "messages": [{"role": "user", "content": text}], "stream": stream}
     jsonio.shared_json(tools)
-    assert jsonio.dumps_body(body) == dumps(body)  # lone surrogates included: dumps' own fallback
+    assert dumps_body(body) == dumps(body)  # lone surrogates included: dumps' own fallback
     assert jsonio.shared_dumps(tools) == dumps(tools)
 
 

@@ -23,6 +23,7 @@ from proxy.openai import (
     check_depth_once,
     leading_system_count,
     loads,
+    resumed_loads,
     reuse_texts,
 )
 
@@ -79,7 +80,7 @@ def parse_json_object(raw: bytes, namespace: str | None = None) -> dict[str, Any
     if not raw:
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
-        body = loads(raw)
+        body = loads(raw) if namespace is None else resumed_loads(raw, namespace)
         if namespace is not None and isinstance(body, dict):
             _check_nesting(body, namespace)
         else:

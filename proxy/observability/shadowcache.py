@@ -26,7 +26,9 @@ the two arrangements the shadow compares, so the comparison holds where the abso
 
 Bounded: at most ``max_links`` chain links, two generations (when the newer holds half, it
 becomes the older and the older is forgotten; a prefix found only in the older is copied to the
-newer, so what is used survives); per place a system message was seen (its parent link), the line
+newer, so what is used survives); where an app's prompts are longer, a generation holds two of its
+longest (up to ``GROWTH`` times ``max_links``), so that a long conversation's prefix is copied once
+in many requests, not on each; per place a system message was seen (its parent link), the line
 hashes of the last ``LINE_LISTS`` texts there, in at most ``max_links // 16`` places. Work per
 prompt: a binary search over its links, then only the links past what it found, and for a leading
 system message it did not find, a comparison in C of its line hashes with the few kept at its place.
@@ -53,6 +55,8 @@ from proxy.openai import extend_links, shared_length
 LINE_LISTS = 8
 # Prompts kept whose history's links wait to be made (``ArrangementCache._links``).
 PENDING_PROMPTS = 4
+# How far a cache grows past ``max_links`` to hold an app's longest prompts (``_remember``).
+GROWTH = 16
 
 
 # Role markers a ChatML-like template renders around each message (``<|im_start|>user\n`` ...
@@ -75,11 +79,12 @@ class Served:
 class ArrangementCache:
     """The prefix cache one arrangement of an app's prompts would build."""
 
-    __slots__ = ("_block_size", "_half", "_lines_at", "_new", "_old", "_pending")
+    __slots__ = ("_block_size", "_half", "_lines_at", "_max_half", "_new", "_old", "_pending")
 
     def __init__(self, max_links: int = 4096, block_size: int = 16) -> None:
         self._block_size = max(1, block_size)
         self._half = max(2, max_links // 2)
+        self._max_half = GROWTH * self._half
         # chain link -> True where a prompt ended there (the backend generated a reply after it).
         self._new: dict[int, bool] = {}
         self._old: dict[int, bool] = {}
@@ -209,6 +214,10 @@ class ArrangementCache:
         *,
         ended: bool = True,
     ) -> None:
+        if 2 * len(links) > self._half:
+            # A prompt longer than a generation would be copied whole into each next one, on every
+            # request: a generation holds at least two of the longest (up to ``GROWTH`` times).
+            self._half = min(2 * len(links), self._max_half)
         newer = self._new
         if found >= 0 and links[found] not in newer:
             # Known only in the older generation: the prefix this prompt used is kept whole.

@@ -12,7 +12,6 @@ from proxy.openai.jsonio import (
     check_depth,
     check_depth_once,
     dumps,
-    dumps_body,
     loads,
     shared_dumps,
     shared_json,
@@ -34,6 +33,7 @@ from proxy.openai.messages import (
     utf8_size,
 )
 from proxy.openai.recurring import ByText, reuse_texts, same_text
+from proxy.openai.resumedjson import dumps_body, resumed_loads
 from proxy.openai.usage import Usage, token_count
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "loads",
     "message_fingerprint",
     "message_text",
+    "resumed_loads",
     "reuse_texts",
     "role_prefix",
     "same_text",

@@ -13,7 +13,6 @@ few hundred levels deep would otherwise fail somewhere deep inside the proxy
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Callable
 from itertools import chain, compress, repeat
@@ -167,14 +166,3 @@ def shared_dumps(value: Any) -> bytes:
     """:func:`dumps`, through :func:`shared_json` for a list."""
     raw = shared_json(value) if type(value) is list else None
     return raw if raw is not None else dumps(value)
-
-
-def dumps_body(body: dict[str, Any]) -> bytes:
-    """``dumps(body)``, its tool list written from :func:`shared_json`'s bytes (orjson places them
-    as they are: the same bytes as writing the list)."""
-    tools = body.get("tools")
-    raw = shared_json(tools) if type(tools) is list else None
-    if raw is not None:
-        with contextlib.suppress(TypeError):
-            return orjson.dumps({**body, "tools": orjson.Fragment(raw)})
-    return dumps(body)

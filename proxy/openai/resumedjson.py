@@ -1,0 +1,474 @@
+"""A request body parsed as what it shares with the tenant's last bodies, plus what is new.
+
+A client re-sends a conversation's whole history on every turn: at 1,000 turns an agent's body is a
+megabyte, and parsing it and writing it upstream again cost more than everything else the proxy
+does for the request. But all of it except the last few messages is, byte for byte, text the
+tenant sent before, whose value the proxy already holds.
+
+So, per tenant, the array of each body (``messages``, or a Responses ``input`` list) is kept as a
+*run*: its elements from the first one after the leading system messages, their bytes in the body,
+and where each element ends. A new body is scanned from its start only as far as an element that
+begins a run kept (found by its first bytes: the keys before the array, and the array's few
+leading elements, are skipped one value at a time); where the body's bytes go on as the run's up
+to one of its element ends, those elements are taken as the values parsed before, and only the
+rest of the body is parsed, the run replaced by a placeholder string. The run of the new body is
+the old one's elements and what follows them (scanned one element at a time: what is new).
+
+Exact, not a heuristic: the text taken is byte-identical to elements parsed before and starts at an
+element of this body's array (found by scanning the body from its start), so the body's value is
+the same as parsing it whole; a body where anything does not hold (the placeholder not where it was
+put, text orjson refuses, an array key given twice) is parsed whole. The first time a run is
+resumed, where its elements end is not known yet (the body it came from was parsed whole): the
+end is taken where the new body's bytes stop agreeing, and proven by parsing the run once.
+
+The body written upstream reuses a run the same way (:func:`dumps_body`): orjson's bytes of its
+elements are kept with it, the new ones appended, so writing the body costs what is new too; the
+bytes are those writing the whole body makes.
+
+Bounded: the runs kept hold their bodies' bytes and are forgotten least recently used first
+(``MAX_BYTES`` together); a run superseded by the next request of its conversation is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import secrets
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from itertools import islice
+from operator import is_
+from typing import Any
+
+import orjson
+import xxhash
+from cachetools import LRUCache
+
+from proxy.openai.jsonio import dumps, loads, shared_json
+
+# The keys whose array a client re-sends growing: chat's and Anthropic's messages, Responses' input.
+ARRAY_KEYS = frozenset({"messages", "input"})
+# Bytes of an element that name the runs starting with it.
+HEAD_BYTES = 256
+# Runs kept per head: conversations that open alike (a greeting, an agent's task template).
+CANDIDATES = 4
+# Elements of an array looked at for the start of a run (its leading system messages are skipped).
+MAX_SCANNED = 8
+# Bodies smaller than this are parsed whole: the scan would cost what it saves.
+MIN_BYTES = 16 * 1024
+# The runs kept, by the bytes of their bodies and of their elements written.
+MAX_BYTES = 256 * 1024 * 1024
+# Ends tried for the elements of a run first seen whole (``_prove_end``).
+PROOF_TRIES = 4
+# The first bytes of a body decoded for the scan (doubled until the scan is done within them).
+FIRST_WINDOW = 64 * 1024
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_BYTES_WHITESPACE = b" \t\n\r"
+_DECODER = json.JSONDecoder()
+_scanstring = json.decoder.scanstring  # type: ignore[attr-defined]  # (C; not in typeshed)
+# A string no client sends (random per process): the placeholder for a run in the text parsed.
+_PLACEHOLDER = "\x00prefix-proxy-run-" + secrets.token_hex(16)
+_PLACEHOLDER_JSON = json.dumps(_PLACEHOLDER).encode()
+_STABLE = frozenset({"system", "developer"})
+
+
+@dataclass(eq=False, slots=True)
+class Run:
+    """An array's elements from ``index`` on, as one body sent them."""
+
+    raw: bytes
+    start: int  # where the first element starts in ``raw``
+    index: int  # its index in the array
+    elements: list[Any]
+    # Byte offsets (from ``start``) where elements end, ascending, and how many elements end by each.
+    ends: list[int]
+    counts: list[int]
+    # ``ends[-1]`` is the end of the last element (else where they end is not known yet).
+    complete: bool
+    # orjson's bytes of ``elements``, comma-separated, once written; ``base``: those of the first
+    # ``base_count`` of them, from the run this one continues.
+    written: bytes | None = None
+    base: bytes | None = None
+    base_count: int = 0
+    unusable: bool = False
+    head: int = 0  # what names it (:func:`_head`)
+
+    def size(self) -> int:
+        # Its body, the bytes of its elements written (about as many, once written), their objects.
+        return 2 * len(self.raw) + len(self.base or b"") + 64 * len(self.elements) + 256
+
+
+def _runs_size(runs: tuple[Run, ...]) -> int:
+    return sum(run.size() for run in runs) + 64
+
+
+_BY_HEAD: LRUCache[tuple[str, int], tuple[Run, ...]] = LRUCache(MAX_BYTES, getsizeof=_runs_size)
+# Runs by the identity of their first element (held by the run), for writing a body.
+_BY_FIRST: LRUCache[int, Run] = LRUCache(MAX_BYTES, getsizeof=Run.size)
+
+
+def resumed_loads(raw: bytes, namespace: str) -> Any:
+    """``loads(raw)``, parsing only what the tenant's last bodies did not send (see the module)."""
+    if len(raw) < MIN_BYTES:
+        return loads(raw)
+    scanned = _Scanned()
+    try:
+        found = _resume(raw, namespace, scanned)
+    except (ValueError, IndexError, UnicodeDecodeError, RecursionError):  # (the scan's nesting)
+        return loads(raw)
+    if found is not None:
+        return found
+    body = loads(raw)
+    _keep_whole(raw, namespace, scanned, body)
+    return body
+
+
+def forget() -> None:
+    """Drop every run kept (tests; a reload that changes tenants)."""
+    _BY_HEAD.clear()
+    _BY_FIRST.clear()
+
+
+# -- reading a body -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Scanned:
+    """A body's array, as far as it was scanned: its key, and its leading elements' byte offsets
+    (``starts``, ``ends``) and values (parsed by the scan: only their roles are read)."""
+
+    key: str = ""
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    values: list[Any] = field(default_factory=list)
+
+
+class _Window:
+    """The first bytes of a body, decoded, with char offsets turned into byte offsets."""
+
+    def __init__(self, raw: bytes, start: int, size: int) -> None:
+        end = min(start + size, len(raw))
+        while end < len(raw) and raw[end] & 0xC0 == 0x80:  # not inside a character
+            end -= 1
+        self.text = raw[start:end].decode("utf-8")
+        self.whole = end == len(raw)
+        self.ascii = len(self.text) == end - start
+        self._char, self._byte = 0, 0
+
+    def byte_offset(self, char: int) -> int:
+        """The offset (from the window's start) in bytes of character ``char``."""
+        if self.ascii:
+            return char
+        if char < self._char:
+            self._char, self._byte = 0, 0
+        self._byte += len(self.text[self._char : char].encode("utf-8"))
+        self._char = char
+        return self._byte
+
+
+def _ws(text: str, position: int) -> int:
+    return _WHITESPACE.match(text, position).end()  # type: ignore[union-attr]
+
+
+def _resume(raw: bytes, namespace: str, scanned: _Scanned) -> Any | None:
+    """The body, from a run kept that starts at one of its array's leading elements; None where
+    none does (``scanned`` then holds what the scan found)."""
+    size = FIRST_WINDOW
+    while True:
+        window = _Window(raw, 0, size)
+        scanned.key, scanned.starts, scanned.ends, scanned.values = "", [], [], []
+        try:
+            return _scan_object(raw, namespace, window, scanned)
+        except (ValueError, IndexError):
+            if window.whole:
+                raise
+            size *= 4
+
+
+def _scan_object(raw: bytes, namespace: str, window: _Window, scanned: _Scanned) -> Any | None:
+    text = window.text
+    position = _ws(text, 0)
+    if text[position] != "{":
+        raise ValueError("not an object")
+    position = _ws(text, position + 1)
+    while True:
+        if text[position] != '"':
+            raise ValueError("no array")
+        key, position = _scanstring(text, position + 1, True)
+        position = _ws(text, position)
+        if text[position] != ":":
+            raise ValueError("not an object")
+        position = _ws(text, position + 1)
+        if key in ARRAY_KEYS and text[position] == "[":
+            scanned.key = key
+            return _scan_array(raw, namespace, window, scanned, position + 1)
+        _, position = _DECODER.raw_decode(text, position)
+        position = _ws(text, position)
+        if text[position] != ",":
+            raise ValueError("no array")
+        position = _ws(text, position + 1)
+
+
+def _scan_array(raw: bytes, namespace: str, window: _Window, scanned: _Scanned, position: int) -> Any | None:
+    """Element by element, until one starts a run kept (the body then), the array ends or
+    ``MAX_SCANNED`` are looked at (None)."""
+    text = window.text
+    position = _ws(text, position)
+    if text[position] == "]":
+        return None
+    for index in range(MAX_SCANNED):
+        start = window.byte_offset(position)
+        value, position = _DECODER.raw_decode(text, position)
+        end = window.byte_offset(position)
+        scanned.starts.append(start)
+        scanned.ends.append(end)
+        scanned.values.append(value)
+        body = _resume_at(raw, namespace, scanned, index)
+        if body is not None:
+            return body
+        position = _ws(text, position)
+        if text[position] == "]":
+            return None
+        if text[position] != ",":
+            raise ValueError("not an array")
+        position = _ws(text, position + 1)
+    return None
+
+
+def _head(raw: bytes, start: int, end: int) -> int:
+    """What names the runs starting with the element at ``raw[start:end]``: its first bytes."""
+    return xxhash.xxh3_64_intdigest(raw[start : min(end, start + HEAD_BYTES)])
+
+
+def _resume_at(raw: bytes, namespace: str, scanned: _Scanned, index: int) -> Any | None:
+    start = scanned.starts[index]
+    candidates = _BY_HEAD.get((namespace, _head(raw, start, scanned.ends[index])))
+    if not candidates:
+        return None
+    best: tuple[int, int, Run] | None = None
+    for run in candidates:
+        count, length = _usable(raw, start, run)
+        if count and (best is None or count > best[0]):
+            best = (count, length, run)
+    if best is None:
+        return None
+    return _splice(raw, namespace, scanned.key, index, (start, scanned.ends[index]), *best)
+
+
+def _agreeing_bytes(a: bytes, a_start: int, b: bytes, b_start: int, limit: int) -> int:
+    """How many bytes from ``a[a_start]`` and ``b[b_start]`` on (at most ``limit``) are equal:
+    spans of doubling length compared in C, then halving the first that differs (bytes copied
+    about twice the length agreed, however long the rest)."""
+    low, step = 0, 4096  # equal before low
+    while low < limit:
+        high = min(low + step, limit)
+        if not b.startswith(a[a_start + low : a_start + high], b_start + low):
+            break
+        low, step = high, step * 2
+    else:
+        return limit
+    while high - low > 1:  # equal before low; not before high
+        middle = (low + high) // 2
+        if b.startswith(a[a_start + low : a_start + middle], b_start + low):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _usable(raw: bytes, start: int, run: Run) -> tuple[int, int]:
+    """How many of ``run``'s elements ``raw`` repeats from ``start``, and their bytes."""
+    if run.unusable:
+        return 0, 0
+    limit = min(len(raw) - start, len(run.raw) - run.start)
+    if run.complete:
+        limit = min(limit, run.ends[-1])
+    agreed = _agreeing_bytes(run.raw, run.start, raw, start, limit)
+    if not run.complete and not _prove_end(run, agreed):
+        return 0, 0
+    found = bisect_right(run.ends, agreed) - 1
+    if found < 0:
+        return 0, 0
+    return run.counts[found], run.ends[found]
+
+
+def _prove_end(run: Run, agreed: int) -> bool:
+    """Where the elements of a run first seen whole end: where another body stopped agreeing with
+    it (less the whitespace before), or, where that is inside an element (an edited or another
+    last message), at one of the commas before; proven by parsing the elements there once."""
+    raw, start = run.raw, run.start
+    end = start + agreed
+    for _ in range(PROOF_TRIES):
+        while end > start and raw[end - 1] in _BYTES_WHITESPACE:
+            end -= 1
+        if end <= start:
+            break
+        try:
+            parsed = orjson.loads(b"[" + raw[start:end] + b"]")
+        except orjson.JSONDecodeError:
+            parsed = None
+        if parsed and len(parsed) <= len(run.elements) and parsed == run.elements[: len(parsed)]:
+            run.ends, run.counts, run.complete = [end - start], [len(parsed)], len(parsed) == len(run.elements)
+            if not run.complete:  # the run is its elements up to there
+                run.elements, run.complete, run.written, run.base = run.elements[: len(parsed)], True, None, None
+            return True
+        end = raw.rfind(b",", start, end)
+    run.unusable = True
+    return False
+
+
+def _splice(
+    raw: bytes, namespace: str, key: str, index: int, first: tuple[int, int], count: int, length: int, run: Run
+) -> Any:
+    """The body, ``run``'s first ``count`` elements (``length`` bytes) taken for its own from
+    the array's element ``index`` (at ``first``: its start and end), the rest parsed; None where
+    that does not hold."""
+    start = first[0]
+    after = start + length
+    try:
+        body = orjson.loads(raw[:start] + _PLACEHOLDER_JSON + raw[after:])
+    except orjson.JSONDecodeError:
+        return None
+    array = body.get(key) if type(body) is dict else None
+    if type(array) is not list or len(array) <= index or array[index] != _PLACEHOLDER:
+        return None
+    added = array[index + 1 :]
+    elements = [*run.elements[:count], *added] if added else run.elements[:count]
+    body[key] = [*array[:index], *elements]
+    ends, counts, complete = _added_ends(raw, after, len(added))
+    shared = bisect_right(run.ends, length)
+    continued = Run(
+        raw,
+        start,
+        index,
+        elements,
+        [*run.ends[:shared], *(length + end for end in ends)],
+        [*run.counts[:shared], *(count + c for c in counts)],
+        complete,
+        head=_head(raw, *first),
+    )
+    whole = count == len(run.elements)
+    if whole and run.written is not None:
+        continued.base, continued.base_count = run.written, count
+    elif whole and run.base is not None:
+        continued.base, continued.base_count = run.base, run.base_count
+    _keep(namespace, continued, run if whole else None)
+    return body
+
+
+def _added_ends(raw: bytes, after: int, added: int) -> tuple[list[int], list[int], bool]:
+    """Where the ``added`` elements after a run end (byte offsets from ``after``), scanned."""
+    if not added:
+        return [], [], True
+    window = _Window(raw, after, len(raw) - after)
+    text = window.text
+    ends, counts = [], []
+    position = 0
+    try:
+        for count in range(1, added + 1):
+            position = _ws(text, position)
+            if text[position] != ",":
+                raise ValueError("not an array")
+            _, position = _DECODER.raw_decode(text, _ws(text, position + 1))
+            ends.append(window.byte_offset(position))
+            counts.append(count)
+    except (ValueError, IndexError):
+        return ends, counts, False
+    return ends, counts, True
+
+
+# -- keeping runs -------------------------------------------------------------------------------
+
+
+def _keep_whole(raw: bytes, namespace: str, scanned: _Scanned, body: Any) -> None:
+    """Keep a body parsed whole as a run, from the element after its leading system messages
+    (where its elements end is proven when a next body resumes it)."""
+    array = body.get(scanned.key) if type(body) is dict and scanned.key else None
+    index = _leading_stable(scanned.values)
+    if type(array) is not list or index >= len(scanned.starts) or index >= len(array):
+        return
+    start = scanned.starts[index]
+    run = Run(raw, start, index, array[index:], [], [], False, head=_head(raw, start, scanned.ends[index]))
+    _keep(namespace, run, None)
+
+
+def _leading_stable(values: list[Any]) -> int:
+    count = 0
+    for value in values:
+        if not (type(value) is dict and value.get("role") in _STABLE):
+            break
+        count += 1
+    return count
+
+
+def _keep(namespace: str, run: Run, superseded: Run | None) -> None:
+    key = (namespace, run.head)
+    others = tuple(kept for kept in _BY_HEAD.get(key, ()) if kept is not superseded)
+    runs = (run, *others[: CANDIDATES - 1])
+    if _runs_size(runs) <= MAX_BYTES:
+        _BY_HEAD[key] = runs
+        if run.elements:
+            _BY_FIRST[id(run.elements[0])] = run
+
+
+# -- writing a body -----------------------------------------------------------------------------
+
+
+def _written(run: Run) -> bytes:
+    if run.written is None:
+        if run.base is not None and run.base_count:
+            rest = run.elements[run.base_count :]
+            run.written = run.base + b"," + orjson.dumps(rest)[1:-1] if rest else run.base
+        else:
+            run.written = orjson.dumps(run.elements)[1:-1]
+        run.base = None
+    return run.written
+
+
+def _run_held(items: list[Any]) -> tuple[int, Run] | None:
+    """A run whose first element is one of ``items``' first few (canonicalization puts a few
+    system messages before a history), and where."""
+    for offset, item in enumerate(islice(items, MAX_SCANNED * 2)):
+        run = _BY_FIRST.get(id(item))
+        if run is not None and run.elements[0] is item:
+            return offset, run
+    return None
+
+
+def _array_bytes(items: list[Any]) -> bytes | None:
+    """orjson's bytes of ``items``, with a run it holds written from the run's bytes."""
+    held = _run_held(items)
+    if held is None:
+        return None
+    offset, run = held
+    count = len(run.elements)
+    if len(items) - offset < count or not all(map(is_, islice(items, offset, offset + count), run.elements)):
+        return None
+    try:
+        parts = [orjson.dumps(items[:offset])[1:-1], _written(run), orjson.dumps(items[offset + count :])[1:-1]]
+    except TypeError:
+        return None
+    return b"[" + b",".join(part for part in parts if part) + b"]"
+
+
+def dumps_body(body: dict[str, Any]) -> bytes:
+    """``dumps(body)``: its tool list written from :func:`shared_json`'s bytes, an array holding a
+    run from the run's (orjson places both as they are: the same bytes as writing them)."""
+    replaced: dict[str, Any] = {}
+    tools = body.get("tools")
+    if type(tools) is list:
+        raw = shared_json(tools)
+        if raw is not None:
+            replaced["tools"] = orjson.Fragment(raw)
+    for key in ARRAY_KEYS:
+        items = body.get(key)
+        if type(items) is list and len(items) > 1:
+            written = _array_bytes(items)
+            if written is not None:
+                replaced[key] = orjson.Fragment(written)
+    if replaced:
+        with contextlib.suppress(TypeError):
+            return orjson.dumps({**body, **replaced})
+    return dumps(body)

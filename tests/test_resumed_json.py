@@ -1,0 +1,217 @@
+"""A body parsed from the runs of the tenant's last bodies (``proxy.openai.resumedjson``): the same
+value as parsing it whole, whatever the bodies before it were; only what is new parsed; the body
+written upstream the same bytes as writing it whole."""
+
+from __future__ import annotations
+
+import json
+import types
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.openai import dumps_body, resumedjson
+from proxy.openai.jsonio import TooDeep, dumps, loads
+
+
+@pytest.fixture(autouse=True)
+def small_bodies(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every body is resumed (not only those past 16 KiB), and the scan's window grows from a few
+    # bytes: the tests' bodies are small.
+    monkeypatch.setattr(resumedjson, "MIN_BYTES", 0)
+    monkeypatch.setattr(resumedjson, "FIRST_WINDOW", 48)
+    resumedjson.forget()
+
+
+def _message(role: str, text: str, index: int) -> dict[str, Any]:
+    if role == "assistant" and index % 3 == 0:
+        call = {"id": f"call_{index}", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+        return {"role": role, "content": None, "tool_calls": [call]}
+    if role == "user" and index % 4 == 0:
+        return {"role": role, "content": [{"type": "text", "text": text}]}
+    return {"role": role, "content": text}
+
+
+def _serialize(body: dict[str, Any], style: int) -> bytes:
+    if style == 0:
+        return json.dumps(body).encode()  # Python clients: spaces, \\u escapes
+    if style == 1:
+        return orjson.dumps(body)  # compact, UTF-8 (JavaScript's JSON.stringify)
+    if style == 2:
+        return json.dumps(body, indent=2, ensure_ascii=False).encode()
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _expected(raw: bytes) -> Any:
+    return loads(raw)
+
+
+texts = st.text(alphabet=st.characters(codec="utf-8"), max_size=40)
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[bytes]:
+    """A conversation's bodies as a client sends them: each the last plus a reply and a question,
+    or with an edit, a window slid, a system prompt changed, a retry, another key order."""
+    style = draw(st.integers(0, 3))
+    system = draw(texts)
+    messages: list[dict[str, Any]] = []
+    bodies = []
+    for turn in range(draw(st.integers(1, 9))):
+        step = draw(st.sampled_from(["append", "append", "append", "edit", "slide", "system", "retry", "keys"]))
+        if step == "edit" and messages:
+            at = draw(st.integers(0, len(messages) - 1))
+            messages[at] = _message(messages[at]["role"], draw(texts), at)
+        elif step == "slide" and len(messages) > 2:
+            messages = messages[2:]
+        elif step == "system":
+            system = draw(texts)
+        if step != "retry" or not messages:
+            if messages:
+                messages.append(_message("assistant", draw(texts), len(messages)))
+            messages.append(_message("user", draw(texts), len(messages)))
+        body: dict[str, Any] = {"messages": [{"role": "system", "content": system}, *messages]}
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        extra = {"model": "m", "stream": draw(st.booleans()), "tools": tools}
+        body = {**extra, **body} if step == "keys" or turn % 2 else {**body, **extra}
+        bodies.append(_serialize(body, style))
+    return bodies
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(conversations(), min_size=1, max_size=3), st.randoms(use_true_random=False))
+def test_a_body_parses_to_what_parsing_it_whole_gives(histories: list[list[bytes]], random: Any) -> None:
+    resumedjson.forget()
+    # Conversations of one tenant interleaved: a run found for one must never give another's values.
+    queue = [list(h) for h in histories]
+    while any(queue):
+        bodies = random.choice([q for q in queue if q])
+        raw = bodies.pop(0)
+        parsed = resumedjson.resumed_loads(raw, "tenant")
+        assert parsed == _expected(raw)
+        assert dumps_body(parsed) == dumps(parsed)
+
+
+def _chat(turns: int, system: str = "You are a helpful assistant.\n" * 4) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"question {turn}: " + "why is the sky blue? " * 5})
+        messages.append({"role": "assistant", "content": f"answer {turn}: " + "Rayleigh scattering. " * 5})
+    messages.append({"role": "user", "content": "and the sunset?"})
+    return {"model": "m", "messages": messages}
+
+
+def test_the_history_a_conversation_sent_before_is_the_same_objects_not_parsed_again() -> None:
+    first = resumedjson.resumed_loads(json.dumps(_chat(10)).encode(), "t")
+    second = resumedjson.resumed_loads(json.dumps(_chat(11, system="It is 10:02.\n")).encode(), "t")
+    third = resumedjson.resumed_loads(json.dumps(_chat(12, system="It is 10:03.\n")).encode(), "t")
+    assert second == _chat(11, system="It is 10:02.\n") and third == _chat(12, system="It is 10:03.\n")
+    # The first body was parsed whole; from the second on, the history each re-sends is taken.
+    assert all(a is b for a, b in zip(first["messages"][1:20], second["messages"][1:20], strict=True))
+    assert all(a is b for a, b in zip(second["messages"][1:22], third["messages"][1:22], strict=True))
+    assert second["messages"][0] is not first["messages"][0]  # the system prompt changed
+
+
+def test_only_what_is_new_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed: list[int] = []
+
+    def counting_loads(raw: bytes) -> Any:
+        parsed.append(len(raw))
+        return orjson.loads(raw)
+
+    counting = types.SimpleNamespace(
+        loads=counting_loads, dumps=orjson.dumps, Fragment=orjson.Fragment, JSONDecodeError=orjson.JSONDecodeError
+    )
+    monkeypatch.setattr(resumedjson, "orjson", counting)
+    sizes = []
+    for turns in range(300, 306):
+        raw = json.dumps(_chat(turns)).encode()
+        parsed.clear()
+        body = resumedjson.resumed_loads(raw, "t")
+        assert body == _chat(turns)
+        sizes.append((len(raw), sum(parsed)))
+    # The first two bodies are parsed whole (once for the value, once to prove where its elements
+    # end); each next one, the system prompt, the new turn and the keys around the history.
+    assert all(size > 50_000 for size, _ in sizes), sizes
+    assert all(parsed < 2_000 for _, parsed in sizes[2:]), sizes
+
+
+def test_another_tenant_never_gets_a_tenants_run() -> None:
+    raw = json.dumps(_chat(10)).encode()
+    resumedjson.resumed_loads(raw, "a")
+    mine = resumedjson.resumed_loads(json.dumps(_chat(11)).encode(), "a")
+    theirs = resumedjson.resumed_loads(json.dumps(_chat(11)).encode(), "b")
+    assert theirs == mine
+    assert not any(a is b for a, b in zip(mine["messages"], theirs["messages"], strict=True))
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        ', "messages": [{"role": "user", "content": "the second array"}]}',  # the key given twice
+        ', "model": "m", "messages": 5}',
+        ', "model": "m"}',
+    ],
+)
+def test_a_body_that_reads_otherwise_after_the_history_is_read_as_a_whole_parse_reads_it(tail: str) -> None:
+    history = _chat(10)["messages"]
+    resumedjson.resumed_loads(json.dumps({"model": "m", "messages": history}).encode(), "t")
+    resumedjson.resumed_loads(json.dumps({"model": "m", "messages": [*history, history[-1]]}).encode(), "t")
+    raw = ('{"messages": ' + json.dumps([*history, history[-1], history[-2]]) + tail).encode()
+    assert resumedjson.resumed_loads(raw, "t") == loads(raw)
+
+
+def test_an_element_that_goes_on_past_the_run_is_not_taken() -> None:
+    # A run ending in a number: the next body's "5" goes on as "56" (no element ends there).
+    numbers = [{"role": "system", "content": "s"}, *([{"role": "user", "content": "x" * 40}] * 5)]
+    resumedjson.resumed_loads(json.dumps({"messages": [*numbers, 5]}).encode(), "t")
+    resumedjson.resumed_loads(json.dumps({"messages": [*numbers, 5, 6]}).encode(), "t")
+    raw = json.dumps({"messages": [*numbers, 56, 7]}).encode()
+    assert resumedjson.resumed_loads(raw, "t") == loads(raw)
+    raw = json.dumps({"messages": [*numbers, 5, 6, 7]}).encode()
+    assert resumedjson.resumed_loads(raw, "t") == loads(raw)
+
+
+def test_text_orjson_refuses_is_parsed_as_loads_parses_it() -> None:
+    history = _chat(10)["messages"]
+    resumedjson.resumed_loads(json.dumps({"messages": history}).encode(), "t")
+    resumedjson.resumed_loads(json.dumps({"messages": [*history, history[1]]}).encode(), "t")
+    for extra in ('{"role": "user", "content": "\\ud800"}', '{"role": "user", "content": NaN}'):
+        raw = ('{"messages": ' + json.dumps([*history, history[1]])[:-1] + ", " + extra + "]}").encode()
+        assert resumedjson.resumed_loads(raw, "t") == loads(raw) or raw.find(b"NaN") > 0
+
+
+@pytest.mark.parametrize("depth", [900, 5000])
+def test_an_element_nested_deep_is_read_as_loads_reads_it(depth: int) -> None:
+    history = _chat(10)["messages"]
+    resumedjson.resumed_loads(json.dumps({"messages": history}).encode(), "t")
+    resumedjson.resumed_loads(json.dumps({"messages": [*history, history[1]]}).encode(), "t")
+    for at in (1, len(history) + 1):  # among the elements scanned, and among those added
+        nested = [*history[:at], "[" * depth + "]" * depth, *history[at:]]
+        raw = json.dumps({"messages": nested}).encode().replace(b'"' + b"[" * depth, b"[" * depth)
+        raw = raw.replace(b"]" * depth + b'"', b"]" * depth)
+        try:
+            expected = loads(raw)
+        except TooDeep:
+            with pytest.raises(TooDeep):
+                resumedjson.resumed_loads(raw, "t")
+        else:
+            assert resumedjson.resumed_loads(raw, "t") == expected
+
+
+def test_a_body_written_with_a_run_is_the_bytes_of_writing_it_whole() -> None:
+    for turns in range(5, 9):
+        body = resumedjson.resumed_loads(json.dumps(_chat(turns)).encode(), "t")
+        assert dumps_body(body) == orjson.dumps(body)
+        # A rewrite that replaces a message of the history (a restored tool call) or moves one.
+        messages = body["messages"]
+        replaced = {**body, "messages": [*messages[:3], {"role": "user", "content": "x"}, *messages[4:]]}
+        assert dumps_body(replaced) == orjson.dumps(replaced)
+        inserted = {**body, "messages": [messages[0], {"role": "system", "content": "y"}, *messages[1:]]}
+        assert dumps_body(inserted) == orjson.dumps(inserted)
+        assert dumps_body({**body, "messages": body["messages"][:-1]}) == orjson.dumps(
+            {**body, "messages": body["messages"][:-1]}
+        )
