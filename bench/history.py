@@ -61,13 +61,14 @@ import httpx
 import orjson
 
 from bench import shapes, stacks
-from bench.overhead import JSON_HOP, Hop, bare_hop, checkouts, cpu_reading, find, prefix_proxy, profiled, rotated
+from bench.overhead import BARE_HOP, Hop, bare_hop, checkouts, cpu_reading, find, prefix_proxy, profiled, rotated
 from bench.servers import free_port, spawn
 
 MODEL = shapes.MODEL
 STYLES = ("dify", "agent")
 CASES = ("plain", "session", "summary", "summary-session")
-# The row of a style measured through the JSON floor (``bench.bare_hop --json``) instead.
+# The row of a style measured through the floor of a hop (``bench.bare_hop``: the proxy's server and
+# upstream client carrying the body, no logic) instead.
 FLOOR = "floor"
 TURNS = (10, 50, 200, 1000)
 # Where a summary is in place: a model this small, a usage this low (see the module's docstring).
@@ -199,7 +200,7 @@ class Cell:
 @dataclass
 class Proxies:
     """Per build (``checkouts``), the proxy without and the one with a summary in place; and the
-    JSON floor (the proxy's server and upstream client, the body parsed and written again)."""
+    floor of a hop (the proxy's server and upstream client carrying the body, no logic)."""
 
     plain: list[Hop]
     summary: list[Hop]
@@ -226,9 +227,9 @@ class Results:
         return self.cell(proxy, row, turns).ms_per_request
 
     def floor_ms(self, row: Row, turns: int) -> float:
-        """The JSON floor's CPU per request on the row's style at ``turns`` (what reading and writing
+        """The floor's CPU per request on the row's style at ``turns`` (what reading and writing
         the body costs any proxy that rewrites it in Python)."""
-        return self.ms(JSON_HOP, Row(row.style, FLOOR), turns)
+        return self.ms(BARE_HOP, Row(row.style, FLOOR), turns)
 
     def over_floor(self, proxy: str, row: Row, turns: int) -> float:
         return self.ms(proxy, row, turns) - self.floor_ms(row, turns)
@@ -283,7 +284,7 @@ async def window(sender: Sender, hop: Hop, turns: int, size: int, cell: Cell | N
 @contextlib.contextmanager
 def started(before: str | None) -> Iterator[Proxies]:
     """Two instant backends (a long context; a short one for the summary rows), per build a
-    prefix-proxy in front of each, and the JSON floor in front of the first."""
+    prefix-proxy in front of each, and the floor of a hop in front of the first."""
     long_port, short_port = free_port(), free_port()
     backend = [sys.executable, "-m", "bench.instant_backend"]
     with contextlib.ExitStack() as stack:
@@ -296,7 +297,7 @@ def started(before: str | None) -> Iterator[Proxies]:
             plain.append(stack.enter_context(prefix_proxy(f"http://127.0.0.1:{long_port}/v1", checkout, name)))
             upstream = f"http://127.0.0.1:{short_port}/v1"
             summary.append(stack.enter_context(prefix_proxy(upstream, checkout, name, SUMMARY_SETTINGS)))
-        floor = stack.enter_context(bare_hop(f"http://127.0.0.1:{long_port}/v1", json=True))
+        floor = stack.enter_context(bare_hop(f"http://127.0.0.1:{long_port}/v1"))
         yield Proxies(plain, summary, floor)
 
 
@@ -351,7 +352,7 @@ async def profile(proxies: Proxies, rows: list[Row], turns: int, size: int, toke
 
 def table(results: Results) -> str:
     """Per row: each proxy's CPU per request at each length (ms, and x the shortest length), and the
-    requests whose summary was applied; per style, the JSON floor's."""
+    requests whose summary was applied; per style, the floor's."""
     lengths = results.turns
     header = ["row", *(f"{name} {n} turns (ms, x {lengths[0]})" for name in results.names for n in lengths)]
     header.append("summary applied")
@@ -367,7 +368,7 @@ def table(results: Results) -> str:
         floor = Row(style, FLOOR)
         base = results.floor_ms(floor, lengths[0])
         cells = [
-            f"{style}: {JSON_HOP}",
+            f"{style}: {BARE_HOP}",
             *(f"{results.floor_ms(floor, n):.2f} ({_ratio(results.floor_ms(floor, n), base)})" for n in lengths),
         ]
         cells += [""] * (len(header) - len(cells))
@@ -376,7 +377,7 @@ def table(results: Results) -> str:
 
 
 def over_floor_table(results: Results) -> str:
-    """Per row: each proxy's CPU per request over the JSON floor's on the same style and length
+    """Per row: each proxy's CPU per request over the floor's on the same style and length
     (what its own logic costs), and its ratio to the shortest length's."""
     lengths = results.turns
     header = ["row", *(f"{name} {n} turns (ms, x {lengths[0]})" for name in results.names for n in lengths)]
@@ -429,7 +430,7 @@ async def run(args: argparse.Namespace) -> str:
         + ("grown turn by turn through the proxy" if args.grown else "resumed at one turn less")
         + "; instant backend)"
     )
-    logic = f"The same over the JSON floor ({JSON_HOP}: reading and writing the body) of the style and length:"
+    logic = f"The same over the floor of a hop ({BARE_HOP}: carrying the body) of the style and length:"
     return "\n".join([title, table(results), "", logic, over_floor_table(results), f"data: {source()}", *notes])
 
 

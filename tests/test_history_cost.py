@@ -99,4 +99,4 @@ async def test_bench_history_runs_small_and_a_long_conversation_costs_about_a_sh
         applied = sum(results.cell("prefix-proxy", row, n).summarized for n in (10, 1000))
         assert applied == (16 if row.summary else 0), row.name
     table = history.table(results)
-    assert "| dify plain |" in table and "dify: bare stack + JSON" in table
+    assert "| dify plain |" in table and "dify: bare stack (no logic)" in table

@@ -212,6 +212,10 @@ def test_a_body_written_with_a_run_is_the_bytes_of_writing_it_whole() -> None:
         assert dumps_body(replaced) == orjson.dumps(replaced)
         inserted = {**body, "messages": [messages[0], {"role": "system", "content": "y"}, *messages[1:]]}
         assert dumps_body(inserted) == orjson.dumps(inserted)
+        # A block moved before the last user message: the run written but for its last element.
+        moved = {**body, "messages": [*messages[:-1], {"role": "system", "content": "z"}, messages[-1]]}
+        assert dumps_body(moved) == orjson.dumps(moved)
+        assert resumedjson._array_bytes(moved["messages"]) == orjson.dumps(moved["messages"])
         assert dumps_body({**body, "messages": body["messages"][:-1]}) == orjson.dumps(
             {**body, "messages": body["messages"][:-1]}
         )

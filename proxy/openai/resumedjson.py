@@ -37,8 +37,9 @@ import re
 import secrets
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from itertools import islice
-from operator import is_
+from itertools import compress, islice
+from itertools import count as count_from
+from operator import is_not
 from typing import Any
 
 import orjson
@@ -59,6 +60,8 @@ MAX_SCANNED = 8
 MIN_BYTES = 16 * 1024
 # The runs kept, by the bytes of their bodies and of their elements written.
 MAX_BYTES = 256 * 1024 * 1024
+# A run's last elements a body written may lack, and still have the rest written from the run's bytes.
+MAX_UNWRITTEN = 8
 # Ends tried for the elements of a run first seen whole (``_prove_end``).
 PROOF_TRIES = 4
 # The first bytes of a body decoded for the scan (doubled until the scan is done within them).
@@ -438,16 +441,26 @@ def _run_held(items: list[Any]) -> tuple[int, Run] | None:
 
 
 def _array_bytes(items: list[Any]) -> bytes | None:
-    """orjson's bytes of ``items``, with a run it holds written from the run's bytes."""
+    """orjson's bytes of ``items``, with a run it holds written from the run's bytes: all of it, or
+    all but its last few elements (a rewrite puts a moved block before the last user message)."""
     held = _run_held(items)
     if held is None:
         return None
     offset, run = held
     count = len(run.elements)
-    if len(items) - offset < count or not all(map(is_, islice(items, offset, offset + count), run.elements)):
+    # The run's leading elements that ``items`` holds from ``offset`` on (compared in C, by identity).
+    differing = compress(count_from(), map(is_not, islice(items, offset, offset + count), run.elements))
+    shared = min(next(differing, count), len(items) - offset)
+    if count - shared > MAX_UNWRITTEN or not shared:
         return None
     try:
-        parts = [orjson.dumps(items[:offset])[1:-1], _written(run), orjson.dumps(items[offset + count :])[1:-1]]
+        written = _written(run)
+        if shared < count:
+            dropped = b"," + b",".join(map(orjson.dumps, run.elements[shared:]))
+            if not written.endswith(dropped):
+                return None
+            written = written[: -len(dropped)]
+        parts = [orjson.dumps(items[:offset])[1:-1], written, orjson.dumps(items[offset + shared :])[1:-1]]
     except TypeError:
         return None
     return b"[" + b",".join(part for part in parts if part) + b"]"
