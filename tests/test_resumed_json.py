@@ -22,7 +22,9 @@ def small_bodies(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every body is resumed (not only those past 16 KiB), and the scan's window grows from a few
     # bytes: the tests' bodies are small.
     monkeypatch.setattr(resumedjson, "MIN_BYTES", 0)
+    monkeypatch.setattr(resumedjson, "MIN_HISTORY_BYTES", 0)
     monkeypatch.setattr(resumedjson, "FIRST_WINDOW", 48)
+    monkeypatch.setattr(resumedjson, "MIN_VALUE_CHARS", 1)  # a value before the array skipped by its text
     resumedjson.forget()
 
 
@@ -133,8 +135,8 @@ def test_only_what_is_new_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
         body = resumedjson.resumed_loads(raw, "t")
         assert body == _chat(turns)
         sizes.append((len(raw), sum(parsed)))
-    # The first two bodies are parsed whole (once for the value, once to prove where its elements
-    # end); each next one, the system prompt, the new turn and the keys around the history.
+    # The first body is parsed whole (the second scans where its elements end, once); each next
+    # one, only the system prompt, the new turn and the keys around the history.
     assert all(size > 50_000 for size, _ in sizes), sizes
     assert all(parsed < 2_000 for _, parsed in sizes[2:]), sizes
 
@@ -162,6 +164,16 @@ def test_a_body_that_reads_otherwise_after_the_history_is_read_as_a_whole_parse_
     resumedjson.resumed_loads(json.dumps({"model": "m", "messages": [*history, history[-1]]}).encode(), "t")
     raw = ('{"messages": ' + json.dumps([*history, history[-1], history[-2]]) + tail).encode()
     assert resumedjson.resumed_loads(raw, "t") == loads(raw)
+
+
+def test_a_key_given_twice_never_pairs_one_arrays_text_with_the_others_values() -> None:
+    history = _chat(10)["messages"]
+    other = [{"role": "user", "content": f"not the history {n}"} for n in range(len(history))]
+    twice = '{"messages": ' + json.dumps(history) + ', "model": "m", "messages": ' + json.dumps(other) + "}"
+    assert resumedjson.resumed_loads(twice.encode(), "t")["messages"] == other
+    for extra in ([history[1]], [history[1], history[2]]):
+        raw = json.dumps({"messages": [*history, *extra]}).encode()
+        assert resumedjson.resumed_loads(raw, "t") == loads(raw)
 
 
 def test_an_element_that_goes_on_past_the_run_is_not_taken() -> None:

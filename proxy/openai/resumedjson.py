@@ -56,18 +56,19 @@ HEAD_BYTES = 256
 CANDIDATES = 4
 # Elements of an array looked at for the start of a run (its leading system messages are skipped).
 MAX_SCANNED = 8
-# Bodies smaller than this are parsed whole: the scan would cost what it saves.
+# Bodies smaller than this are parsed whole, and those whose history (what follows their leading
+# system messages) is: the scan would cost what it saves.
 MIN_BYTES = 16 * 1024
+MIN_HISTORY_BYTES = 16 * 1024
 # The runs kept, by the bytes of their bodies and of their elements written.
-MAX_BYTES = 256 * 1024 * 1024
+MAX_BYTES = 64 * 1024 * 1024
 # A run's last elements a body written may lack, and still have the rest written from the run's bytes.
 MAX_UNWRITTEN = 8
-# Ends tried for the elements of a run first seen whole (``_prove_end``).
-PROOF_TRIES = 4
 # The first bytes of a body decoded for the scan (doubled until the scan is done within them).
 FIRST_WINDOW = 64 * 1024
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+_STRUCTURE = re.compile(r'["{}\[\]]')
 _BYTES_WHITESPACE = b" \t\n\r"
 _DECODER = json.JSONDecoder()
 _scanstring = json.decoder.scanstring  # type: ignore[attr-defined]  # (C; not in typeshed)
@@ -108,6 +109,10 @@ def _runs_size(runs: tuple[Run, ...]) -> int:
 
 
 _BY_HEAD: LRUCache[tuple[str, int], tuple[Run, ...]] = LRUCache(MAX_BYTES, getsizeof=_runs_size)
+# Per tenant and key, the text of the value before the array it sent last (``_skip_value``).
+_VALUES: LRUCache[tuple[str, str], str] = LRUCache(16 * 1024 * 1024, getsizeof=len)
+# Shorter values are scanned each time.
+MIN_VALUE_CHARS = 256
 # Runs by the identity of their first element (held by the run), for writing a body.
 _BY_FIRST: LRUCache[int, Run] = LRUCache(MAX_BYTES, getsizeof=Run.size)
 
@@ -119,7 +124,7 @@ def resumed_loads(raw: bytes, namespace: str) -> Any:
     scanned = _Scanned()
     try:
         found = _resume(raw, namespace, scanned)
-    except (ValueError, IndexError, UnicodeDecodeError, RecursionError):  # (the scan's nesting)
+    except (ValueError, IndexError, UnicodeDecodeError, RecursionError, _ShortHistory):  # (the scan's nesting)
         return loads(raw)
     if found is not None:
         return found
@@ -132,20 +137,24 @@ def forget() -> None:
     """Drop every run kept (tests; a reload that changes tenants)."""
     _BY_HEAD.clear()
     _BY_FIRST.clear()
+    _VALUES.clear()
 
 
 # -- reading a body -----------------------------------------------------------------------------
 
 
+class _ShortHistory(Exception):
+    """What follows a body's leading system messages is too short to be worth resuming."""
+
+
 @dataclass(slots=True)
 class _Scanned:
     """A body's array, as far as it was scanned: its key, and its leading elements' byte offsets
-    (``starts``, ``ends``) and values (parsed by the scan: only their roles are read)."""
+    (``starts``, ``ends``)."""
 
     key: str = ""
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
-    values: list[Any] = field(default_factory=list)
 
 
 class _Window:
@@ -181,7 +190,7 @@ def _resume(raw: bytes, namespace: str, scanned: _Scanned) -> Any | None:
     size = FIRST_WINDOW
     while True:
         window = _Window(raw, 0, size)
-        scanned.key, scanned.starts, scanned.ends, scanned.values = "", [], [], []
+        scanned.key, scanned.starts, scanned.ends = "", [], []
         try:
             return _scan_object(raw, namespace, window, scanned)
         except (ValueError, IndexError):
@@ -207,11 +216,63 @@ def _scan_object(raw: bytes, namespace: str, window: _Window, scanned: _Scanned)
         if key in ARRAY_KEYS and text[position] == "[":
             scanned.key = key
             return _scan_array(raw, namespace, window, scanned, position + 1)
-        _, position = _DECODER.raw_decode(text, position)
+        position = _skip_value(text, position, (namespace, key))
         position = _ws(text, position)
         if text[position] != ",":
             raise ValueError("no array")
         position = _ws(text, position + 1)
+
+
+def _skip(text: str, position: int) -> int:
+    """The end of the JSON value at ``position``, found without parsing it: strings jumped over to
+    their closing quote, brackets counted (C searches; a long system prompt is one or two). Only a
+    proposal where the text is not JSON: what is taken from a run is proven by the parse of the
+    rest (``_splice``: the placeholder found where it was put, as an element of the array)."""
+    first = text[position]
+    if first == '"':
+        return _skip_string(text, position)
+    if first not in "{[":
+        return int(_DECODER.raw_decode(text, position)[1])  # a number or a literal
+    depth = 0
+    while True:
+        found = _STRUCTURE.search(text, position)
+        if found is None:
+            raise ValueError("unterminated")
+        position = found.start()
+        if text[position] == '"':
+            position = _skip_string(text, position)
+            continue
+        depth += 1 if text[position] in "{[" else -1
+        position += 1
+        if not depth:
+            return position
+
+
+def _skip_string(text: str, position: int) -> int:
+    end = position + 1
+    while True:
+        end = text.find('"', end)
+        if end < 0:
+            raise ValueError("unterminated string")
+        backslashes = end - 1
+        while text[backslashes] == "\\":
+            backslashes -= 1
+        if (end - 1 - backslashes) % 2 == 0:
+            return end + 1
+        end += 1
+
+
+def _skip_value(text: str, position: int, place: tuple[str, str]) -> int:
+    """Past the value at ``position``: the text the tenant sent at this key last, where it is the
+    same (an object, array or string ends where its text does: a tool list is not scanned again),
+    else scanned."""
+    last = _VALUES.get(place)
+    if last is not None and text.startswith(last, position):
+        return position + len(last)
+    end = _skip(text, position)
+    if end - position >= MIN_VALUE_CHARS and text[position] in '{["':
+        _VALUES[place] = text[position:end]
+    return end
 
 
 def _scan_array(raw: bytes, namespace: str, window: _Window, scanned: _Scanned, position: int) -> Any | None:
@@ -223,11 +284,12 @@ def _scan_array(raw: bytes, namespace: str, window: _Window, scanned: _Scanned, 
         return None
     for index in range(MAX_SCANNED):
         start = window.byte_offset(position)
-        value, position = _DECODER.raw_decode(text, position)
+        if len(raw) - start < MIN_HISTORY_BYTES:
+            raise _ShortHistory()  # a one-shot request or a short conversation: parsed whole, not kept
+        position = _skip(text, position)
         end = window.byte_offset(position)
         scanned.starts.append(start)
         scanned.ends.append(end)
-        scanned.values.append(value)
         body = _resume_at(raw, namespace, scanned, index)
         if body is not None:
             return body
@@ -289,7 +351,7 @@ def _usable(raw: bytes, start: int, run: Run) -> tuple[int, int]:
     if run.complete:
         limit = min(limit, run.ends[-1])
     agreed = _agreeing_bytes(run.raw, run.start, raw, start, limit)
-    if not run.complete and not _prove_end(run, agreed):
+    if not run.complete and not _index(run, agreed):
         return 0, 0
     found = bisect_right(run.ends, agreed) - 1
     if found < 0:
@@ -297,29 +359,39 @@ def _usable(raw: bytes, start: int, run: Run) -> tuple[int, int]:
     return run.counts[found], run.ends[found]
 
 
-def _prove_end(run: Run, agreed: int) -> bool:
-    """Where the elements of a run first seen whole end: where another body stopped agreeing with
-    it (less the whitespace before), or, where that is inside an element (an edited or another
-    last message), at one of the commas before; proven by parsing the elements there once."""
-    raw, start = run.raw, run.start
-    end = start + agreed
-    for _ in range(PROOF_TRIES):
-        while end > start and raw[end - 1] in _BYTES_WHITESPACE:
-            end -= 1
-        if end <= start:
-            break
+def _index(run: Run, agreed: int) -> bool:
+    """Where the elements of a run first seen whole end, up to the first past ``agreed`` (the bytes
+    another body repeats): scanned one element at a time from the last end known (once per run; a
+    run continued from another knows its ends), each element's value checked against the run's (the
+    scan found the first array under its key, the parse kept the last). False where none ends
+    within ``agreed``."""
+    known = run.ends[-1] if run.ends else 0
+    if known <= agreed:
+        window = _Window(run.raw, run.start + known, len(run.raw))
+        text, position = window.text, 0
+        ends, counts = list(run.ends), list(run.counts)
+        count = counts[-1] if counts else 0
         try:
-            parsed = orjson.loads(b"[" + raw[start:end] + b"]")
-        except orjson.JSONDecodeError:
-            parsed = None
-        if parsed and len(parsed) <= len(run.elements) and parsed == run.elements[: len(parsed)]:
-            run.ends, run.counts, run.complete = [end - start], [len(parsed)], len(parsed) == len(run.elements)
-            if not run.complete:  # the run is its elements up to there
-                run.elements, run.complete, run.written, run.base = run.elements[: len(parsed)], True, None, None
-            return True
-        end = raw.rfind(b",", start, end)
-    run.unusable = True
-    return False
+            while count < len(run.elements):
+                if count:
+                    position = _ws(text, position)
+                    if text[position] != ",":
+                        break
+                    position += 1
+                value, position = _DECODER.raw_decode(text, _ws(text, position))
+                if value != run.elements[count]:  # its text is not the array parsed (a key given twice)
+                    raise ValueError("another array")
+                count += 1
+                ends.append(known + window.byte_offset(position))
+                counts.append(count)
+                if ends[-1] > agreed:
+                    break
+        except (ValueError, IndexError, RecursionError):
+            run.unusable = True
+            return False
+        run.ends, run.counts = ends, counts
+        run.complete = count == len(run.elements)
+    return bool(run.ends) and run.ends[0] <= agreed
 
 
 def _splice(
@@ -389,8 +461,10 @@ def _keep_whole(raw: bytes, namespace: str, scanned: _Scanned, body: Any) -> Non
     """Keep a body parsed whole as a run, from the element after its leading system messages
     (where its elements end is proven when a next body resumes it)."""
     array = body.get(scanned.key) if type(body) is dict and scanned.key else None
-    index = _leading_stable(scanned.values)
-    if type(array) is not list or index >= len(scanned.starts) or index >= len(array):
+    if type(array) is not list:
+        return
+    index = _leading_stable(array)
+    if index >= len(scanned.starts) or index >= len(array):
         return
     start = scanned.starts[index]
     run = Run(raw, start, index, array[index:], [], [], False, head=_head(raw, start, scanned.ends[index]))
@@ -399,7 +473,7 @@ def _keep_whole(raw: bytes, namespace: str, scanned: _Scanned, body: Any) -> Non
 
 def _leading_stable(values: list[Any]) -> int:
     count = 0
-    for value in values:
+    for value in islice(values, MAX_SCANNED):
         if not (type(value) is dict and value.get("role") in _STABLE):
             break
         count += 1
