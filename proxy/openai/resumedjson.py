@@ -359,12 +359,30 @@ def _usable(raw: bytes, start: int, run: Run) -> tuple[int, int]:
     return run.counts[found], run.ends[found]
 
 
+def _proven_whole(run: Run, agreed: int) -> bool:
+    """Whether all of a run first seen whole is what another body repeats (a conversation that only
+    grew): its elements end where the bodies stop agreeing, less whitespace, which one parse in C
+    proves (the values must be the run's)."""
+    raw, end = run.raw, run.start + agreed
+    while end > run.start and raw[end - 1] in _BYTES_WHITESPACE:
+        end -= 1
+    try:
+        whole = orjson.loads(b"[" + raw[run.start : end] + b"]") == run.elements
+    except orjson.JSONDecodeError:
+        return False
+    if whole:
+        run.ends, run.counts, run.complete = [end - run.start], [len(run.elements)], True
+    return whole
+
+
 def _index(run: Run, agreed: int) -> bool:
     """Where the elements of a run first seen whole end, up to the first past ``agreed`` (the bytes
     another body repeats): scanned one element at a time from the last end known (once per run; a
     run continued from another knows its ends), each element's value checked against the run's (the
     scan found the first array under its key, the parse kept the last). False where none ends
     within ``agreed``."""
+    if not run.ends and _proven_whole(run, agreed):
+        return True
     known = run.ends[-1] if run.ends else 0
     if known <= agreed:
         window = _Window(run.raw, run.start + known, len(run.raw))
