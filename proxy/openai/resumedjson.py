@@ -57,9 +57,10 @@ CANDIDATES = 4
 # Elements of an array looked at for the start of a run (its leading system messages are skipped).
 MAX_SCANNED = 8
 # Bodies smaller than this are parsed whole, and those whose history (what follows their leading
-# system messages) is: the scan would cost what it saves.
-MIN_BYTES = 16 * 1024
-MIN_HISTORY_BYTES = 16 * 1024
+# system messages) is: below about 90 KB, orjson parses and writes a body whole in less than the
+# scan, the lookups and the splice cost (about 0.2 ms; measured on Dify and agent conversations).
+MIN_BYTES = 96 * 1024
+MIN_HISTORY_BYTES = 64 * 1024
 # The runs kept, by the bytes of their bodies and of their elements written.
 MAX_BYTES = 64 * 1024 * 1024
 # A run's last elements a body written may lack, and still have the rest written from the run's bytes.
