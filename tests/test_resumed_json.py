@@ -4,17 +4,27 @@ written upstream the same bytes as writing it whole."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import types
+from contextlib import ExitStack
 from typing import Any
 
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.types import Receive, Scope, Send
 
+from proxy.app import create_app
+from proxy.config import Settings
 from proxy.openai import dumps_body, resumedjson
 from proxy.openai.jsonio import TooDeep, dumps, loads
+from testbed.fakevllm import FakeBackendConfig, openai_responses, responses
+from testbed.fakevllm import create_app as create_fake_backend
+from testbed.serving import serve_in_thread
+from testbed.workload import run_workload_async
 
 
 @pytest.fixture(autouse=True)
@@ -231,3 +241,59 @@ def test_a_body_written_with_a_run_is_the_bytes_of_writing_it_whole() -> None:
         assert dumps_body({**body, "messages": body["messages"][:-1]}) == orjson.dumps(
             {**body, "messages": body["messages"][:-1]}
         )
+
+
+def _forwarded_bodies(monkeypatch: pytest.MonkeyPatch, resume_all: bool) -> tuple[list[bytes], dict[str, Any]]:
+    """The bodies a prefix-proxy sends upstream for the project's workload (every shape, two
+    sessions each), with every body resumed or (the defaults here) none."""
+    # The fake engine's ids made the same in both runs (they are random in it, as vLLM's are).
+    numbers = itertools.count()
+    monkeypatch.setattr(responses, "random_id", lambda: f"{next(numbers):032x}")
+    monkeypatch.setattr(openai_responses, "new_id", lambda prefix: f"{prefix}_{next(numbers):016x}")
+    resumedjson.forget()
+    size = 0 if resume_all else 1 << 40
+    monkeypatch.setattr(resumedjson, "MIN_BYTES", size)
+    monkeypatch.setattr(resumedjson, "MIN_HISTORY_BYTES", size)
+    backend = create_fake_backend(FakeBackendConfig())
+    received: list[bytes] = []
+
+    async def recording(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await backend(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        received.append(b"".join(chunks))
+        delivered = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": received[-1], "more_body": False}
+
+        await backend(scope, replay, send)
+
+    with ExitStack() as stack:
+        upstream = stack.enter_context(serve_in_thread(recording, name="recording-backend"))
+        proxy = stack.enter_context(serve_in_thread(create_app(Settings(upstream=upstream + "/v1")), name="proxy"))
+        results = asyncio.run(run_workload_async(proxy + "/v1", sessions_per_scenario=2, seed=3, concurrency=1))
+    return received, {name: (r.requests, r.prompt_tokens, r.cached_tokens, r.errors) for name, r in results.items()}
+
+
+def test_the_workload_through_the_proxy_is_forwarded_byte_for_byte_as_when_parsed_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed_whole, whole_results = _forwarded_bodies(monkeypatch, resume_all=False)
+    spliced: list[int] = []
+    original = resumedjson._splice
+    monkeypatch.setattr(resumedjson, "_splice", lambda *a: spliced.append(1) or original(*a))
+    resumed, resumed_results = _forwarded_bodies(monkeypatch, resume_all=True)
+    assert len(spliced) > len(resumed) // 2  # most bodies resumed a run
+    assert resumed_results == whole_results
+    assert resumed == parsed_whole
