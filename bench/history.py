@@ -61,7 +61,18 @@ import httpx
 import orjson
 
 from bench import shapes, stacks
-from bench.overhead import BARE_HOP, Hop, bare_hop, checkouts, cpu_reading, find, prefix_proxy, profiled, rotated
+from bench.overhead import (
+    BARE_HOP,
+    Hop,
+    bare_hop,
+    checkouts,
+    cpu_reading,
+    find,
+    prefix_proxy,
+    profiled,
+    rotated,
+    vllm_router,
+)
 from bench.servers import free_port, spawn
 
 MODEL = shapes.MODEL
@@ -200,15 +211,16 @@ class Cell:
 @dataclass
 class Proxies:
     """Per build (``checkouts``), the proxy without and the one with a summary in place; and the
-    floor of a hop (the proxy's server and upstream client carrying the body, no logic)."""
+    floors of a hop (the proxy's server and upstream client carrying the body, no logic; vLLM
+    Router, a hop in Rust, where given)."""
 
     plain: list[Hop]
     summary: list[Hop]
-    floor: Hop
+    floors: list[Hop]
 
     def of(self, row: Row) -> list[Hop]:
         if row.case == FLOOR:
-            return [self.floor]
+            return self.floors
         return self.summary if row.summary else self.plain
 
 
@@ -219,6 +231,7 @@ class Results:
     rows: list[Row]
     names: list[str]
     cells: dict[tuple[str, str, int], Cell] = field(default_factory=dict)
+    floor_names: list[str] = field(default_factory=lambda: [BARE_HOP])
 
     def cell(self, proxy: str, row: Row, turns: int) -> Cell:
         return self.cells.setdefault((proxy, row.name, turns), Cell())
@@ -282,9 +295,10 @@ async def window(sender: Sender, hop: Hop, turns: int, size: int, cell: Cell | N
 
 
 @contextlib.contextmanager
-def started(before: str | None) -> Iterator[Proxies]:
+def started(before: str | None, router: str | None = None) -> Iterator[Proxies]:
     """Two instant backends (a long context; a short one for the summary rows), per build a
-    prefix-proxy in front of each, and the floor of a hop in front of the first."""
+    prefix-proxy in front of each, and the floors of a hop in front of the first (vLLM Router too,
+    ``router`` being its executable)."""
     long_port, short_port = free_port(), free_port()
     backend = [sys.executable, "-m", "bench.instant_backend"]
     with contextlib.ExitStack() as stack:
@@ -297,14 +311,17 @@ def started(before: str | None) -> Iterator[Proxies]:
             plain.append(stack.enter_context(prefix_proxy(f"http://127.0.0.1:{long_port}/v1", checkout, name)))
             upstream = f"http://127.0.0.1:{short_port}/v1"
             summary.append(stack.enter_context(prefix_proxy(upstream, checkout, name, SUMMARY_SETTINGS)))
-        floor = stack.enter_context(bare_hop(f"http://127.0.0.1:{long_port}/v1"))
-        yield Proxies(plain, summary, floor)
+        floors = [stack.enter_context(bare_hop(f"http://127.0.0.1:{long_port}/v1"))]
+        if router is not None:
+            floors.append(stack.enter_context(vllm_router(router, f"http://127.0.0.1:{long_port}")))
+        yield Proxies(plain, summary, floors)
 
 
 async def measure(
     proxies: Proxies, rows: list[Row], turns: tuple[int, ...], size: int, rounds: int, tokens: int, grown: bool = False
 ) -> Results:
-    results = Results(turns, size, rows, [hop.name for hop in proxies.plain])
+    floor_names = [hop.name for hop in proxies.floors]
+    results = Results(turns, size, rows, [hop.name for hop in proxies.plain], floor_names=floor_names)
     rows = [*rows, *(Row(style, FLOOR) for style in dict.fromkeys(row.style for row in rows))]
     number = 0
     limits = httpx.Limits(max_connections=8, max_keepalive_connections=8, keepalive_expiry=2.0)
@@ -366,13 +383,14 @@ def table(results: Results) -> str:
         lines.append(f"| {' | '.join(cells)} |")
     for style in dict.fromkeys(row.style for row in results.rows):
         floor = Row(style, FLOOR)
-        base = results.floor_ms(floor, lengths[0])
-        cells = [
-            f"{style}: {BARE_HOP}",
-            *(f"{results.floor_ms(floor, n):.2f} ({_ratio(results.floor_ms(floor, n), base)})" for n in lengths),
-        ]
-        cells += [""] * (len(header) - len(cells))
-        lines.append(f"| {' | '.join(cells)} |")
+        for hop in results.floor_names:
+            base = results.ms(hop, floor, lengths[0])
+            cells = [
+                f"{style}: {hop}",
+                *(f"{results.ms(hop, floor, n):.2f} ({_ratio(results.ms(hop, floor, n), base)})" for n in lengths),
+            ]
+            cells += [""] * (len(header) - len(cells))
+            lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -419,7 +437,8 @@ def _names(given: str, known: tuple[str, ...]) -> list[str]:
 async def run(args: argparse.Namespace) -> str:
     rows = rows_of(args.styles, args.cases)
     turns = tuple(sorted(int(n) for n in args.turns.split(",")))
-    with started(args.before) as proxies:
+    router = find(args.vllm_router, "vllm-router") if args.vllm_router != "" else None
+    with started(args.before, router) as proxies:
         results = await measure(proxies, rows, turns, args.window, args.rounds, args.tokens, args.grown)
         notes = []
         if args.profile:
@@ -444,6 +463,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=8000, help="the Dify system prompt's size")
     parser.add_argument("--before", help="another checkout of prefix-proxy, measured beside this one")
     parser.add_argument("--profile", help="a folder for py-spy profiles at the longest length")
+    parser.add_argument(
+        "--vllm-router",
+        help="the vllm-router executable, measured as a floor beside the bare stack (default: found; '' for none)",
+    )
     parser.add_argument(
         "--grown",
         action="store_true",
