@@ -29,11 +29,9 @@ from testbed.workload import run_workload_async
 
 @pytest.fixture(autouse=True)
 def small_bodies(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Every body is resumed (not only those past 16 KiB), and the scan's window grows from a few
-    # bytes: the tests' bodies are small.
+    # Every body is resumed (not only those past 96 KiB): the tests' bodies are small.
     monkeypatch.setattr(resumedjson, "MIN_BYTES", 0)
     monkeypatch.setattr(resumedjson, "MIN_HISTORY_BYTES", 0)
-    monkeypatch.setattr(resumedjson, "FIRST_WINDOW", 48)
     monkeypatch.setattr(resumedjson, "MIN_VALUE_CHARS", 1)  # a value before the array skipped by its text
     resumedjson.forget()
 

@@ -65,14 +65,15 @@ MIN_HISTORY_BYTES = 64 * 1024
 MAX_BYTES = 64 * 1024 * 1024
 # A run's last elements a body written may lack, and still have the rest written from the run's bytes.
 MAX_UNWRITTEN = 8
-# The first bytes of a body decoded for the scan (doubled until the scan is done within them).
-FIRST_WINDOW = 64 * 1024
 
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
-_STRUCTURE = re.compile(r'["{}\[\]]')
+_WHITESPACE = re.compile(rb"[ \t\n\r]*")
+_STRUCTURE = re.compile(rb'["{}\[\]]')
+_SCALAR = re.compile(rb"[^ \t\n\r,\]}]+")
+_QUOTE, _BACKSLASH, _COLON, _COMMA = ord('"'), ord("\\"), ord(":"), ord(",")
+_OPEN_OBJECT, _OPEN_ARRAY, _CLOSE_ARRAY = ord("{"), ord("["), ord("]")
+_OPENING = frozenset(b"{[")
+_CONTAINERS = frozenset(b'{["')
 _BYTES_WHITESPACE = b" \t\n\r"
-_DECODER = json.JSONDecoder()
-_scanstring = json.decoder.scanstring  # type: ignore[attr-defined]  # (C; not in typeshed)
 # A string no client sends (random per process): the placeholder for a run in the text parsed.
 _PLACEHOLDER = "\x00prefix-proxy-run-" + secrets.token_hex(16)
 _PLACEHOLDER_JSON = json.dumps(_PLACEHOLDER).encode()
@@ -111,7 +112,7 @@ def _runs_size(runs: tuple[Run, ...]) -> int:
 
 _BY_HEAD: LRUCache[tuple[str, int], tuple[Run, ...]] = LRUCache(MAX_BYTES, getsizeof=_runs_size)
 # Per tenant and key, the text of the value before the array it sent last (``_skip_value``).
-_VALUES: LRUCache[tuple[str, str], str] = LRUCache(16 * 1024 * 1024, getsizeof=len)
+_VALUES: LRUCache[tuple[str, str], bytes] = LRUCache(16 * 1024 * 1024, getsizeof=len)
 # Shorter values are scanned each time.
 MIN_VALUE_CHARS = 256
 # Runs by the identity of their first element (held by the run), for writing a body.
@@ -158,148 +159,122 @@ class _Scanned:
     ends: list[int] = field(default_factory=list)
 
 
-class _Window:
-    """The first bytes of a body, decoded, with char offsets turned into byte offsets."""
-
-    def __init__(self, raw: bytes, start: int, size: int) -> None:
-        end = min(start + size, len(raw))
-        while end < len(raw) and raw[end] & 0xC0 == 0x80:  # not inside a character
-            end -= 1
-        self.text = raw[start:end].decode("utf-8")
-        self.whole = end == len(raw)
-        self.ascii = len(self.text) == end - start
-        self._char, self._byte = 0, 0
-
-    def byte_offset(self, char: int) -> int:
-        """The offset (from the window's start) in bytes of character ``char``."""
-        if self.ascii:
-            return char
-        if char < self._char:
-            self._char, self._byte = 0, 0
-        self._byte += len(self.text[self._char : char].encode("utf-8"))
-        self._char = char
-        return self._byte
-
-
-def _ws(text: str, position: int) -> int:
-    return _WHITESPACE.match(text, position).end()  # type: ignore[union-attr]
+def _ws(raw: bytes, position: int) -> int:
+    return _WHITESPACE.match(raw, position).end()  # type: ignore[union-attr]
 
 
 def _resume(raw: bytes, namespace: str, scanned: _Scanned) -> Any | None:
     """The body, from a run kept that starts at one of its array's leading elements; None where
-    none does (``scanned`` then holds what the scan found)."""
-    size = FIRST_WINDOW
-    while True:
-        window = _Window(raw, 0, size)
-        scanned.key, scanned.starts, scanned.ends = "", [], []
-        try:
-            return _scan_object(raw, namespace, window, scanned)
-        except (ValueError, IndexError):
-            if window.whole:
-                raise
-            size *= 4
+    none does (``scanned`` then holds what the scan found).
 
-
-def _scan_object(raw: bytes, namespace: str, window: _Window, scanned: _Scanned) -> Any | None:
-    text = window.text
-    position = _ws(text, 0)
-    if text[position] != "{":
+    The scan reads bytes: JSON's structure is ASCII, and no byte of a character UTF-8 writes in
+    more than one byte is ASCII, so offsets are the body's own and nothing is decoded."""
+    position = _ws(raw, 0)
+    if raw[position] != _OPEN_OBJECT:
         raise ValueError("not an object")
-    position = _ws(text, position + 1)
+    position = _ws(raw, position + 1)
     while True:
-        if text[position] != '"':
+        if raw[position] != _QUOTE:
             raise ValueError("no array")
-        key, position = _scanstring(text, position + 1, True)
-        position = _ws(text, position)
-        if text[position] != ":":
+        end = _skip_string(raw, position)
+        key = _key(raw[position:end])
+        position = _ws(raw, end)
+        if raw[position] != _COLON:
             raise ValueError("not an object")
-        position = _ws(text, position + 1)
-        if key in ARRAY_KEYS and text[position] == "[":
+        position = _ws(raw, position + 1)
+        if key in ARRAY_KEYS and raw[position] == _OPEN_ARRAY:
             scanned.key = key
-            return _scan_array(raw, namespace, window, scanned, position + 1)
-        position = _skip_value(text, position, (namespace, key))
-        position = _ws(text, position)
-        if text[position] != ",":
+            return _scan_array(raw, namespace, scanned, position + 1)
+        position = _ws(raw, _skip_value(raw, position, (namespace, key)))
+        if raw[position] != _COMMA:
             raise ValueError("no array")
-        position = _ws(text, position + 1)
+        position = _ws(raw, position + 1)
 
 
-def _skip(text: str, position: int) -> int:
+def _key(quoted: bytes) -> str:
+    if b"\\" not in quoted:
+        return quoted[1:-1].decode("utf-8")
+    key = json.loads(quoted)
+    if not isinstance(key, str):
+        raise ValueError("not a key")
+    return key
+
+
+def _skip(raw: bytes, position: int) -> int:
     """The end of the JSON value at ``position``, found without parsing it: strings jumped over to
     their closing quote, brackets counted (C searches; a long system prompt is one or two). Only a
     proposal where the text is not JSON: what is taken from a run is proven by the parse of the
     rest (``_splice``: the placeholder found where it was put, as an element of the array)."""
-    first = text[position]
-    if first == '"':
-        return _skip_string(text, position)
-    if first not in "{[":
-        return int(_DECODER.raw_decode(text, position)[1])  # a number or a literal
+    first = raw[position]
+    if first == _QUOTE:
+        return _skip_string(raw, position)
+    if first not in _OPENING:
+        return _SCALAR.match(raw, position).end()  # type: ignore[union-attr]  # a number or a literal
     depth = 0
     while True:
-        found = _STRUCTURE.search(text, position)
+        found = _STRUCTURE.search(raw, position)
         if found is None:
             raise ValueError("unterminated")
         position = found.start()
-        if text[position] == '"':
-            position = _skip_string(text, position)
+        byte = raw[position]
+        if byte == _QUOTE:
+            position = _skip_string(raw, position)
             continue
-        depth += 1 if text[position] in "{[" else -1
+        depth += 1 if byte in _OPENING else -1
         position += 1
         if not depth:
             return position
 
 
-def _skip_string(text: str, position: int) -> int:
+def _skip_string(raw: bytes, position: int) -> int:
+    """Past the string whose opening quote is at ``position``."""
     end = position + 1
     while True:
-        end = text.find('"', end)
+        end = raw.find(b'"', end)
         if end < 0:
             raise ValueError("unterminated string")
         backslashes = end - 1
-        while text[backslashes] == "\\":
+        while raw[backslashes] == _BACKSLASH:
             backslashes -= 1
         if (end - 1 - backslashes) % 2 == 0:
             return end + 1
         end += 1
 
 
-def _skip_value(text: str, position: int, place: tuple[str, str]) -> int:
-    """Past the value at ``position``: the text the tenant sent at this key last, where it is the
-    same (an object, array or string ends where its text does: a tool list is not scanned again),
-    else scanned."""
+def _skip_value(raw: bytes, position: int, place: tuple[str, str]) -> int:
+    """Past the value at ``position``: the bytes the tenant sent at this key last, where they are
+    the same (an object, array or string ends where its text does: a tool list is not scanned
+    again), else scanned."""
     last = _VALUES.get(place)
-    if last is not None and text.startswith(last, position):
+    if last is not None and raw.startswith(last, position):
         return position + len(last)
-    end = _skip(text, position)
-    if end - position >= MIN_VALUE_CHARS and text[position] in '{["':
-        _VALUES[place] = text[position:end]
+    end = _skip(raw, position)
+    if end - position >= MIN_VALUE_CHARS and raw[position] in _CONTAINERS:
+        _VALUES[place] = raw[position:end]
     return end
 
 
-def _scan_array(raw: bytes, namespace: str, window: _Window, scanned: _Scanned, position: int) -> Any | None:
+def _scan_array(raw: bytes, namespace: str, scanned: _Scanned, position: int) -> Any | None:
     """Element by element, until one starts a run kept (the body then), the array ends or
     ``MAX_SCANNED`` are looked at (None)."""
-    text = window.text
-    position = _ws(text, position)
-    if text[position] == "]":
+    position = _ws(raw, position)
+    if raw[position] == _CLOSE_ARRAY:
         return None
     for index in range(MAX_SCANNED):
-        start = window.byte_offset(position)
-        if len(raw) - start < MIN_HISTORY_BYTES:
+        if len(raw) - position < MIN_HISTORY_BYTES:
             raise _ShortHistory()  # a one-shot request or a short conversation: parsed whole, not kept
-        position = _skip(text, position)
-        end = window.byte_offset(position)
-        scanned.starts.append(start)
+        end = _skip(raw, position)
+        scanned.starts.append(position)
         scanned.ends.append(end)
         body = _resume_at(raw, namespace, scanned, index)
         if body is not None:
             return body
-        position = _ws(text, position)
-        if text[position] == "]":
+        position = _ws(raw, end)
+        if raw[position] == _CLOSE_ARRAY:
             return None
-        if text[position] != ",":
+        if raw[position] != _COMMA:
             raise ValueError("not an array")
-        position = _ws(text, position + 1)
+        position = _ws(raw, position + 1)
     return None
 
 
@@ -386,26 +361,26 @@ def _index(run: Run, agreed: int) -> bool:
         return True
     known = run.ends[-1] if run.ends else 0
     if known <= agreed:
-        window = _Window(run.raw, run.start + known, len(run.raw))
-        text, position = window.text, 0
+        raw, position = run.raw, run.start + known
         ends, counts = list(run.ends), list(run.counts)
         count = counts[-1] if counts else 0
         try:
             while count < len(run.elements):
                 if count:
-                    position = _ws(text, position)
-                    if text[position] != ",":
+                    position = _ws(raw, position)
+                    if raw[position] != _COMMA:
                         break
                     position += 1
-                value, position = _DECODER.raw_decode(text, _ws(text, position))
-                if value != run.elements[count]:  # its text is not the array parsed (a key given twice)
+                start = _ws(raw, position)
+                position = _skip(raw, start)
+                if orjson.loads(raw[start:position]) != run.elements[count]:  # not the array parsed (a key given twice)
                     raise ValueError("another array")
                 count += 1
-                ends.append(known + window.byte_offset(position))
+                ends.append(position - run.start)
                 counts.append(count)
                 if ends[-1] > agreed:
                     break
-        except (ValueError, IndexError, RecursionError):
+        except (ValueError, IndexError):
             run.unusable = True
             return False
         run.ends, run.counts = ends, counts
@@ -456,17 +431,15 @@ def _added_ends(raw: bytes, after: int, added: int) -> tuple[list[int], list[int
     """Where the ``added`` elements after a run end (byte offsets from ``after``), scanned."""
     if not added:
         return [], [], True
-    window = _Window(raw, after, len(raw) - after)
-    text = window.text
     ends, counts = [], []
-    position = 0
+    position = after
     try:
         for count in range(1, added + 1):
-            position = _ws(text, position)
-            if text[position] != ",":
+            position = _ws(raw, position)
+            if raw[position] != _COMMA:
                 raise ValueError("not an array")
-            _, position = _DECODER.raw_decode(text, _ws(text, position + 1))
-            ends.append(window.byte_offset(position))
+            position = _skip(raw, _ws(raw, position + 1))
+            ends.append(position - after)
             counts.append(count)
     except (ValueError, IndexError):
         return ends, counts, False
