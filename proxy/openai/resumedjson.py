@@ -14,19 +14,25 @@ to one of its element ends, those elements are taken as the values parsed before
 rest of the body is parsed, the run replaced by a placeholder string. The run of the new body is
 the old one's elements and what follows them (scanned one element at a time: what is new).
 
-Exact, not a heuristic: the text taken is byte-identical to elements parsed before and starts at an
-element of this body's array (found by scanning the body from its start), so the body's value is
-the same as parsing it whole; a body where anything does not hold (the placeholder not where it was
-put, text orjson refuses, an array key given twice) is parsed whole. The first time a run is
-resumed, where its elements end is not known yet (the body it came from was parsed whole): the
-end is taken where the new body's bytes stop agreeing, and proven by parsing the run once.
+Exact, not a heuristic. The scan only proposes where the run starts (it skips strings and counts
+brackets over the bytes: JSON's structure is ASCII, and no byte of a multi-byte UTF-8 character is, so
+nothing is decoded); the parse of the rest proves it: the placeholder must come back as the array's
+element at the index the scan counted (a random string no client sends), and the run's bytes are
+byte-identical to whole elements parsed before, so putting them where the placeholder is gives the
+value of parsing the whole body. Anything else (the placeholder elsewhere, text orjson refuses, an
+array key given twice) and the body is parsed whole. The first time a run is resumed, where its
+elements end is not known yet (the body it came from was parsed whole): where the new body repeats
+all of it, one parse in C of the bytes up to where the two stop agreeing proves it; where it repeats
+part (an edited message), its elements are found one by one, each checked against the values parsed.
 
 The body written upstream reuses a run the same way (:func:`dumps_body`): orjson's bytes of its
 elements are kept with it, the new ones appended, so writing the body costs what is new too; the
 bytes are those writing the whole body makes.
 
 Bounded: the runs kept hold their bodies' bytes and are forgotten least recently used first
-(``MAX_BYTES`` together); a run superseded by the next request of its conversation is dropped.
+(``MAX_BYTES`` together); a run superseded by the next request of its conversation is dropped. A
+small body (``MIN_BYTES``, ``MIN_HISTORY_BYTES``) is parsed whole: orjson does it in less time than
+the scan and the splice take.
 """
 
 from __future__ import annotations
