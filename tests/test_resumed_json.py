@@ -184,6 +184,14 @@ def test_a_key_given_twice_never_pairs_one_arrays_text_with_the_others_values() 
         assert resumedjson.resumed_loads(raw, "t") == loads(raw)
 
 
+def test_a_role_of_any_json_type_is_read_as_loads_reads_it() -> None:
+    # Validation, which names the parameter, comes after the parse: the parse must not fail first.
+    history = _chat(10)["messages"]
+    for role in (["system"], {"a": 1}, 5, None):
+        raw = json.dumps({"messages": [{"role": role, "content": "x"}, *history]}).encode()
+        assert resumedjson.resumed_loads(raw, "t") == loads(raw)
+
+
 def test_an_element_that_goes_on_past_the_run_is_not_taken() -> None:
     # A run ending in a number: the next body's "5" goes on as "56" (no element ends there).
     numbers = [{"role": "system", "content": "s"}, *([{"role": "user", "content": "x" * 40}] * 5)]

@@ -53,6 +53,7 @@ import xxhash
 from cachetools import LRUCache
 
 from proxy.openai.jsonio import dumps, loads, shared_json
+from proxy.openai.messages import leading_system_count
 
 # The keys whose array a client re-sends growing: chat's and Anthropic's messages, Responses' input.
 ARRAY_KEYS = frozenset({"messages", "input"})
@@ -83,16 +84,14 @@ _BYTES_WHITESPACE = b" \t\n\r"
 # A string no client sends (random per process): the placeholder for a run in the text parsed.
 _PLACEHOLDER = "\x00prefix-proxy-run-" + secrets.token_hex(16)
 _PLACEHOLDER_JSON = json.dumps(_PLACEHOLDER).encode()
-_STABLE = frozenset({"system", "developer"})
 
 
 @dataclass(eq=False, slots=True)
 class Run:
-    """An array's elements from ``index`` on, as one body sent them."""
+    """An array's elements from one on, as one body sent them."""
 
     raw: bytes
     start: int  # where the first element starts in ``raw``
-    index: int  # its index in the array
     elements: list[Any]
     # Byte offsets (from ``start``) where elements end, ascending, and how many elements end by each.
     ends: list[int]
@@ -132,7 +131,7 @@ def resumed_loads(raw: bytes, namespace: str) -> Any:
     scanned = _Scanned()
     try:
         found = _resume(raw, namespace, scanned)
-    except (ValueError, IndexError, UnicodeDecodeError, RecursionError, _ShortHistory):  # (the scan's nesting)
+    except (ValueError, IndexError, UnicodeDecodeError, _ShortHistory):
         return loads(raw)
     if found is not None:
         return found
@@ -372,12 +371,9 @@ def _index(run: Run, agreed: int) -> bool:
         count = counts[-1] if counts else 0
         try:
             while count < len(run.elements):
-                if count:
-                    position = _ws(raw, position)
-                    if raw[position] != _COMMA:
-                        break
-                    position += 1
-                start = _ws(raw, position)
+                start = _element_after(raw, position) if count else _ws(raw, position)
+                if start is None:
+                    break
                 position = _skip(raw, start)
                 if orjson.loads(raw[start:position]) != run.elements[count]:  # not the array parsed (a key given twice)
                     raise ValueError("another array")
@@ -417,7 +413,6 @@ def _splice(
     continued = Run(
         raw,
         start,
-        index,
         elements,
         [*run.ends[:shared], *(length + end for end in ends)],
         [*run.counts[:shared], *(count + c for c in counts)],
@@ -441,15 +436,21 @@ def _added_ends(raw: bytes, after: int, added: int) -> tuple[list[int], list[int
     position = after
     try:
         for count in range(1, added + 1):
-            position = _ws(raw, position)
-            if raw[position] != _COMMA:
+            start = _element_after(raw, position)
+            if start is None:
                 raise ValueError("not an array")
-            position = _skip(raw, _ws(raw, position + 1))
+            position = _skip(raw, start)
             ends.append(position - after)
             counts.append(count)
     except (ValueError, IndexError):
         return ends, counts, False
     return ends, counts, True
+
+
+def _element_after(raw: bytes, position: int) -> int | None:
+    """Where the element after the one ending at ``position`` starts; None where none follows."""
+    position = _ws(raw, position)
+    return _ws(raw, position + 1) if raw[position] == _COMMA else None
 
 
 # -- keeping runs -------------------------------------------------------------------------------
@@ -461,21 +462,12 @@ def _keep_whole(raw: bytes, namespace: str, scanned: _Scanned, body: Any) -> Non
     array = body.get(scanned.key) if type(body) is dict and scanned.key else None
     if type(array) is not list:
         return
-    index = _leading_stable(array)
+    index = leading_system_count(array, MAX_SCANNED)
     if index >= len(scanned.starts) or index >= len(array):
         return
     start = scanned.starts[index]
-    run = Run(raw, start, index, array[index:], [], [], False, head=_head(raw, start, scanned.ends[index]))
+    run = Run(raw, start, array[index:], [], [], False, head=_head(raw, start, scanned.ends[index]))
     _keep(namespace, run, None)
-
-
-def _leading_stable(values: list[Any]) -> int:
-    count = 0
-    for value in islice(values, MAX_SCANNED):
-        if not (type(value) is dict and value.get("role") in _STABLE):
-            break
-        count += 1
-    return count
 
 
 def _keep(namespace: str, run: Run, superseded: Run | None) -> None:
