@@ -243,10 +243,31 @@ def test_a_body_written_with_a_run_is_the_bytes_of_writing_it_whole() -> None:
         # A block moved before the last user message: the run written but for its last element.
         moved = {**body, "messages": [*messages[:-1], {"role": "system", "content": "z"}, messages[-1]]}
         assert dumps_body(moved) == orjson.dumps(moved)
-        assert resumedjson._array_bytes(moved["messages"]) == orjson.dumps(moved["messages"])
+        pieces = resumedjson._array_pieces(moved["messages"])  # written from the run, not whole
+        assert pieces is not None and b"[" + b",".join(pieces) + b"]" == orjson.dumps(moved["messages"])
         assert dumps_body({**body, "messages": body["messages"][:-1]}) == orjson.dumps(
             {**body, "messages": body["messages"][:-1]}
         )
+
+
+def test_a_conversation_written_request_after_request_is_joined_once_from_bounded_pieces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each request's run adds one piece to its predecessor's bytes written (nothing copied); past
+    ``MAX_PIECES`` they are joined into one, and every body is still the bytes of writing it whole."""
+    monkeypatch.setattr(resumedjson, "MIN_BYTES", 0)
+    monkeypatch.setattr(resumedjson, "MIN_HISTORY_BYTES", 0)
+    resumedjson.forget()
+    most = 0
+    for turns in range(3, 3 + 2 * resumedjson.MAX_PIECES + 5):
+        grown = _chat(turns)
+        grown["messages"][-1] = {"role": "user", "content": f"question {turns}: " + "why is the sky blue? " * 5}
+        body = resumedjson.resumed_loads(json.dumps(grown).encode(), "t")
+        assert dumps_body(body) == orjson.dumps(body)
+        held = resumedjson._run_held(body["messages"])
+        assert held is not None
+        most = max(most, len(held[1].written or ()))
+    assert 1 < most <= resumedjson.MAX_PIECES + 1
 
 
 def _forwarded_bodies(monkeypatch: pytest.MonkeyPatch, resume_all: bool) -> tuple[list[bytes], dict[str, Any]]:

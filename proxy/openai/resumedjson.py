@@ -84,6 +84,14 @@ _BYTES_WHITESPACE = b" \t\n\r"
 # A string no client sends (random per process): the placeholder for a run in the text parsed.
 _PLACEHOLDER = "\x00prefix-proxy-run-" + secrets.token_hex(16)
 _PLACEHOLDER_JSON = json.dumps(_PLACEHOLDER).encode()
+# Where an array written from a run goes in the body written around it (:func:`dumps_body`): raw
+# bytes orjson places as they are, with a NUL that orjson's own output never holds (it writes
+# control characters escaped), so the body written splits at it and only there.
+_SLOTS = {key: b"\x00prefix-proxy-slot-" + key.encode() + secrets.token_hex(16).encode() for key in sorted(ARRAY_KEYS)}
+# The pieces of a run's bytes written kept apart before they are joined once into one.
+MAX_PIECES = 32
+
+Bytes = bytes | memoryview
 
 
 @dataclass(eq=False, slots=True)
@@ -98,17 +106,18 @@ class Run:
     counts: list[int]
     # ``ends[-1]`` is the end of the last element (else where they end is not known yet).
     complete: bool
-    # orjson's bytes of ``elements``, comma-separated, once written; ``base``: those of the first
+    # orjson's bytes of ``elements`` once written, as pieces to join with commas (a run continued
+    # from another adds one piece to the other's: nothing copied); ``base``: those of the first
     # ``base_count`` of them, from the run this one continues.
-    written: bytes | None = None
-    base: bytes | None = None
+    written: tuple[Bytes, ...] | None = None
+    base: tuple[Bytes, ...] | None = None
     base_count: int = 0
     unusable: bool = False
     head: int = 0  # what names it (:func:`_head`)
 
     def size(self) -> int:
         # Its body, the bytes of its elements written (about as many, once written), their objects.
-        return 2 * len(self.raw) + len(self.base or b"") + 64 * len(self.elements) + 256
+        return 2 * len(self.raw) + sum(map(len, self.base or ())) + 64 * len(self.elements) + 256
 
 
 def _runs_size(runs: tuple[Run, ...]) -> int:
@@ -305,19 +314,20 @@ def _resume_at(raw: bytes, namespace: str, scanned: _Scanned, index: int) -> Any
 
 def _agreeing_bytes(a: bytes, a_start: int, b: bytes, b_start: int, limit: int) -> int:
     """How many bytes from ``a[a_start]`` and ``b[b_start]`` on (at most ``limit``) are equal:
-    spans of doubling length compared in C, then halving the first that differs (bytes copied
-    about twice the length agreed, however long the rest)."""
+    spans of doubling length compared in C (``startswith`` over a view: nothing copied), then
+    halving the first that differs."""
+    view = memoryview(a)
     low, step = 0, 4096  # equal before low
     while low < limit:
         high = min(low + step, limit)
-        if not b.startswith(a[a_start + low : a_start + high], b_start + low):
+        if not b.startswith(view[a_start + low : a_start + high], b_start + low):
             break
         low, step = high, step * 2
     else:
         return limit
     while high - low > 1:  # equal before low; not before high
         middle = (low + high) // 2
-        if b.startswith(a[a_start + low : a_start + middle], b_start + low):
+        if b.startswith(view[a_start + low : a_start + middle], b_start + low):
             low = middle
         else:
             high = middle
@@ -483,13 +493,16 @@ def _keep(namespace: str, run: Run, superseded: Run | None) -> None:
 # -- writing a body -----------------------------------------------------------------------------
 
 
-def _written(run: Run) -> bytes:
+def _written(run: Run) -> tuple[Bytes, ...]:
     if run.written is None:
         if run.base is not None and run.base_count:
             rest = run.elements[run.base_count :]
-            run.written = run.base + b"," + orjson.dumps(rest)[1:-1] if rest else run.base
+            pieces = (*run.base, memoryview(orjson.dumps(rest))[1:-1]) if rest else run.base
+            if len(pieces) > MAX_PIECES:
+                pieces = (b",".join(pieces),)
+            run.written = pieces
         else:
-            run.written = orjson.dumps(run.elements)[1:-1]
+            run.written = (memoryview(orjson.dumps(run.elements))[1:-1],)
         run.base = None
     return run.written
 
@@ -504,9 +517,10 @@ def _run_held(items: list[Any]) -> tuple[int, Run] | None:
     return None
 
 
-def _array_bytes(items: list[Any]) -> bytes | None:
-    """orjson's bytes of ``items``, with a run it holds written from the run's bytes: all of it, or
-    all but its last few elements (a rewrite puts a moved block before the last user message)."""
+def _array_pieces(items: list[Any]) -> list[Bytes] | None:
+    """orjson's bytes of ``items``, brackets aside, as pieces to join with commas, with a run it
+    holds written from the run's bytes: all of it, or all but its last few elements (a rewrite puts
+    a moved block before the last user message)."""
     held = _run_held(items)
     if held is None:
         return None
@@ -518,34 +532,59 @@ def _array_bytes(items: list[Any]) -> bytes | None:
     if count - shared > MAX_UNWRITTEN or not shared:
         return None
     try:
-        written = _written(run)
+        pieces = list(_written(run))
         if shared < count:
             dropped = b"," + b",".join(map(orjson.dumps, run.elements[shared:]))
-            if not written.endswith(dropped):
+            last = pieces[-1]
+            if len(last) <= len(dropped) or last[len(last) - len(dropped) :] != dropped:
                 return None
-            written = written[: -len(dropped)]
-        parts = [orjson.dumps(items[:offset])[1:-1], written, orjson.dumps(items[offset + shared :])[1:-1]]
+            pieces[-1] = memoryview(last)[: len(last) - len(dropped)]
+        before = orjson.dumps(items[:offset])[1:-1]
+        after = orjson.dumps(items[offset + shared :])[1:-1]
     except TypeError:
         return None
-    return b"[" + b",".join(part for part in parts if part) + b"]"
+    return [*((before,) if before else ()), *pieces, *((after,) if after else ())]
 
 
 def dumps_body(body: dict[str, Any]) -> bytes:
     """``dumps(body)``: its tool list written from :func:`shared_json`'s bytes, an array holding a
-    run from the run's (orjson places both as they are: the same bytes as writing them)."""
+    run from the run's (orjson places both as they are: the same bytes as writing them). The body
+    is written around a slot for such an array, and the array's pieces joined into it: one copy of
+    a history, however many pieces its run's bytes are kept in."""
     replaced: dict[str, Any] = {}
     tools = body.get("tools")
     if type(tools) is list:
         raw = shared_json(tools)
         if raw is not None:
             replaced["tools"] = orjson.Fragment(raw)
+    arrays: list[tuple[bytes, list[Bytes]]] = []
     for key in ARRAY_KEYS:
         items = body.get(key)
         if type(items) is list and len(items) > 1:
-            written = _array_bytes(items)
-            if written is not None:
-                replaced[key] = orjson.Fragment(written)
+            pieces = _array_pieces(items)
+            if pieces is not None:
+                replaced[key] = orjson.Fragment(_SLOTS[key])
+                arrays.append((_SLOTS[key], pieces))
     if replaced:
         with contextlib.suppress(TypeError):
-            return orjson.dumps({**body, **replaced})
+            return _filled(orjson.dumps({**body, **replaced}), arrays)
     return dumps(body)
+
+
+def _filled(shell: bytes, arrays: list[tuple[bytes, list[Bytes]]]) -> bytes:
+    """``shell`` with each slot replaced by its array, in one join."""
+    if not arrays:
+        return shell
+    placed = sorted((shell.index(slot), slot, pieces) for slot, pieces in arrays)
+    joined: list[Bytes] = []
+    view, position = memoryview(shell), 0
+    for at, slot, pieces in placed:
+        joined += (view[position:at], b"[")
+        for number, piece in enumerate(pieces):
+            if number:
+                joined.append(b",")
+            joined.append(piece)
+        joined.append(b"]")
+        position = at + len(slot)
+    joined.append(view[position:])
+    return b"".join(joined)
