@@ -290,3 +290,55 @@ def test_a_template_in_use_outlives_templates_made_after_it() -> None:
     for n in range(1, 12):
         learned.observe("key", [f"other app {n} line {k}" for k in range(6)])  # a new template each time
         assert learned.observe("key", [*busy, f"question {n}"]) == {6}, n
+
+
+def _agent_requests(turns: int, memory: ToolCallMemory) -> list[list[dict[str, Any]]]:
+    """A growing agent conversation whose client re-sends the backend's calls with ids of its own
+    (fresh on each request), the same call asked again and again (its key's base repeats), and one
+    id the client gives twice; the backend generated every call (``memory`` remembers them)."""
+    history: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."}]
+    requests = []
+    for turn in range(turns):
+        history.append({"role": "user", "content": "weather in Paris?" if turn % 3 else f"turn {turn}"})
+        generated = [(f"chatcmpl-tool-{turn}-{n}", "get_weather", '{"city": "Paris"}') for n in range(2)]
+        remember_generated_calls(history, "t", generated, memory)
+        history.append({"role": "assistant", "content": None, "tool_calls": [{}, {}]})
+        history.append({"role": "tool", "tool_call_id": "", "content": "sunny"})
+        history.append({"role": "assistant", "content": "Sunny."})
+        requests.append(json.loads(json.dumps(history)))
+    for number, request in enumerate(requests):
+        at = 0
+        for message in request:
+            if message.get("tool_calls"):
+                ids = [f"mine-{number}-{at}", f"mine-{number}-{at}" if at % 4 == 2 else f"other-{number}-{at}"]
+                message["tool_calls"] = [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                    }
+                    for call_id in ids
+                ]
+                at += 1
+            elif message.get("role") == "tool":
+                message["tool_call_id"] = f"mine-{number}-{at - 1}"
+    return requests
+
+
+def test_restored_calls_are_the_same_whether_earlier_calls_are_scanned_or_counted(monkeypatch: Any) -> None:
+    """A request that adds a few messages looks up its earlier calls' keys and ids with a scan each
+    (``_EarlierCalls``), one that adds many counts them all at once: both restore the same."""
+    from proxy.canon import toolcalls
+
+    forwarded: dict[int, list[str]] = {}
+    for scanned_max in (0, 1 << 30):
+        monkeypatch.setattr(toolcalls._EarlierCalls, "SCANNED_MAX", scanned_max)
+        memory = ToolCallMemory()
+        for requests in (_agent_requests(12, memory),):
+            out = []
+            for request in requests:
+                result = canonicalize({"model": "m", "messages": request}, RELOCATE, namespace="t", tool_memory=memory)
+                out.append(json.dumps(result.body) + json.dumps([str(a) for a in result.actions]))
+            forwarded[scanned_max] = out
+    assert forwarded[0] == forwarded[1 << 30]
+    assert "chatcmpl-tool-" in forwarded[0][-1]

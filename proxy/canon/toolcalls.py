@@ -252,8 +252,7 @@ def _restore(
         bases, restored_at, arguments_at = array("Q"), array("Q", [0]), array("Q", [0])
         ids, renames, tool_ids = [], [], []
         edits = {}
-    occurrences: Counter[int] = Counter(bases)
-    used: set[Any] = set(compress(ids, map(isinstance, ids, repeat(str))))
+    earlier = _EarlierCalls(bases, ids, len(messages) - shared)
     anchor, position_ordinal = user_anchor[-1], ordinal[-1]
     restored, arguments_restored = restored_at[-1], arguments_at[-1]
     for index in range(shared, len(messages)):
@@ -276,8 +275,7 @@ def _restore(
                     function = call["function"]
                     name = str(function.get("name", ""))
                     base = call_key(namespace, anchor, position_ordinal, number, name, function.get("arguments", ""))
-                    key = nth_key(base, occurrences[base])
-                    occurrences[base] += 1
+                    key = nth_key(base, earlier.occurrences(base))
                     old_id = call.get("id")
                     # A client that kept the backend's own id identifies the call exactly; the
                     # position key can collide between conversations that happen to ask the same
@@ -291,7 +289,7 @@ def _restore(
                         if memory is not None
                         else None
                     )
-                    if original is not None and original.id in used:
+                    if original is not None and earlier.used(original.id):
                         original = None  # never two calls with one id in a request
                     new_id: Any = old_id
                     new_arguments: Any = _KEPT
@@ -309,10 +307,7 @@ def _restore(
                                 extend(histories[index], key), GeneratedCall(id=old_id, arguments=arguments)
                             )
                     renames.append((old_id, new_id) if isinstance(old_id, str) and old_id != new_id else None)
-                    if isinstance(new_id, str):
-                        used.add(new_id)
-                    bases.append(base)
-                    ids.append(new_id)
+                    earlier.add(base, new_id)
                     restored_at.append(restored)
                     arguments_at.append(arguments_restored)
                     changed = new_id != old_id or new_arguments is not _KEPT
@@ -325,7 +320,8 @@ def _restore(
         ordinal.append(position_ordinal)
         calls.append(len(bases))
         tools.append(len(tool_ids))
-    renamed = dict(rename for rename in renames if rename is not None)
+    # A call is renamed only where its id was restored (``restored`` counts them, earlier requests' too).
+    renamed = dict(filter(None, renames)) if restored else {}
     if renamed:
         for index, call_id in tool_ids:
             if call_id in renamed:
@@ -339,6 +335,40 @@ def _restore(
         known, user_anchor, ordinal, calls, bases, ids, renames, restored_at, arguments_at, edits, tool_ids, tools
     )
     return actions, state
+
+
+class _EarlierCalls:
+    """The calls before the one being restored (``bases``, ``ids``: those the request shares with its
+    conversation's last, then each added in turn): how often a key's base occurred, and whether an id
+    is taken. A request that adds a few messages asks a scan in C of each (its work then grows with
+    what is new, not with a thousand earlier calls); one that adds many counts them all once."""
+
+    __slots__ = ("_bases", "_counts", "_ids", "_used")
+
+    # Messages a request adds past which the earlier calls are counted at once.
+    SCANNED_MAX = 32
+
+    def __init__(self, bases: array[int], ids: list[Any], added: int) -> None:
+        self._bases, self._ids = bases, ids
+        self._counts: Counter[int] | None = None
+        self._used: set[Any] | None = None
+        if added > self.SCANNED_MAX:
+            self._counts = Counter(bases)
+            self._used = set(compress(ids, map(isinstance, ids, repeat(str))))
+
+    def occurrences(self, base: int) -> int:
+        return self._counts[base] if self._counts is not None else self._bases.count(base)
+
+    def used(self, call_id: str) -> bool:
+        return call_id in self._used if self._used is not None else call_id in self._ids
+
+    def add(self, base: int, call_id: Any) -> None:
+        self._bases.append(base)
+        self._ids.append(call_id)
+        if self._counts is not None:
+            self._counts[base] += 1
+        if self._used is not None and isinstance(call_id, str):
+            self._used.add(call_id)
 
 
 def _renders_differently(generated: str, sent: Any) -> bool:
