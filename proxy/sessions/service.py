@@ -502,9 +502,26 @@ def _new_pairs(view: SessionView) -> list[int]:
     fingerprints, known, prefix = view.fingerprints, view.known, view.known_prefix
     fresh = [fp for fp in fingerprints[prefix:] if fp not in known]
     if fresh and prefix:
-        held = set(fingerprints[:prefix])
-        fresh = [fp for fp in fresh if fp not in held]
+        if len(fresh) <= FEW_NEW_PAIRS:
+            # A turn adds a pair or two: each looked for among those held (a scan in C), not a set
+            # of the whole history made every request.
+            fresh = [fp for fp in fresh if not _among(fingerprints, fp, prefix)]
+        else:
+            held = set(fingerprints[:prefix])
+            fresh = [fp for fp in fresh if fp not in held]
     return fresh
+
+
+FEW_NEW_PAIRS = 4
+
+
+def _among(items: list[int], item: int, count: int) -> bool:
+    """Whether ``item`` is one of the first ``count`` of ``items``."""
+    try:
+        items.index(item, 0, count)
+    except ValueError:
+        return False
+    return True
 
 
 def _recorded(store: SessionStore, view: SessionView, reply_pair: int | None) -> None:
