@@ -198,31 +198,58 @@ def run_pass(base: str, asked: list[Probe]) -> tuple[list[str], list[bool]]:
 def placements(probe: Probe) -> dict[str, list[dict[str, Any]]]:
     """A probe whose system prompt opens with the line it asks about, that line put elsewhere, the
     text unchanged: atop the system prompt (as sent), in a system message of its own before the
-    question (where the proxy moves it), at the system prompt's end, at the start of the question."""
-    system, question = probe.body["messages"][0]["content"], probe.body["messages"][-1]["content"]
+    question (where the proxy moves it), at the system prompt's end, at the start of the question, in
+    a user message of its own before the question, and in a system message of its own after the
+    question (``relocate_target: after_last_user``); a probe's history (a timestamped chat's earlier
+    turn) stays between the system prompt and the question."""
+    messages = probe.body["messages"]
+    system, question, history = messages[0]["content"], messages[-1]["content"], messages[1:-1]
     line, rest = system.split("\n", 1)
+    asked = {"role": "user", "content": question}
     return {
-        "atop_system": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "atop_system": [{"role": "system", "content": system}, *history, asked],
         "own_system_message": [
             {"role": "system", "content": rest},
+            *history,
             {"role": "system", "content": line},
-            {"role": "user", "content": question},
+            asked,
         ],
-        "system_end": [{"role": "system", "content": f"{rest}\n{line}"}, {"role": "user", "content": question}],
-        "user_start": [{"role": "system", "content": rest}, {"role": "user", "content": f"{line}\n\n{question}"}],
+        "system_end": [{"role": "system", "content": f"{rest}\n{line}"}, *history, asked],
+        "user_start": [
+            {"role": "system", "content": rest},
+            *history,
+            {"role": "user", "content": f"{line}\n\n{question}"},
+        ],
+        "own_user_message": [{"role": "system", "content": rest}, *history, {"role": "user", "content": line}, asked],
+        "after_question": [{"role": "system", "content": rest}, *history, asked, {"role": "system", "content": line}],
     }
 
 
-def run_placements(base: str, asked: list[Probe]) -> dict[str, int]:
-    """Per placement, the probes answered right, sent directly."""
-    right: dict[str, int] = {}
+@dataclass
+class PlacementScore:
+    right: int = 0
+    # Against the line as sent (``atop_system``): answers right there and wrong here, and the reverse.
+    right_to_wrong: int = 0
+    wrong_to_right: int = 0
+
+
+def run_placements(base: str, asked: list[Probe]) -> dict[str, PlacementScore]:
+    """Per placement, the probes answered right, sent directly, and the answers that changed from
+    right to wrong (or back) against the line as sent."""
+    scores: dict[str, PlacementScore] = {}
     with httpx.Client(timeout=600) as client:
         for probe in asked:
+            as_sent = None
             for name, messages in placements(probe).items():
                 moved = Probe(probe.family, {**probe.body, "messages": messages}, probe.expected, probe.also)
                 answer, _ = ask(base, moved, client)
-                right[name] = right.get(name, 0) + probe.answered_by(answer)
-    return right
+                right = probe.answered_by(answer)
+                as_sent = right if as_sent is None else as_sent
+                score = scores.setdefault(name, PlacementScore())
+                score.right += right
+                score.right_to_wrong += as_sent and not right
+                score.wrong_to_right += right and not as_sent
+    return scores
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,8 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         with llama_server(binary, model, 4096) as server:
             right = run_placements(server + "/v1", asked)
         print(f"llama-server, {MODEL_NAME}, greedy; {len(asked)} requests, answered right with the line:")
-        for name, count in right.items():
-            print(f"  {name:20} {count:3} / {len(asked)}")
+        print(f"  {'placement':20} {'right':>7}  right->wrong  wrong->right (against atop_system)")
+        for name, placed in right.items():
+            print(
+                f"  {name:20} {placed.right:3} / {len(asked):<3} {placed.right_to_wrong:12} {placed.wrong_to_right:13}"
+            )
         return 0
     families = ["date_line", "retrieved_fact", "timestamped_chat"] + (["shuffled_tools"] if args.tools else [])
     if args.families:
