@@ -57,9 +57,12 @@ class Probe:
     expected: str
     # Other spellings of the same answer (a date written 2025-09-08 for September 8).
     also: tuple[str, ...] = ()
+    # Wrong answers of the same kind (the other weekdays): an answer that names one of them before
+    # the expected one answered that one ("Today is Wednesday, which is a Monday" is not Monday).
+    rivals: tuple[str, ...] = ()
 
     def answered_by(self, answer: str) -> bool:
-        return any(is_right(answer, expected) for expected in (self.expected, *self.also))
+        return any(is_right(answer, expected, self.rivals) for expected in (self.expected, *self.also))
 
 
 def _chat(system: str, question: str, history: list[dict[str, str]] | None = None) -> dict[str, Any]:
@@ -71,7 +74,8 @@ def date_line(rng: random.Random) -> Probe:
     weekday = rng.choice(WEEKDAYS)
     date = f"{weekday}, {rng.choice(MONTHS)} {rng.randint(1, 28)}, 2025"
     system = f"Current date: {date}.\nYou are a helpful assistant for a travel agency. Answer in one short sentence."
-    return Probe("date_line", _chat(system, "What day of the week is it today?"), weekday)
+    rivals = tuple(other for other in WEEKDAYS if other != weekday)
+    return Probe("date_line", _chat(system, "What day of the week is it today?"), weekday, rivals=rivals)
 
 
 def date_asked(rng: random.Random) -> Probe:
@@ -140,8 +144,13 @@ def probes(per_family: int, families: list[str], seed: int = 0) -> list[Probe]:
     return [FAMILIES[family](rng) for family in families for _ in range(per_family)]
 
 
-def is_right(answer: str, expected: str) -> bool:
-    return expected.lower() in answer.lower()
+def is_right(answer: str, expected: str, rivals: tuple[str, ...] = ()) -> bool:
+    """The answer names ``expected``, and no rival before it."""
+    text = answer.lower()
+    at = text.find(expected.lower())
+    if at < 0:
+        return False
+    return not any(0 <= text.find(rival.lower()) < at for rival in rivals)
 
 
 @dataclass

@@ -25,3 +25,14 @@ def test_an_answer_right_directly_and_wrong_through_the_proxy_is_counted_and_sho
     assert (row.right_direct, row.right_proxy, row.right_to_wrong, row.wrong_to_right) == (1, 1, 1, 1)
     assert row.identical == 0 and row.rewritten == 2 and row.rewritten_answered_from_moved_text == 1
     assert codes[0] in row.lost[0]
+
+
+def test_a_weekday_answer_is_the_first_weekday_it_names() -> None:
+    """"Today is Wednesday, which is a Monday" answers Wednesday: a substring match called it right
+    for a Monday, and counted the model's noise as answers the proxy lost."""
+    (probe,) = probes(1, ["date_line"])
+    other = next(day for day in ("Monday", "Wednesday") if day != probe.expected)
+    assert probe.answered_by(f"Today is {probe.expected}.")
+    assert probe.answered_by(f"Today is {probe.expected}, not {other}.")
+    assert not probe.answered_by(f"Today is {other}, which is a {probe.expected} in the 24-hour calendar.")
+    assert not probe.answered_by("I cannot tell.")
