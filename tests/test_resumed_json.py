@@ -324,3 +324,30 @@ def test_the_workload_through_the_proxy_is_forwarded_byte_for_byte_as_when_parse
     assert len(spliced) > len(resumed) // 2  # most bodies resumed a run
     assert resumed_results == whole_results
     assert resumed == parsed_whole
+
+
+def test_a_moved_block_before_elements_that_span_the_runs_pieces_is_written_from_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each request's new elements are a piece of the run's bytes of their own: a block moved before
+    more of them than the last piece holds cuts across pieces (written from them joined)."""
+    monkeypatch.setattr(resumedjson, "MIN_BYTES", 0)
+    monkeypatch.setattr(resumedjson, "MIN_HISTORY_BYTES", 0)
+    resumedjson.forget()
+    chat = _chat(6)
+    first = resumedjson.resumed_loads(json.dumps(chat).encode(), "t")
+    dumps_body(first)
+    # The same history and a reply, then a new question: the run continued by two elements.
+    grown = {**chat, "messages": [*chat["messages"], {"role": "assistant", "content": "It is red."}]}
+    grown["messages"].append({"role": "user", "content": "and at night?"})
+    body = resumedjson.resumed_loads(json.dumps(grown).encode(), "t")
+    dumps_body(body)
+    held = resumedjson._run_held(body["messages"])
+    assert held is not None and len(held[1].written or ()) == 2
+    messages = body["messages"]
+    for cut in (1, 2, 3):  # the last element, the whole last piece, across the two pieces
+        moved = {**body, "messages": [*messages[:-cut], {"role": "system", "content": "z"}, *messages[-cut:]]}
+        pieces = resumedjson._array_pieces(moved["messages"])
+        assert pieces is not None, cut
+        assert b"[" + b",".join(pieces) + b"]" == orjson.dumps(moved["messages"])
+        assert dumps_body(moved) == orjson.dumps(moved)

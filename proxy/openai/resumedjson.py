@@ -535,6 +535,8 @@ def _array_pieces(items: list[Any]) -> list[Bytes] | None:
         pieces = list(_written(run))
         if shared < count:
             dropped = b"," + b",".join(map(orjson.dumps, run.elements[shared:]))
+            if len(pieces) > 1 and len(pieces[-1]) <= len(dropped):
+                pieces = [b",".join(pieces)]  # the elements left out span pieces: cut from them joined
             last = pieces[-1]
             if len(last) <= len(dropped) or last[len(last) - len(dropped) :] != dropped:
                 return None
