@@ -223,6 +223,9 @@ def create_app(
     tenants = TenantDirectory(
         settings.tenants, tenant_lookup, isolate_caches=settings.tenant_cache_isolation, salt_key=salt_key
     )
+    models = ModelCatalog(
+        upstream, ttl_s=settings.max_model_len_cache_s, ollama_num_ctx=settings.engines.ollama_num_ctx
+    )
     state = ProxyState(
         settings=settings,
         metrics=metrics,
@@ -231,12 +234,16 @@ def create_app(
         prefixes=PrefixTracker(),
         sessions=sessions,
         tenants=tenants,
-        models=ModelCatalog(
-            upstream, ttl_s=settings.max_model_len_cache_s, ollama_num_ctx=settings.engines.ollama_num_ctx
-        ),
+        models=models,
         token_counter=TokenCounter(),
         compaction=CompactionService(
-            settings.summarizer, sessions, upstream, tenants, metrics, UsageAdmission(settings, sessions, metrics)
+            settings.summarizer,
+            sessions,
+            upstream,
+            tenants,
+            metrics,
+            UsageAdmission(settings, sessions, metrics),
+            models=models,
         ),
     )
     state.turn_services = TurnServices(

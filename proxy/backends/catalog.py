@@ -1,6 +1,7 @@
 """What the upstream says about its models: the engine serving each and the context a request of it
-may fill (vLLM's ``max_model_len``, llama-server's slot ``n_ctx``, Ollama's ``num_ctx``), cached; and
-exact prompt counts in the engine's own terms (:mod:`proxy.backends.engines`)."""
+may fill (vLLM's ``max_model_len``, llama-server's slot ``n_ctx``, Ollama's ``num_ctx``), cached;
+exact prompt counts in the engine's own terms; and which llama-server slot holds a conversation
+(:mod:`proxy.backends.engines`)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,22 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from proxy.backends.engines import GENERIC, LLAMA_SERVER, OLLAMA, EngineKind, context_of, engine_of, ollama_context
+from proxy.backends.engines import (
+    GENERIC,
+    LLAMA_SERVER,
+    OLLAMA,
+    EngineKind,
+    context_of,
+    engine_of,
+    ollama_context,
+    slot_holding,
+    slot_markers,
+)
 from proxy.backends.pool import BackendPool
 from proxy.backends.upstream import read_response
 from proxy.http import ProxyError
@@ -63,6 +75,26 @@ class ModelCatalog:
         except (ProxyError, ValueError, AttributeError, TypeError):
             return None
         return count if isinstance(count, int) else None
+
+    async def slot_holding(
+        self, messages: list[Any], *, model: str, key: str | None, headers: Mapping[str, str]
+    ) -> int | None:
+        """The llama-server slot holding the conversation ``messages`` (``GET /slots`` on the backend
+        ``key`` routes to, searched for its last user message and the reply before it), or None: not
+        llama-server, a server started with ``--no-slots``, no slot found, or no answer. A request
+        sent with that ``id_slot`` waits for the slot, if busy, rather than take another one and
+        evict the conversation it holds (server-context.cpp ``get_available_slot``)."""
+        if self.engine(model) != LLAMA_SERVER:
+            return None
+        markers = slot_markers(messages)
+        if not markers:
+            return None
+        try:
+            response = await self._upstream.open("GET", "/slots", headers=headers, root=True, key=key, model=model)
+            raw = await self._upstream.read(response)
+            return slot_holding(json.loads(raw), markers) if response.status_code == 200 else None
+        except (ProxyError, ValueError):
+            return None
 
     async def _post(self, path: str, request: dict[str, Any], headers: dict[str, str]) -> Any:
         response = await self._upstream.open(

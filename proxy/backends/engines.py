@@ -129,3 +129,55 @@ def context_overflow(status: int, raw: bytes) -> ContextOverflow | None:
 def _count(value: Any) -> int | None:
     """A positive integer, or None."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+# Characters of a message a slot's prompt is searched for (its start: a template may trim the ends),
+# and the shortest message worth searching for (a "thanks" names no conversation).
+MARKER_CHARS = 256
+MIN_MARKER_CHARS = 24
+
+
+def slot_markers(messages: list[Any]) -> list[str]:
+    """What names a conversation in a llama-server slot's prompt (``GET /slots`` ``prompt``, the
+    last request it served, rendered): its last user message and the reply before it. Not the last
+    reply: a slot's prompt ends before what it generated. Empty where they are too short to tell
+    conversations apart."""
+    last_user = next(
+        (
+            i
+            for i in range(len(messages) - 1, -1, -1)
+            if isinstance(messages[i], dict) and messages[i].get("role") == "user"
+        ),
+        None,
+    )
+    if last_user is None:
+        return []
+    picked = [messages[last_user]]
+    if last_user and isinstance(messages[last_user - 1], dict) and messages[last_user - 1].get("role") == "assistant":
+        picked.append(messages[last_user - 1])
+    markers = [_text(message.get("content")).strip()[:MARKER_CHARS] for message in picked]
+    return markers if all(len(marker) >= MIN_MARKER_CHARS for marker in markers) else []
+
+
+def slot_holding(slots: Any, markers: list[str]) -> int | None:
+    """The llama-server slot (``GET /slots``) whose prompt holds every marker, the longest such
+    prompt where several do; None where none does, or the answer is not a slot list."""
+    if not markers or not isinstance(slots, list):
+        return None
+    holding = []
+    for slot in slots:
+        if not isinstance(slot, dict):
+            continue
+        number, prompt = slot.get("id"), slot.get("prompt")
+        numbered = isinstance(number, int) and not isinstance(number, bool) and number >= 0
+        if numbered and isinstance(prompt, str) and all(marker in prompt for marker in markers):
+            holding.append((len(prompt), number))
+    return max(holding)[1] if holding else None
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return ""

@@ -21,7 +21,7 @@ from typing import Any
 
 from cachetools import TLRUCache
 
-from proxy.backends import BackendPool
+from proxy.backends import BackendPool, ModelCatalog
 from proxy.chat.admission import Admitted, UsageAdmission
 from proxy.chat.budget import prompt_ceiling, request_bytes
 from proxy.chat.decoding import DecodeRates
@@ -100,8 +100,11 @@ class CompactionService:
         tenants: TenantDirectory,
         metrics: Metrics,
         admission: UsageAdmission | None = None,
+        models: ModelCatalog | None = None,
     ) -> None:
         self.settings = settings
+        # Where the engine keeps one conversation per slot (llama-server), which slot holds it.
+        self._models = models
         # Every summary is generation: admitted against the tenant's usage budget first.
         self._admission = admission
         self._sessions = sessions
@@ -196,6 +199,11 @@ class CompactionService:
         routing_key: str,
     ) -> tuple[str, Usage | None]:
         payload = self._tenants.cache_salted(tenant, channel.request(body))  # its cache namespace
+        slot = await self._conversation_slot(body, routing_key, upstream_auth)
+        if slot is not None:
+            # A slot engine: the summary waits for the slot that holds the conversation, if it is
+            # busy, instead of taking another one and evicting the conversation held there.
+            payload = {**payload, "id_slot": slot}
         headers = {"content-type": "application/json", **upstream_auth}
         # Same backend as the conversation: the summary request starts with its cached prefix.
         response = await self._backends.open(
@@ -214,6 +222,18 @@ class CompactionService:
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise UpstreamProtocolError("unreadable summary response") from exc
         return str(text), usage
+
+    async def _conversation_slot(
+        self, body: dict[str, Any], routing_key: str, upstream_auth: Mapping[str, str]
+    ) -> int | None:
+        """The llama-server slot holding the conversation a summary request carries (its messages
+        but the instruction), or None (another engine, or not found)."""
+        messages = body.get("messages")
+        if self._models is None or not isinstance(messages, list):
+            return None
+        return await self._models.slot_holding(
+            messages[:-1], model=str(body.get("model")), key=routing_key, headers=upstream_auth
+        )
 
     async def summarize_conversation(
         self,

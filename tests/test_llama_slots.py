@@ -1,0 +1,269 @@
+"""A summary request on llama-server waits for the slot that holds its conversation.
+
+llama-server keeps one prompt per slot (``--parallel N``). A request picks the free slot whose prompt
+shares the most with its own (``--slot-prompt-similarity``, 0.10), else the least recently used free
+slot, which loses the conversation it held; a request that names ``id_slot`` gets that slot, and
+waits (deferred) while it is busy (tools/server/server-context.cpp ``get_available_slot`` and the
+scheduling after it, llama.cpp sources of llama-cpp-python 0.3.36). ``GET /slots`` lists each
+slot's ``id``, ``is_processing`` and ``prompt`` (its last request, detokenized).
+
+The proxy's summary request extends the conversation, so it reuses the conversation's slot when that
+slot is free. When the client's next turn holds it, the summary used to take the other slot and
+evict the conversation there; now it names the slot that holds its conversation (found in
+``GET /slots``) and waits for it. The double below is that scheduling with two slots, its prompts
+rendered as ChatML and counted with tiktoken; a summary request reaches it while the conversation's
+next turn is in its slot (as a client that sends the next turn at once makes it), the race this is
+about. What it does not model: the host-RAM prompt cache, which would restore an evicted prompt
+when it comes back (at its cost), and decoding time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from proxy.app import create_app
+from proxy.backends import ModelCatalog
+from proxy.backends.engines import slot_holding, slot_markers
+from proxy.config import Settings
+from proxy.tokenization import TokenCounter, load_encoding
+from tests.helpers import LiveServer
+from tests.test_engines import LLAMA_ANSWER, LLAMA_LISTING, LLAMA_MODEL, chatml, common_prefix
+
+N_CTX = 2048
+# How long a turn keeps its slot waiting for a summary request to arrive, and a summary request
+# waits for the conversation's next turn to be computing (the overlap a client that sends its next
+# turn at once makes; the last turn has none).
+TURN_HOLD_S = 0.15
+SUMMARY_WAIT_S = 1.0
+
+
+@dataclass
+class Slot:
+    number: int
+    tokens: list[int] = field(default_factory=list)
+    prompt: str = ""
+    busy: bool = False
+    used_at: int = 0
+
+
+class TwoSlots:
+    """llama-server ``--parallel 2 --ctx-size 4096`` (two 2,048-token slots), as the proxy sees it."""
+
+    def __init__(self) -> None:
+        self.slots = [Slot(0), Slot(1)]
+        self.counter = TokenCounter()
+        self.clock = 0
+        self.summaries_arrived = 0
+        # Per answered request: (is a summary request, the slot, id_slot asked, prompt tokens, cached tokens).
+        self.answered: list[tuple[bool, int, int, int, int]] = []
+        self._changed: asyncio.Condition | None = None
+
+    def _select(self, tokens: list[int], asked: int) -> Slot | None:
+        if asked != -1:
+            return self.slots[asked % len(self.slots)]
+        free = [slot for slot in self.slots if not slot.busy]
+        similar = [s for s in free if s.tokens and common_prefix(s.tokens, tokens) / len(tokens) > 0.1]
+        if similar:
+            return max(similar, key=lambda s: common_prefix(s.tokens, tokens))
+        return min(free, key=lambda s: s.used_at) if free else None
+
+    def app(self) -> Starlette:
+        async def models(request: Request) -> JSONResponse:
+            model = {**LLAMA_MODEL, "meta": {**LLAMA_MODEL["meta"], "n_ctx": N_CTX}}
+            return JSONResponse({**LLAMA_LISTING, "data": [model]})
+
+        async def props(request: Request) -> JSONResponse:
+            return JSONResponse({"default_generation_settings": {"n_ctx": N_CTX, "params": {}}, "total_slots": 2})
+
+        async def health(request: Request) -> JSONResponse:
+            return JSONResponse({"status": "ok"})
+
+        async def slots(request: Request) -> JSONResponse:
+            listed = [
+                {"id": s.number, "n_ctx": N_CTX, "is_processing": s.busy, **({"prompt": s.prompt} if s.prompt else {})}
+                for s in self.slots
+            ]
+            return JSONResponse(listed)
+
+        async def chat(request: Request) -> JSONResponse:
+            if self._changed is None:
+                self._changed = asyncio.Condition()
+            changed = self._changed
+            body = await request.json()
+            text = chatml(body["messages"])
+            tokens = load_encoding().encode_ordinary(text)
+            summarizing = "summary" in str(body["messages"][-1].get("content")).lower()
+            asked = body.get("id_slot", -1)
+            async with changed:
+                if summarizing:
+                    await _wait_for(changed, lambda: any(s.busy for s in self.slots), SUMMARY_WAIT_S)
+                    # Scheduled as it arrives: a slot taken now, or deferred until the one asked for is free.
+                    slot = self._select(tokens, asked)
+                    self.summaries_arrived += 1
+                    changed.notify_all()
+                else:
+                    slot = self._select(tokens, asked)
+                while slot is None or slot.busy:
+                    await changed.wait()  # deferred: the slot asked for, or any slot, is busy
+                    slot = self._select(tokens, asked)
+                slot.busy = True
+                changed.notify_all()
+            cached = common_prefix(slot.tokens, tokens)
+            reply = "Summary: drills, walls and tiles." if summarizing else "Use a masonry bit, low speed, no hammer."
+            if not summarizing:
+                # The turn computes while a summary request made after the previous turn arrives.
+                arrived = self.summaries_arrived
+                async with changed:
+                    await _wait_for(changed, lambda: self.summaries_arrived > arrived, TURN_HOLD_S)
+            self.clock += 1
+            slot.tokens = tokens + load_encoding().encode_ordinary(reply + "<|im_end|>")
+            slot.prompt, slot.used_at, slot.busy = text, self.clock, False
+            async with changed:
+                changed.notify_all()
+            self.answered.append((summarizing, slot.number, asked, len(tokens), cached))
+            completion = self.counter.count_text(reply)
+            usage = {
+                "completion_tokens": completion,
+                "prompt_tokens": len(tokens),
+                "total_tokens": len(tokens) + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            }
+            choice = {"finish_reason": "stop", "index": 0, "message": {"role": "assistant", "content": reply}}
+            return JSONResponse({**LLAMA_ANSWER, "choices": [choice], "usage": usage})
+
+        return Starlette(
+            routes=[
+                Route("/v1/models", models),
+                Route("/props", props),
+                Route("/health", health),
+                Route("/slots", slots),
+                Route("/v1/chat/completions", chat, methods=["POST"]),
+            ]
+        )
+
+
+async def _wait_for(condition: asyncio.Condition, predicate: Any, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(condition.wait_for(predicate), timeout)
+
+
+@pytest.fixture
+def engine() -> Iterator[tuple[TwoSlots, LiveServer]]:
+    double = TwoSlots()
+    server = LiveServer(double.app()).start()
+    yield double, server
+    server.stop()
+
+
+def _talk(proxy: LiveServer) -> None:
+    """Another conversation takes a slot, then a long one grows past the slot's context."""
+    other = [
+        {"role": "system", "content": "You translate recipes from French."},
+        {"role": "user", "content": "Traduisez: faire revenir les oignons dans le beurre, puis deglacer au vin blanc."},
+    ]
+    answer = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        json={"model": "SmolLM2-135M-Instruct", "messages": other, "max_tokens": 64},
+        headers={"x-session-id": "recipes"},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    question = "How do I drill into a brick wall without cracking it, and which bit and speed should I use? "
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a hardware store assistant."}]
+    for turn in range(16):
+        messages.append({"role": "user", "content": f"Turn {turn}. " + question * 6})
+        response = httpx.post(
+            proxy.url + "/v1/chat/completions",
+            json={"model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": 64},
+            headers={"x-session-id": "drilling"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        messages.append(response.json()["choices"][0]["message"])
+
+
+def test_a_summary_request_waits_for_its_conversations_slot(engine: tuple[TwoSlots, LiveServer]) -> None:
+    double, server = engine
+    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
+    try:
+        _talk(proxy)
+    finally:
+        proxy.stop()
+    other_slot = double.answered[0][1]
+    summaries = [(slot, asked) for summarizing, slot, asked, *_ in double.answered if summarizing]
+    assert summaries, "the conversation outgrew its slot: a summary was made"
+    assert all(asked == slot for slot, asked in summaries), summaries  # each named its slot
+    assert other_slot not in {slot for slot, _ in summaries}, "a summary evicted the other conversation"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the first turn that carries a summary shares only the system prompt with its slot (under "
+    "llama-server's 0.10 similarity with a short one): it takes the least recently used slot and evicts "
+    "the conversation there (issue 45; naming its slot would make a client's turn wait on a busy one)",
+)
+def test_the_turn_that_first_carries_a_summary_keeps_to_its_slot(engine: tuple[TwoSlots, LiveServer]) -> None:
+    double, server = engine
+    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
+    try:
+        _talk(proxy)
+    finally:
+        proxy.stop()
+    other_slot = double.answered[0][1]
+    assert {slot for summarizing, slot, *_ in double.answered[1:] if not summarizing} == {1 - other_slot}
+
+
+def test_without_the_slot_named_the_summary_evicts_the_other_conversation(
+    engine: tuple[TwoSlots, LiveServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the first test guards against, on the same double: the race it sets up is real."""
+
+    async def unknown(self: ModelCatalog, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    monkeypatch.setattr(ModelCatalog, "slot_holding", unknown)
+    double, server = engine
+    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
+    try:
+        _talk(proxy)
+    finally:
+        proxy.stop()
+    other_slot = double.answered[0][1]
+    summaries = [slot for summarizing, slot, *_ in double.answered if summarizing]
+    assert other_slot in summaries
+
+
+def test_a_conversation_is_found_by_its_last_question_and_the_reply_before_it() -> None:
+    history = [
+        {"role": "system", "content": "You are a hardware store assistant."},
+        {"role": "user", "content": "Which anchor holds a shelf on plasterboard?"},
+        {"role": "assistant", "content": "A spring toggle or a metal cavity anchor, rated for the load."},
+        {"role": "user", "content": [{"type": "text", "text": "And for a heavy mirror on the same wall?"}]},
+        {"role": "assistant", "content": "Two metal cavity anchors and a French cleat."},
+    ]
+    markers = slot_markers(history)
+    assert markers == ["And for a heavy mirror on the same wall?", history[2]["content"]]
+    rendered = chatml(history[:4])  # the slot served the last question; its reply is not in its prompt
+    slots = [
+        {"id": 0, "is_processing": False, "prompt": chatml(history[:2])},
+        {"id": 1, "is_processing": True, "prompt": rendered},
+        {"id": 2, "is_processing": False},  # an empty slot lists no prompt
+    ]
+    assert slot_holding(slots, markers) == 1
+    assert slot_holding(slots[:1], markers) is None
+    assert slot_holding({"error": "This server does not support slots endpoint."}, markers) is None
+    assert slot_holding([{"id": True, "prompt": rendered}, {"id": -1, "prompt": rendered}], markers) is None
+    # Too short to tell conversations apart: not searched for.
+    assert slot_markers([{"role": "user", "content": "thanks"}]) == []
+    assert slot_markers([{"role": "assistant", "content": "Hello there, how can I help you today?"}]) == []
