@@ -245,7 +245,7 @@ def test_without_the_slot_named_the_summary_evicts_the_other_conversation(
 
 
 def test_a_conversation_is_found_by_its_last_question_and_the_reply_before_it() -> None:
-    history = [
+    history: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a hardware store assistant."},
         {"role": "user", "content": "Which anchor holds a shelf on plasterboard?"},
         {"role": "assistant", "content": "A spring toggle or a metal cavity anchor, rated for the load."},
