@@ -10,7 +10,9 @@ slot's ``id``, ``is_processing`` and ``prompt`` (its last request, detokenized).
 The proxy's summary request extends the conversation, so it reuses the conversation's slot when that
 slot is free. When the client's next turn holds it, the summary used to take the other slot and
 evict the conversation there; now it names the slot that holds its conversation (found in
-``GET /slots``) and waits for it. The double below is that scheduling with two slots, its prompts
+``GET /slots``) and waits for it. The first turn that carries the summary shares only the system
+prompt with that slot, and took the least recently used one too; it now names its conversation's
+slot where that slot is idle. The double below is that scheduling with two slots, its prompts
 rendered as ChatML and counted with tiktoken; a summary request reaches it while the conversation's
 next turn is in its slot (as a client that sends the next turn at once makes it), the race this is
 about. What it does not model: the host-RAM prompt cache, which would restore an evicted prompt
@@ -207,13 +209,10 @@ def test_a_summary_request_waits_for_its_conversations_slot(engine: tuple[TwoSlo
     assert other_slot not in {slot for slot, _ in summaries}, "a summary evicted the other conversation"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the first turn that carries a summary shares only the system prompt with its slot (under "
-    "llama-server's 0.10 similarity with a short one): it takes the least recently used slot and evicts "
-    "the conversation there (issue 45; naming its slot would make a client's turn wait on a busy one)",
-)
 def test_the_turn_that_first_carries_a_summary_keeps_to_its_slot(engine: tuple[TwoSlots, LiveServer]) -> None:
+    """That turn shares only the system prompt with its slot (the summary replaced the history): under
+    llama-server's 0.10 similarity it would take the least recently used slot and evict the other
+    conversation. It names its conversation's slot, when idle (it never waits for a busy one)."""
     double, server = engine
     proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
     try:
@@ -222,6 +221,9 @@ def test_the_turn_that_first_carries_a_summary_keeps_to_its_slot(engine: tuple[T
         proxy.stop()
     other_slot = double.answered[0][1]
     assert {slot for summarizing, slot, *_ in double.answered[1:] if not summarizing} == {1 - other_slot}
+    named = [(slot, asked) for summarizing, slot, asked, *_ in double.answered if not summarizing and asked != -1]
+    assert named and all(slot == asked == 1 - other_slot for slot, asked in named)
+    assert "oignons" in double.slots[other_slot].prompt  # the other conversation is where it was
 
 
 def test_without_the_slot_named_the_summary_evicts_the_other_conversation(
@@ -242,6 +244,7 @@ def test_without_the_slot_named_the_summary_evicts_the_other_conversation(
     other_slot = double.answered[0][1]
     summaries = [slot for summarizing, slot, *_ in double.answered if summarizing]
     assert other_slot in summaries
+    assert "oignons" not in double.slots[other_slot].prompt
 
 
 def test_a_conversation_is_found_by_its_last_question_and_the_reply_before_it() -> None:
@@ -261,6 +264,8 @@ def test_a_conversation_is_found_by_its_last_question_and_the_reply_before_it() 
         {"id": 2, "is_processing": False},  # an empty slot lists no prompt
     ]
     assert slot_holding(slots, markers) == 1
+    assert slot_holding(slots, markers, idle_only=True) is None  # a turn never waits for a busy slot
+    assert slot_holding([{**slots[1], "is_processing": False}], markers, idle_only=True) == 1
     assert slot_holding(slots[:1], markers) is None
     assert slot_holding({"error": "This server does not support slots endpoint."}, markers) is None
     assert slot_holding([{"id": True, "prompt": rendered}, {"id": -1, "prompt": rendered}], markers) is None

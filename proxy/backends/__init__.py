@@ -7,7 +7,14 @@ whose prefix cache most likely holds it; a dead backend's requests go to the nex
 from proxy.backends.backend import INVALID_ANSWER, NO_FIRST_TOKEN, STREAM_CUT, Backend, OutlierDetection, backend_name
 from proxy.backends.catalog import ModelCatalog
 from proxy.backends.echo import EchoedHeaders
-from proxy.backends.engines import GENERIC, context_of, context_overflow, engine_of, refuses_answer_room
+from proxy.backends.engines import (
+    GENERIC,
+    LLAMA_SERVER,
+    context_of,
+    context_overflow,
+    engine_of,
+    refuses_answer_room,
+)
 from proxy.backends.policies import POLICIES, Affinity, LeastInFlight, RoundRobin, RoutingPolicy, make_policy
 from proxy.backends.pool import BACKEND_EXTENSION, TRIAL_EXTENSION, BackendPool
 from proxy.backends.upstream import Redactor, Upstream, key_forms, upstream_error_kind
@@ -16,6 +23,7 @@ __all__ = [
     "BACKEND_EXTENSION",
     "GENERIC",
     "INVALID_ANSWER",
+    "LLAMA_SERVER",
     "NO_FIRST_TOKEN",
     "POLICIES",
     "STREAM_CUT",

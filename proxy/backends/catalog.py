@@ -77,13 +77,20 @@ class ModelCatalog:
         return count if isinstance(count, int) else None
 
     async def slot_holding(
-        self, messages: list[Any], *, model: str, key: str | None, headers: Mapping[str, str]
+        self,
+        messages: list[Any],
+        *,
+        model: str,
+        key: str | None,
+        headers: Mapping[str, str],
+        idle_only: bool = False,
     ) -> int | None:
         """The llama-server slot holding the conversation ``messages`` (``GET /slots`` on the backend
         ``key`` routes to, searched for its last user message and the reply before it), or None: not
         llama-server, a server started with ``--no-slots``, no slot found, or no answer. A request
         sent with that ``id_slot`` waits for the slot, if busy, rather than take another one and
-        evict the conversation it holds (server-context.cpp ``get_available_slot``)."""
+        evict the conversation it holds (server-context.cpp ``get_available_slot``). ``idle_only``:
+        only a slot that is not computing now (a request naming it does not wait)."""
         if self.engine(model) != LLAMA_SERVER:
             return None
         markers = slot_markers(messages)
@@ -92,7 +99,9 @@ class ModelCatalog:
         try:
             response = await self._upstream.open("GET", "/slots", headers=headers, root=True, key=key, model=model)
             raw = await self._upstream.read(response)
-            return slot_holding(json.loads(raw), markers) if response.status_code == 200 else None
+            if response.status_code != 200:
+                return None
+            return slot_holding(json.loads(raw), markers, idle_only=idle_only)
         except (ProxyError, ValueError):
             return None
 

@@ -159,14 +159,15 @@ def slot_markers(messages: list[Any]) -> list[str]:
     return markers if all(len(marker) >= MIN_MARKER_CHARS for marker in markers) else []
 
 
-def slot_holding(slots: Any, markers: list[str]) -> int | None:
+def slot_holding(slots: Any, markers: list[str], *, idle_only: bool = False) -> int | None:
     """The llama-server slot (``GET /slots``) whose prompt holds every marker, the longest such
-    prompt where several do; None where none does, or the answer is not a slot list."""
+    prompt where several do; None where none does, or the answer is not a slot list. ``idle_only``:
+    only a slot that is not computing (``is_processing``)."""
     if not markers or not isinstance(slots, list):
         return None
     holding = []
     for slot in slots:
-        if not isinstance(slot, dict):
+        if not isinstance(slot, dict) or (idle_only and slot.get("is_processing") is not False):
             continue
         number, prompt = slot.get("id"), slot.get("prompt")
         numbered = isinstance(number, int) and not isinstance(number, bool) and number >= 0

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cachetools import TLRUCache
+from cachetools import LRUCache, TLRUCache
 
 from proxy.backends import BackendPool, ModelCatalog
 from proxy.chat.admission import Admitted, UsageAdmission
@@ -48,6 +48,8 @@ from summarizer import (
 
 logger = logging.getLogger("prefix_proxy.summarizer")
 WAIT_POLL_S = 0.2
+# Sessions whose last carried summary is remembered (``CompactionService.carried_first``).
+CARRIED_SESSIONS = 10_000
 
 
 class SummaryRefused(UpstreamProtocolError):
@@ -105,6 +107,9 @@ class CompactionService:
         self.settings = settings
         # Where the engine keeps one conversation per slot (llama-server), which slot holds it.
         self._models = models
+        # Per session, the summary (version, made at) its turns last carried: the first turn that
+        # carries a new one is sent to the slot that holds its conversation (``carried_first``).
+        self._carried: LRUCache[tuple[str, str], tuple[int, float]] = LRUCache(CARRIED_SESSIONS)
         # Every summary is generation: admitted against the tenant's usage budget first.
         self._admission = admission
         self._sessions = sessions
@@ -222,6 +227,28 @@ class CompactionService:
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise UpstreamProtocolError("unreadable summary response") from exc
         return str(text), usage
+
+    def carried_first(self, tenant: str, session_id: str, summary: SummaryState) -> bool:
+        """Whether a turn of ``session_id`` carrying ``summary`` is the first to carry it (here)."""
+        key, made = (tenant, session_id), (summary.version, summary.updated)
+        if self._carried.get(key) == made:
+            return False
+        self._carried[key] = made
+        return True
+
+    async def turn_slot(
+        self, messages: list[Any], model: str, routing_key: str, upstream_auth: Mapping[str, str]
+    ) -> int | None:
+        """The idle llama-server slot that holds the conversation a turn carrying a new summary
+        continues (its messages but the new question: the summary request's prompt held them), or
+        None. That turn shares only the system prompt with the slot (the summary replaced the
+        history), so llama-server would give it the least recently used slot and evict the
+        conversation held there; an idle slot named does not make the turn wait."""
+        if self._models is None:
+            return None
+        return await self._models.slot_holding(
+            messages[:-1], model=model, key=routing_key, headers=upstream_auth, idle_only=True
+        )
 
     async def _conversation_slot(
         self, body: dict[str, Any], routing_key: str, upstream_auth: Mapping[str, str]

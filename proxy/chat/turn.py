@@ -8,7 +8,7 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from proxy.backends import BackendPool, ModelCatalog, refuses_answer_room
+from proxy.backends import LLAMA_SERVER, BackendPool, ModelCatalog, refuses_answer_room
 from proxy.canon import Canonicalizer, CanonResult
 from proxy.chat.admission import budget_refused
 from proxy.chat.budget import (
@@ -327,6 +327,21 @@ class ChatTurn:
     def slides_window(self) -> bool:
         """A session whose client slides a window (seen now, or earlier: it has a repair tail)."""
         return self.repairs_window and self.session is not None and (bool(self.summary.tail) or self.session.slid)
+
+    async def summary_slot(self) -> int | None:
+        """On llama-server, the idle slot the first turn carrying a new summary goes to: the one
+        holding its conversation (:meth:`CompactionService.turn_slot`); None otherwise."""
+        session, anchored = self.session, self.anchored
+        if session is None or anchored is None or not anchored.removed or not self.summary.active:
+            return None
+        model = str(self.forwarded.get("model"))
+        if self.services.models.engine(model) != LLAMA_SERVER:
+            return None
+        compaction = self.services.compaction
+        if not compaction.carried_first(self.tenant.name, session.session_id, self.summary):
+            return None
+        messages = self.forwarded["messages"]
+        return await compaction.turn_slot(messages, model, self.routing_key, self.upstream_auth_headers())
 
     def upstream_auth_headers(self) -> dict[str, str]:
         """How the proxy's own requests for this tenant (summaries, token counts) authenticate upstream."""

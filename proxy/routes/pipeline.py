@@ -197,6 +197,10 @@ async def forward_turn(
         for attempt in range(2):
             forwarded = turn.forwarded
             outgoing = state.tenants.cache_salted(tenant, view.restore(forwarded))
+            if protocol.path == "/chat/completions" and (slot := await turn.summary_slot()) is not None:
+                # llama-server: the first turn carrying a new summary keeps to its conversation's slot.
+                outgoing = {**outgoing, "id_slot": slot}
+                ctx.actions.append(f"slot_named:{slot}")
             ctx.restructured = _restructured(forwarded["messages"], chat["messages"])
             if state.settings.log_prompts:
                 ctx.logged_messages = forwarded["messages"]
