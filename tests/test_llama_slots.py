@@ -1,22 +1,28 @@
-"""A summary request on llama-server waits for the slot that holds its conversation.
+"""On llama-server, the proxy's summary request and the turn that first carries a summary keep to
+the slot that holds their conversation.
 
 llama-server keeps one prompt per slot (``--parallel N``). A request picks the free slot whose prompt
 shares the most with its own (``--slot-prompt-similarity``, 0.10), else the least recently used free
 slot, which loses the conversation it held; a request that names ``id_slot`` gets that slot, and
 waits (deferred) while it is busy (tools/server/server-context.cpp ``get_available_slot`` and the
 scheduling after it, llama.cpp sources of llama-cpp-python 0.3.36). ``GET /slots`` lists each
-slot's ``id``, ``is_processing`` and ``prompt`` (its last request, detokenized).
+slot's ``id``, ``is_processing`` and ``n_prompt_tokens`` (its last request's prompt and completion,
+less one, once done), and its ``prompt`` text only where the server was started with
+``LLAMA_SERVER_SLOTS_DEBUG=1``.
 
-The proxy's summary request extends the conversation, so it reuses the conversation's slot when that
-slot is free. When the client's next turn holds it, the summary used to take the other slot and
-evict the conversation there; now it names the slot that holds its conversation (found in
-``GET /slots``) and waits for it. The first turn that carries the summary shares only the system
-prompt with that slot, and took the least recently used one too; it now names its conversation's
-slot where that slot is idle. The double below is that scheduling with two slots, its prompts
-rendered as ChatML and counted with tiktoken; a summary request reaches it while the conversation's
-next turn is in its slot (as a client that sends the next turn at once makes it), the race this is
-about. What it does not model: the host-RAM prompt cache, which would restore an evicted prompt
-when it comes back (at its cost), and decoding time.
+The summary request extends the conversation, so it reuses the conversation's slot when that slot
+is free. When the client's next turn holds it, the summary took the other slot and evicted the
+conversation there. Where the slots' prompts are listed it now names the slot that holds its
+conversation and waits for it; on the defaults a busy slot's size says nothing of the
+conversation, and it names none (a strict xfail below). The first turn that carries the summary
+shares only the system prompt with its conversation's slot, and took the least recently used one
+too; it now names the slot its summary request left (found by its size), where that slot is idle.
+
+The double below is that scheduling with two slots, its prompts rendered as ChatML and counted with
+tiktoken; a summary request reaches it while the conversation's next turn is in its slot (as a
+client that sends the next turn at once makes it), the race this is about. What it does not model:
+the host-RAM prompt cache, which would restore an evicted prompt when it comes back (at its cost),
+and decoding time.
 """
 
 from __future__ import annotations
@@ -55,14 +61,18 @@ class Slot:
     number: int
     tokens: list[int] = field(default_factory=list)
     prompt: str = ""
+    size: int = 0  # n_prompt_tokens: the last request's prompt and completion, less one
     busy: bool = False
     used_at: int = 0
 
 
 class TwoSlots:
-    """llama-server ``--parallel 2 --ctx-size 4096`` (two 2,048-token slots), as the proxy sees it."""
+    """llama-server ``--parallel 2 --ctx-size 4096`` (two 2,048-token slots), as the proxy sees it.
+    ``slots_debug``: started with ``LLAMA_SERVER_SLOTS_DEBUG=1``, its ``GET /slots`` lists each slot's
+    prompt text (without it, only its size, ``n_prompt_tokens``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, slots_debug: bool = False) -> None:
+        self.slots_debug = slots_debug
         self.slots = [Slot(0), Slot(1)]
         self.counter = TokenCounter()
         self.clock = 0
@@ -92,10 +102,13 @@ class TwoSlots:
             return JSONResponse({"status": "ok"})
 
         async def slots(request: Request) -> JSONResponse:
-            listed = [
-                {"id": s.number, "n_ctx": N_CTX, "is_processing": s.busy, **({"prompt": s.prompt} if s.prompt else {})}
-                for s in self.slots
-            ]
+            listed = []
+            for s in self.slots:
+                slot: dict[str, Any] = {"id": s.number, "n_ctx": N_CTX, "is_processing": s.busy}
+                if s.used_at:  # served a request: its size, and its prompt text where debugging
+                    slot |= {"id_task": s.used_at, "n_prompt_tokens": s.size}
+                    slot |= {"prompt": s.prompt} if self.slots_debug else {}
+                listed.append(slot)
             return JSONResponse(listed)
 
         async def chat(request: Request) -> JSONResponse:
@@ -129,12 +142,12 @@ class TwoSlots:
                 async with changed:
                     await _wait_for(changed, lambda: self.summaries_arrived > arrived, TURN_HOLD_S)
             self.clock += 1
+            completion = self.counter.count_text(reply)
             slot.tokens = tokens + load_encoding().encode_ordinary(reply + "<|im_end|>")
-            slot.prompt, slot.used_at, slot.busy = text, self.clock, False
+            slot.prompt, slot.size, slot.used_at, slot.busy = text, len(tokens) + completion - 1, self.clock, False
             async with changed:
                 changed.notify_all()
             self.answered.append((summarizing, slot.number, asked, len(tokens), cached))
-            completion = self.counter.count_text(reply)
             usage = {
                 "completion_tokens": completion,
                 "prompt_tokens": len(tokens),
@@ -162,7 +175,17 @@ async def _wait_for(condition: asyncio.Condition, predicate: Any, timeout: float
 
 @pytest.fixture
 def engine() -> Iterator[tuple[TwoSlots, LiveServer]]:
+    """llama-server on its defaults: ``GET /slots`` lists sizes, not prompts."""
     double = TwoSlots()
+    server = LiveServer(double.app()).start()
+    yield double, server
+    server.stop()
+
+
+@pytest.fixture
+def debugging_engine() -> Iterator[tuple[TwoSlots, LiveServer]]:
+    """llama-server started with ``LLAMA_SERVER_SLOTS_DEBUG=1``: ``GET /slots`` lists prompts."""
+    double = TwoSlots(slots_debug=True)
     server = LiveServer(double.app()).start()
     yield double, server
     server.stop()
@@ -195,8 +218,10 @@ def _talk(proxy: LiveServer) -> None:
         messages.append(response.json()["choices"][0]["message"])
 
 
-def test_a_summary_request_waits_for_its_conversations_slot(engine: tuple[TwoSlots, LiveServer]) -> None:
-    double, server = engine
+def test_a_summary_request_waits_for_its_conversations_slot(debugging_engine: tuple[TwoSlots, LiveServer]) -> None:
+    """Where llama-server lists its slots' prompts (``LLAMA_SERVER_SLOTS_DEBUG=1``): on its defaults
+    a busy slot's size says nothing of the conversation, and the summary names no slot."""
+    double, server = debugging_engine
     proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
     try:
         _talk(proxy)
@@ -209,10 +234,41 @@ def test_a_summary_request_waits_for_its_conversations_slot(engine: tuple[TwoSlo
     assert other_slot not in {slot for slot, _ in summaries}, "a summary evicted the other conversation"
 
 
-def test_the_turn_that_first_carries_a_summary_keeps_to_its_slot(engine: tuple[TwoSlots, LiveServer]) -> None:
-    """That turn shares only the system prompt with its slot (the summary replaced the history): under
-    llama-server's 0.10 similarity it would take the least recently used slot and evict the other
-    conversation. It names its conversation's slot, when idle (it never waits for a busy one)."""
+def test_the_turn_that_first_carries_a_summary_goes_to_the_slot_its_summary_left(
+    engine: tuple[TwoSlots, LiveServer],
+) -> None:
+    """That turn shares only the system prompt with its conversation's slot (the summary replaced the
+    history): under llama-server's 0.10 similarity it would take the least recently used slot and
+    evict the conversation there. It names the slot its summary request left, found on llama-server's
+    defaults by its size (the summary request's prompt and completion, less one), where that slot is
+    idle (it never waits for a busy one)."""
+    double, server = engine
+    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
+    try:
+        _talk(proxy)
+    finally:
+        proxy.stop()
+    named = 0
+    last_summary_slot = None
+    for summarizing, slot, asked, *_ in double.answered:
+        if summarizing:
+            last_summary_slot = slot
+        elif asked != -1:
+            named += 1
+            assert slot == asked == last_summary_slot
+    assert named, "the first turn carrying a summary named its slot"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="on llama-server's defaults GET /slots lists no prompt text (only with LLAMA_SERVER_SLOTS_DEBUG=1), "
+    "and a busy slot's size says nothing of the conversation: a summary request that reaches the engine "
+    "while its conversation's next turn computes takes the other slot and evicts the conversation held there "
+    "(issue 45)",
+)
+def test_on_defaults_a_summary_request_keeps_off_the_other_conversations_slot(
+    engine: tuple[TwoSlots, LiveServer],
+) -> None:
     double, server = engine
     proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
     try:
@@ -220,14 +276,11 @@ def test_the_turn_that_first_carries_a_summary_keeps_to_its_slot(engine: tuple[T
     finally:
         proxy.stop()
     other_slot = double.answered[0][1]
-    assert {slot for summarizing, slot, *_ in double.answered[1:] if not summarizing} == {1 - other_slot}
-    named = [(slot, asked) for summarizing, slot, asked, *_ in double.answered if not summarizing and asked != -1]
-    assert named and all(slot == asked == 1 - other_slot for slot, asked in named)
-    assert "oignons" in double.slots[other_slot].prompt  # the other conversation is where it was
+    assert other_slot not in {slot for summarizing, slot, *_ in double.answered if summarizing}
 
 
 def test_without_the_slot_named_the_summary_evicts_the_other_conversation(
-    engine: tuple[TwoSlots, LiveServer], monkeypatch: pytest.MonkeyPatch
+    debugging_engine: tuple[TwoSlots, LiveServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What the first test guards against, on the same double: the race it sets up is real."""
 
@@ -235,7 +288,7 @@ def test_without_the_slot_named_the_summary_evicts_the_other_conversation(
         return None
 
     monkeypatch.setattr(ModelCatalog, "slot_holding", unknown)
-    double, server = engine
+    double, server = debugging_engine
     proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
     try:
         _talk(proxy)
@@ -265,7 +318,13 @@ def test_a_conversation_is_found_by_its_last_question_and_the_reply_before_it() 
     ]
     assert slot_holding(slots, markers) == 1
     assert slot_holding(slots, markers, idle_only=True) is None  # a turn never waits for a busy slot
-    assert slot_holding([{**slots[1], "is_processing": False}], markers, idle_only=True) == 1
+    assert slot_holding([{"id": 1, "is_processing": False, "prompt": rendered}], markers, idle_only=True) == 1
+    # On llama-server's defaults a slot lists its size only: found by the tokens a request left.
+    sized = [{"id": 0, "is_processing": False, "n_prompt_tokens": 51}, {"id": 1, "is_processing": False}]
+    assert slot_holding(sized, markers, tokens=51) == 0
+    assert slot_holding(sized, [], tokens=51) == 0
+    assert slot_holding(sized, markers, tokens=52) is None
+    assert slot_holding([{**sized[0], "is_processing": True}], [], idle_only=True, tokens=51) is None
     assert slot_holding(slots[:1], markers) is None
     assert slot_holding({"error": "This server does not support slots endpoint."}, markers) is None
     assert slot_holding([{"id": True, "prompt": rendered}, {"id": -1, "prompt": rendered}], markers) is None

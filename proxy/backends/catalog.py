@@ -84,24 +84,27 @@ class ModelCatalog:
         key: str | None,
         headers: Mapping[str, str],
         idle_only: bool = False,
+        tokens: int | None = None,
     ) -> int | None:
         """The llama-server slot holding the conversation ``messages`` (``GET /slots`` on the backend
         ``key`` routes to, searched for its last user message and the reply before it), or None: not
         llama-server, a server started with ``--no-slots``, no slot found, or no answer. A request
         sent with that ``id_slot`` waits for the slot, if busy, rather than take another one and
         evict the conversation it holds (server-context.cpp ``get_available_slot``). ``idle_only``:
-        only a slot that is not computing now (a request naming it does not wait)."""
+        only a slot that is not computing now (a request naming it does not wait). ``tokens``: or
+        the slot that holds that many tokens (llama-server lists a slot's prompt text only with
+        ``LLAMA_SERVER_SLOTS_DEBUG`` set, its size always)."""
         if self.engine(model) != LLAMA_SERVER:
             return None
         markers = slot_markers(messages)
-        if not markers:
+        if not markers and tokens is None:
             return None
         try:
             response = await self._upstream.open("GET", "/slots", headers=headers, root=True, key=key, model=model)
             raw = await self._upstream.read(response)
             if response.status_code != 200:
                 return None
-            return slot_holding(json.loads(raw), markers, idle_only=idle_only)
+            return slot_holding(json.loads(raw), markers, idle_only=idle_only, tokens=tokens)
         except (ProxyError, ValueError):
             return None
 

@@ -159,20 +159,26 @@ def slot_markers(messages: list[Any]) -> list[str]:
     return markers if all(len(marker) >= MIN_MARKER_CHARS for marker in markers) else []
 
 
-def slot_holding(slots: Any, markers: list[str], *, idle_only: bool = False) -> int | None:
-    """The llama-server slot (``GET /slots``) whose prompt holds every marker, the longest such
-    prompt where several do; None where none does, or the answer is not a slot list. ``idle_only``:
-    only a slot that is not computing (``is_processing``)."""
-    if not markers or not isinstance(slots, list):
+def slot_holding(slots: Any, markers: list[str], *, idle_only: bool = False, tokens: int | None = None) -> int | None:
+    """The llama-server slot (``GET /slots``) whose prompt holds every marker, or (``tokens``) that
+    holds that many tokens (``n_prompt_tokens``: a request's prompt and completion, less one, once
+    it is done); the longest such prompt where several do; None where none does, or the answer is
+    not a slot list. llama-server lists a slot's prompt text only when started with
+    ``LLAMA_SERVER_SLOTS_DEBUG=1`` in its environment; its size always. ``idle_only``: only a slot
+    that is not computing (``is_processing``)."""
+    if (not markers and tokens is None) or not isinstance(slots, list):
         return None
     holding = []
     for slot in slots:
         if not isinstance(slot, dict) or (idle_only and slot.get("is_processing") is not False):
             continue
-        number, prompt = slot.get("id"), slot.get("prompt")
-        numbered = isinstance(number, int) and not isinstance(number, bool) and number >= 0
-        if numbered and isinstance(prompt, str) and all(marker in prompt for marker in markers):
+        number, prompt, size = slot.get("id"), slot.get("prompt"), slot.get("n_prompt_tokens")
+        if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+            continue
+        if markers and isinstance(prompt, str) and prompt and all(marker in prompt for marker in markers):
             holding.append((len(prompt), number))
+        elif tokens is not None and size == tokens:
+            holding.append((tokens, number))
     return max(holding)[1] if holding else None
 
 

@@ -110,6 +110,8 @@ class CompactionService:
         # Per session, the summary (version, made at) its turns last carried: the first turn that
         # carries a new one is sent to the slot that holds its conversation (``carried_first``).
         self._carried: LRUCache[tuple[str, str], tuple[int, float]] = LRUCache(CARRIED_SESSIONS)
+        # Per session, the tokens its last summary request left in the engine (prompt and completion).
+        self._summary_tokens: LRUCache[tuple[str, str], int] = LRUCache(CARRIED_SESSIONS)
         # Every summary is generation: admitted against the tenant's usage budget first.
         self._admission = admission
         self._sessions = sessions
@@ -159,6 +161,7 @@ class CompactionService:
         except ProxyError as exc:
             raise CompactionFailed(exc.message) from exc
         if usage is not None:
+            self._summary_tokens[(job.tenant.name, job.session_id)] = usage.prompt_tokens + usage.completion_tokens
             self._metrics.record_usage(str(body.get("model")), job.tenant.name, usage)
             self.decode_rates.observe(str(body.get("model")), usage.completion_tokens, time.perf_counter() - started)
         return text, usage.completion_tokens if usage else 0
@@ -237,17 +240,30 @@ class CompactionService:
         return True
 
     async def turn_slot(
-        self, messages: list[Any], model: str, routing_key: str, upstream_auth: Mapping[str, str]
+        self,
+        tenant: str,
+        session_id: str,
+        messages: list[Any],
+        model: str,
+        routing_key: str,
+        upstream_auth: Mapping[str, str],
     ) -> int | None:
         """The idle llama-server slot that holds the conversation a turn carrying a new summary
-        continues (its messages but the new question: the summary request's prompt held them), or
-        None. That turn shares only the system prompt with the slot (the summary replaced the
-        history), so llama-server would give it the least recently used slot and evict the
-        conversation held there; an idle slot named does not make the turn wait."""
+        continues, or None: the slot the session's last summary request left as it was (as many
+        tokens as its prompt and completion, less one), or whose prompt holds the turn's messages
+        but its new question. That turn shares only the system prompt with the slot (the summary
+        replaced the history), so llama-server would give it the least recently used slot and evict
+        the conversation held there; an idle slot named does not make the turn wait."""
         if self._models is None:
             return None
+        left = self._summary_tokens.get((tenant, session_id))
         return await self._models.slot_holding(
-            messages[:-1], model=model, key=routing_key, headers=upstream_auth, idle_only=True
+            messages[:-1],
+            model=model,
+            key=routing_key,
+            headers=upstream_auth,
+            idle_only=True,
+            tokens=left - 1 if left else None,
         )
 
     async def _conversation_slot(

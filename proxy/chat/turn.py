@@ -341,7 +341,9 @@ class ChatTurn:
         if not compaction.carried_first(self.tenant.name, session.session_id, self.summary):
             return None
         messages = self.forwarded["messages"]
-        return await compaction.turn_slot(messages, model, self.routing_key, self.upstream_auth_headers())
+        return await compaction.turn_slot(
+            self.tenant.name, session.session_id, messages, model, self.routing_key, self.upstream_auth_headers()
+        )
 
     def upstream_auth_headers(self) -> dict[str, str]:
         """How the proxy's own requests for this tenant (summaries, token counts) authenticate upstream."""
