@@ -191,43 +191,48 @@ def debugging_engine() -> Iterator[tuple[TwoSlots, LiveServer]]:
     server.stop()
 
 
+def _conversations(engine: tuple[TwoSlots, LiveServer]) -> int:
+    """:func:`_talk` through a prefix-proxy on its defaults; the slot the other conversation took."""
+    double, server = engine
+    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
+    try:
+        _talk(proxy)
+    finally:
+        proxy.stop()
+    return double.answered[0][1]
+
+
 def _talk(proxy: LiveServer) -> None:
     """Another conversation takes a slot, then a long one grows past the slot's context."""
     other = [
         {"role": "system", "content": "You translate recipes from French."},
         {"role": "user", "content": "Traduisez: faire revenir les oignons dans le beurre, puis deglacer au vin blanc."},
     ]
-    answer = httpx.post(
-        proxy.url + "/v1/chat/completions",
-        json={"model": "SmolLM2-135M-Instruct", "messages": other, "max_tokens": 64},
-        headers={"x-session-id": "recipes"},
-        timeout=60,
-    )
-    assert answer.status_code == 200, answer.text
+    _answer(proxy, other, "recipes")
     question = "How do I drill into a brick wall without cracking it, and which bit and speed should I use? "
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a hardware store assistant."}]
     for turn in range(16):
         messages.append({"role": "user", "content": f"Turn {turn}. " + question * 6})
-        response = httpx.post(
-            proxy.url + "/v1/chat/completions",
-            json={"model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": 64},
-            headers={"x-session-id": "drilling"},
-            timeout=60,
-        )
-        assert response.status_code == 200, response.text
-        messages.append(response.json()["choices"][0]["message"])
+        messages.append(_answer(proxy, messages, "drilling"))
+
+
+def _answer(proxy: LiveServer, messages: list[dict[str, Any]], session: str) -> dict[str, Any]:
+    response = httpx.post(
+        proxy.url + "/v1/chat/completions",
+        json={"model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": 64},
+        headers={"x-session-id": session},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    message: dict[str, Any] = response.json()["choices"][0]["message"]
+    return message
 
 
 def test_a_summary_request_waits_for_its_conversations_slot(debugging_engine: tuple[TwoSlots, LiveServer]) -> None:
     """Where llama-server lists its slots' prompts (``LLAMA_SERVER_SLOTS_DEBUG=1``): on its defaults
     a busy slot's size says nothing of the conversation, and the summary names no slot."""
-    double, server = debugging_engine
-    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
-    try:
-        _talk(proxy)
-    finally:
-        proxy.stop()
-    other_slot = double.answered[0][1]
+    double, _ = debugging_engine
+    other_slot = _conversations(debugging_engine)
     summaries = [(slot, asked) for summarizing, slot, asked, *_ in double.answered if summarizing]
     assert summaries, "the conversation outgrew its slot: a summary was made"
     assert all(asked == slot for slot, asked in summaries), summaries  # each named its slot
@@ -242,12 +247,8 @@ def test_the_turn_that_first_carries_a_summary_goes_to_the_slot_its_summary_left
     evict the conversation there. It names the slot its summary request left, found on llama-server's
     defaults by its size (the summary request's prompt and completion, less one), where that slot is
     idle (it never waits for a busy one)."""
-    double, server = engine
-    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
-    try:
-        _talk(proxy)
-    finally:
-        proxy.stop()
+    double, _ = engine
+    _conversations(engine)
     named = 0
     last_summary_slot = None
     for summarizing, slot, asked, *_ in double.answered:
@@ -269,13 +270,8 @@ def test_the_turn_that_first_carries_a_summary_goes_to_the_slot_its_summary_left
 def test_on_defaults_a_summary_request_keeps_off_the_other_conversations_slot(
     engine: tuple[TwoSlots, LiveServer],
 ) -> None:
-    double, server = engine
-    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
-    try:
-        _talk(proxy)
-    finally:
-        proxy.stop()
-    other_slot = double.answered[0][1]
+    double, _ = engine
+    other_slot = _conversations(engine)
     assert other_slot not in {slot for summarizing, slot, *_ in double.answered if summarizing}
 
 
@@ -288,13 +284,8 @@ def test_without_the_slot_named_the_summary_evicts_the_other_conversation(
         return None
 
     monkeypatch.setattr(ModelCatalog, "slot_holding", unknown)
-    double, server = debugging_engine
-    proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
-    try:
-        _talk(proxy)
-    finally:
-        proxy.stop()
-    other_slot = double.answered[0][1]
+    double, _ = debugging_engine
+    other_slot = _conversations(debugging_engine)
     summaries = [slot for summarizing, slot, *_ in double.answered if summarizing]
     assert other_slot in summaries
     assert "oignons" not in double.slots[other_slot].prompt
