@@ -41,8 +41,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from proxy.app import create_app
-from proxy.backends import ModelCatalog
-from proxy.backends.engines import slot_holding, slot_markers
+from proxy.backends import Backend, BackendPool, ModelCatalog, RoundRobin
+from proxy.backends.engines import prompts_unlisted, slot_holding, slot_markers
+from proxy.backends.upstream import Upstream
 from proxy.config import Settings
 from proxy.tokenization import TokenCounter, load_encoding
 from tests.helpers import LiveServer
@@ -77,6 +78,7 @@ class TwoSlots:
         self.counter = TokenCounter()
         self.clock = 0
         self.summaries_arrived = 0
+        self.slot_listings = 0  # GET /slots answered
         # Per answered request: (is a summary request, the slot, id_slot asked, prompt tokens, cached tokens).
         self.answered: list[tuple[bool, int, int, int, int]] = []
         self._changed: asyncio.Condition | None = None
@@ -102,6 +104,7 @@ class TwoSlots:
             return JSONResponse({"status": "ok"})
 
         async def slots(request: Request) -> JSONResponse:
+            self.slot_listings += 1
             listed = []
             for s in self.slots:
                 slot: dict[str, Any] = {"id": s.number, "n_ctx": N_CTX, "is_processing": s.busy}
@@ -310,9 +313,12 @@ def test_a_conversation_is_found_by_its_last_question_and_the_reply_before_it() 
     assert slot_holding(slots, markers) == 1
     assert slot_holding(slots, markers, idle_only=True) is None  # a turn never waits for a busy slot
     assert slot_holding([{"id": 1, "is_processing": False, "prompt": rendered}], markers, idle_only=True) == 1
+    assert not prompts_unlisted(slots) and not prompts_unlisted({"error": "no slots endpoint"})
     # On llama-server's defaults a slot lists its size only: found by the tokens a request left.
     sized = [{"id": 0, "is_processing": False, "n_prompt_tokens": 51}, {"id": 1, "is_processing": False}]
     assert slot_holding(sized, markers, tokens=51) == 0
+    assert prompts_unlisted(sized) and prompts_unlisted([{**sized[0], "prompt": ""}])
+    assert not prompts_unlisted([{"id": 0, "is_processing": False}])  # nothing served yet: nothing to tell
     assert slot_holding(sized, [], tokens=51) == 0
     assert slot_holding(sized, markers, tokens=52) is None
     assert slot_holding([{**sized[0], "is_processing": True}], [], idle_only=True, tokens=51) is None
@@ -322,3 +328,34 @@ def test_a_conversation_is_found_by_its_last_question_and_the_reply_before_it() 
     # Too short to tell conversations apart: not searched for.
     assert slot_markers([{"role": "user", "content": "thanks"}]) == []
     assert slot_markers([{"role": "assistant", "content": "Hello there, how can I help you today?"}]) == []
+
+
+def test_a_server_that_lists_no_slot_prompts_is_not_asked_for_them_again(engine: tuple[TwoSlots, LiveServer]) -> None:
+    """llama-server on its defaults lists slot sizes, not prompts: a search by text alone (a summary
+    request's) is answered from that once seen, without a ``GET /slots`` each time; a search by size
+    (a turn's) still asks."""
+    double, server = engine
+    _conversations(engine)
+    history = [
+        {"role": "user", "content": "How do I drill into a brick wall without cracking it?"},
+        {"role": "assistant", "content": "Use a masonry bit at low speed, and no hammer mode on tiles."},
+        {"role": "user", "content": "Which wall plug holds a shelf of books on that wall?"},
+    ]
+
+    async def ask() -> list[int | None]:
+        pool = BackendPool([Backend("llama", Upstream(server.url + "/v1"))], RoundRobin())
+        catalog = ModelCatalog(pool)
+        await catalog.max_model_len("SmolLM2-135M-Instruct")  # the listing: llama-server
+        found = [await catalog.slot_holding(history, model="SmolLM2-135M-Instruct", key=None, headers={})]
+        before = double.slot_listings
+        found.append(await catalog.slot_holding(history, model="SmolLM2-135M-Instruct", key=None, headers={}))
+        assert double.slot_listings == before
+        size = double.slots[0].size
+        found.append(
+            await catalog.slot_holding(history, model="SmolLM2-135M-Instruct", key=None, headers={}, tokens=size)
+        )
+        assert double.slot_listings == before + 1
+        await pool.aclose()
+        return found
+
+    assert asyncio.run(ask()) == [None, None, 0]

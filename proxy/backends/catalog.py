@@ -22,6 +22,7 @@ from proxy.backends.engines import (
     context_of,
     engine_of,
     ollama_context,
+    prompts_unlisted,
     slot_holding,
     slot_markers,
 )
@@ -44,6 +45,9 @@ class ModelCatalog:
         self._lengths: dict[str, int] = {}
         self._engines: dict[str, EngineKind] = {}
         self._fresh_until = 0.0
+        # Models whose llama-server lists no slot prompt text (its default), until when: a search by
+        # text alone is not sent there again meanwhile.
+        self._prompts_unlisted: dict[str, float] = {}
 
     async def max_model_len(self, model: str) -> int | None:
         """The context a request for ``model`` may fill at its engine, where known."""
@@ -97,16 +101,19 @@ class ModelCatalog:
         if self.engine(model) != LLAMA_SERVER:
             return None
         markers = slot_markers(messages)
-        if not markers and tokens is None:
+        if tokens is None and (not markers or self._prompts_unlisted.get(model, 0.0) > time.monotonic()):
             return None
         try:
             response = await self._upstream.open("GET", "/slots", headers=headers, root=True, key=key, model=model)
             raw = await self._upstream.read(response)
             if response.status_code != 200:
                 return None
-            return slot_holding(json.loads(raw), markers, idle_only=idle_only, tokens=tokens)
+            slots = json.loads(raw)
         except (ProxyError, ValueError):
             return None
+        if tokens is None and prompts_unlisted(slots):
+            self._prompts_unlisted[model] = time.monotonic() + self._ttl
+        return slot_holding(slots, markers, idle_only=idle_only, tokens=tokens)
 
     async def _post(self, path: str, request: dict[str, Any], headers: dict[str, str]) -> Any:
         response = await self._upstream.open(

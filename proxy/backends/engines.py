@@ -182,6 +182,15 @@ def slot_holding(slots: Any, markers: list[str], *, idle_only: bool = False, tok
     return max(holding)[1] if holding else None
 
 
+def prompts_unlisted(slots: Any) -> bool:
+    """Whether a ``GET /slots`` answer lists slots that served a request (``n_prompt_tokens``) but
+    not their prompt text: llama-server on its defaults (it lists it with ``LLAMA_SERVER_SLOTS_DEBUG``)."""
+    if not isinstance(slots, list):
+        return False
+    served = [slot for slot in slots if isinstance(slot, dict) and slot.get("n_prompt_tokens")]
+    return bool(served) and not any(isinstance(slot.get("prompt"), str) and slot["prompt"] for slot in served)
+
+
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
