@@ -325,6 +325,9 @@ def test_a_conversation_is_found_by_its_last_question_and_the_reply_before_it() 
     assert slot_holding(slots[:1], markers) is None
     assert slot_holding({"error": "This server does not support slots endpoint."}, markers) is None
     assert slot_holding([{"id": True, "prompt": rendered}, {"id": -1, "prompt": rendered}], markers) is None
+    # Text parts as llama.cpp renders them (common/chat.cpp: joined with a newline).
+    parts = [{"type": "text", "text": "Which anchor holds a shelf"}, {"type": "text", "text": "on plasterboard?"}]
+    assert slot_markers([{"role": "user", "content": parts}]) == ["Which anchor holds a shelf\non plasterboard?"]
     # Too short to tell conversations apart: not searched for.
     assert slot_markers([{"role": "user", "content": "thanks"}]) == []
     assert slot_markers([{"role": "assistant", "content": "Hello there, how can I help you today?"}]) == []

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.openai import loads
+from proxy.openai import loads, message_text
 
 EngineKind = Literal["vllm", "llama-server", "ollama", "openai-compatible"]
 VLLM: EngineKind = "vllm"
@@ -155,7 +155,7 @@ def slot_markers(messages: list[Any]) -> list[str]:
     picked = [messages[last_user]]
     if last_user and isinstance(messages[last_user - 1], dict) and messages[last_user - 1].get("role") == "assistant":
         picked.append(messages[last_user - 1])
-    markers = [_text(message.get("content")).strip()[:MARKER_CHARS] for message in picked]
+    markers = [message_text(message).strip()[:MARKER_CHARS] for message in picked]
     return markers if all(len(marker) >= MIN_MARKER_CHARS for marker in markers) else []
 
 
@@ -189,11 +189,3 @@ def prompts_unlisted(slots: Any) -> bool:
         return False
     served = [slot for slot in slots if isinstance(slot, dict) and slot.get("n_prompt_tokens")]
     return bool(served) and not any(isinstance(slot.get("prompt"), str) and slot["prompt"] for slot in served)
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str))
-    return ""
