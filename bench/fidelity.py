@@ -26,7 +26,7 @@ import json
 import random
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -234,31 +234,20 @@ def placements(probe: Probe) -> dict[str, list[dict[str, Any]]]:
     }
 
 
-@dataclass
-class PlacementScore:
-    right: int = 0
-    # Against the line as sent (``atop_system``): answers right there and wrong here, and the reverse.
-    right_to_wrong: int = 0
-    wrong_to_right: int = 0
-
-
-def run_placements(base: str, asked: list[Probe]) -> dict[str, PlacementScore]:
-    """Per placement, the probes answered right, sent directly, and the answers that changed from
-    right to wrong (or back) against the line as sent."""
-    scores: dict[str, PlacementScore] = {}
+def run_placements(base: str, asked: list[Probe]) -> dict[str, FamilyScore]:
+    """Per placement, its answers (sent directly) scored as :func:`score` scores the proxy's against
+    direct's, against the line as sent (``atop_system``), every family together."""
+    answers: dict[str, list[str]] = {}
     with httpx.Client(timeout=600) as client:
         for probe in asked:
-            as_sent = None
             for name, messages in placements(probe).items():
                 moved = Probe(probe.family, {**probe.body, "messages": messages}, probe.expected, probe.also)
-                answer, _ = ask(base, moved, client)
-                right = probe.answered_by(answer)
-                as_sent = right if as_sent is None else as_sent
-                score = scores.setdefault(name, PlacementScore())
-                score.right += right
-                score.right_to_wrong += as_sent and not right
-                score.wrong_to_right += right and not as_sent
-    return scores
+                answers.setdefault(name, []).append(ask(base, moved, client)[0])
+    together = [replace(probe, family="placements") for probe in asked]
+    unmoved = [False] * len(asked)
+    return {
+        name: score(together, answers["atop_system"], placed, unmoved)["placements"] for name, placed in answers.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'placement':20} {'right':>7}  right->wrong  wrong->right (against atop_system)")
         for name, placed in right.items():
             print(
-                f"  {name:20} {placed.right:3} / {len(asked):<3} {placed.right_to_wrong:12} {placed.wrong_to_right:13}"
+                f"  {name:20} {placed.right_proxy:3} / {len(asked):<3} {placed.right_to_wrong:12}"
+                f" {placed.wrong_to_right:13}"
             )
         return 0
     families = ["date_line", "retrieved_fact", "timestamped_chat"] + (["shuffled_tools"] if args.tools else [])
