@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from bench.allocator import KEEP_FREED_BYTES, keep_freed_memory
 from proxy.backends import Upstream
 from proxy.openai import dumps_body, loads
 from proxy.serve import SERVER_OPTIONS
@@ -71,6 +72,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8001)
     parser.add_argument("--json", action="store_true", help="parse and write the body again")
     args = parser.parse_args()
+    # Large freed buffers kept for the next request, as prefix-proxy's kept state keeps its heap
+    # (bench/allocator.py): otherwise the floor pays page faults the proxy does not.
+    keep_freed_memory(KEEP_FREED_BYTES)
     uvicorn.run(create_app(args.upstream, json=args.json), host="127.0.0.1", port=args.port, **SERVER_OPTIONS)
 
 
