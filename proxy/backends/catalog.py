@@ -9,7 +9,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import orjson
@@ -88,20 +88,20 @@ class ModelCatalog:
         key: str | None,
         headers: Mapping[str, str],
         idle_only: bool = False,
-        tokens: int | None = None,
+        sizes: Collection[int] = (),
     ) -> int | None:
         """The llama-server slot holding the conversation ``messages`` (``GET /slots`` on the backend
         ``key`` routes to, searched for its last user message and the reply before it), or None: not
         llama-server, a server started with ``--no-slots``, no slot found, or no answer. A request
         sent with that ``id_slot`` waits for the slot, if busy, rather than take another one and
         evict the conversation it holds (server-context.cpp ``get_available_slot``). ``idle_only``:
-        only a slot that is not computing now (a request naming it does not wait). ``tokens``: or
-        the slot that holds that many tokens (llama-server lists a slot's prompt text only with
-        ``LLAMA_SERVER_SLOTS_DEBUG`` set, its size always)."""
+        only a slot that is not computing now (a request naming it does not wait). ``sizes``: or
+        the slot that holds one of these many tokens (llama-server lists a slot's prompt text only
+        with ``LLAMA_SERVER_SLOTS_DEBUG`` set, its size always)."""
         if self.engine(model) != LLAMA_SERVER:
             return None
         markers = slot_markers(messages)
-        if tokens is None and (not markers or self._prompts_unlisted.get(model, 0.0) > time.monotonic()):
+        if not sizes and (not markers or self._prompts_unlisted.get(model, 0.0) > time.monotonic()):
             return None
         try:
             response = await self._upstream.open("GET", "/slots", headers=headers, root=True, key=key, model=model)
@@ -111,9 +111,9 @@ class ModelCatalog:
             slots = json.loads(raw)
         except (ProxyError, ValueError):
             return None
-        if tokens is None and prompts_unlisted(slots):
+        if not sizes and prompts_unlisted(slots):
             self._prompts_unlisted[model] = time.monotonic() + self._ttl
-        return slot_holding(slots, markers, idle_only=idle_only, tokens=tokens)
+        return slot_holding(slots, markers, idle_only=idle_only, sizes=sizes)
 
     async def _post(self, path: str, request: dict[str, Any], headers: dict[str, str]) -> Any:
         response = await self._upstream.open(

@@ -22,6 +22,7 @@ Pure: no I/O here; :class:`proxy.backends.catalog.ModelCatalog` asks, this modul
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -159,14 +160,14 @@ def slot_markers(messages: list[Any]) -> list[str]:
     return markers if all(len(marker) >= MIN_MARKER_CHARS for marker in markers) else []
 
 
-def slot_holding(slots: Any, markers: list[str], *, idle_only: bool = False, tokens: int | None = None) -> int | None:
-    """The llama-server slot (``GET /slots``) whose prompt holds every marker, or (``tokens``) that
-    holds that many tokens (``n_prompt_tokens``: a request's prompt and completion, less one, once
-    it is done); the longest such prompt where several do; None where none does, or the answer is
-    not a slot list. llama-server lists a slot's prompt text only when started with
+def slot_holding(slots: Any, markers: list[str], *, idle_only: bool = False, sizes: Collection[int] = ()) -> int | None:
+    """The llama-server slot (``GET /slots``) whose prompt holds every marker, or that holds one of
+    ``sizes`` tokens (``n_prompt_tokens``: a request's prompt and completion, less one, once it is
+    done); the longest such prompt where several do; None where none does, or the answer is not a
+    slot list. llama-server lists a slot's prompt text only when started with
     ``LLAMA_SERVER_SLOTS_DEBUG=1`` in its environment; its size always. ``idle_only``: only a slot
     that is not computing (``is_processing``)."""
-    if (not markers and tokens is None) or not isinstance(slots, list):
+    if (not markers and not sizes) or not isinstance(slots, list):
         return None
     holding = []
     for slot in slots:
@@ -177,8 +178,8 @@ def slot_holding(slots: Any, markers: list[str], *, idle_only: bool = False, tok
             continue
         if markers and isinstance(prompt, str) and prompt and all(marker in prompt for marker in markers):
             holding.append((len(prompt), number))
-        elif tokens is not None and size == tokens:
-            holding.append((tokens, number))
+        elif isinstance(size, int) and size in sizes:
+            holding.append((size, number))
     return max(holding)[1] if holding else None
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from cachetools import LRUCache, TLRUCache
 
-from proxy.backends import BackendPool, ModelCatalog
+from proxy.backends import LLAMA_SERVER, BackendPool, ModelCatalog
 from proxy.chat.admission import Admitted, UsageAdmission
 from proxy.chat.budget import prompt_ceiling, request_bytes
 from proxy.chat.decoding import DecodeRates
@@ -91,6 +91,10 @@ class CompactionJob:
     # In how many requests the conversation is foreseen to carry the summary (None: not foreseen,
     # or at once): the turns that come meanwhile count among the ones it leaves verbatim.
     requests_until_used: int | None = None
+    # The tokens the answered turn left in the engine (its prompt and completion; None: no usage),
+    # and the llama-server slot found holding them before the answer was released (``after_answer``).
+    left_tokens: int | None = None
+    slot: int | None = None
 
 
 class CompactionService:
@@ -110,8 +114,10 @@ class CompactionService:
         # Per session, the summary (version, made at) its turns last carried: the first turn that
         # carries a new one is sent to the slot that holds its conversation (``carried_first``).
         self._carried: LRUCache[tuple[str, str], tuple[int, float]] = LRUCache(CARRIED_SESSIONS)
-        # Per session, the tokens its last summary request left in the engine (prompt and completion).
+        # Per session, the tokens its last summary request, and its last answered turn, left in the
+        # engine (prompt and completion): on llama-server, what finds the slot holding it.
         self._summary_tokens: LRUCache[tuple[str, str], int] = LRUCache(CARRIED_SESSIONS)
+        self._turn_tokens: LRUCache[tuple[str, str], int] = LRUCache(CARRIED_SESSIONS)
         # Every summary is generation: admitted against the tenant's usage budget first.
         self._admission = admission
         self._sessions = sessions
@@ -156,7 +162,7 @@ class CompactionService:
         started = time.perf_counter()
         try:
             text, usage = await self._request_summary(
-                job.tenant, job.channel, body, job.upstream_auth, job.routing_key, job.session_id
+                job.tenant, job.channel, body, job.upstream_auth, job.routing_key, job.session_id, job.slot
             )
         except ProxyError as exc:
             raise CompactionFailed(exc.message) from exc
@@ -174,16 +180,19 @@ class CompactionService:
         upstream_auth: Mapping[str, str],
         routing_key: str,
         session_id: str | None,
+        slot: int | None = None,
     ) -> tuple[str, Usage | None]:
         """The one upstream call of every summary (the background compaction's and a client's):
         admitted against the tenant's (and ``session_id``'s) usage budget, ``body`` (chat-shaped)
         sent in the conversation's own protocol, with its cache salt, to its backend, and the budget
-        settled to its usage. Raises a :class:`ProxyError` when no readable answer came, and
-        :class:`BudgetExceeded` when the budget has no room for it (nothing is sent)."""
+        settled to its usage. ``slot``: the llama-server slot found holding the conversation when it
+        was last answered, named where no slot is found holding it now. Raises a :class:`ProxyError`
+        when no readable answer came, and :class:`BudgetExceeded` when the budget has no room for it
+        (nothing is sent)."""
         admitted = await self._admit(tenant, body, session_id)
         usage: Usage | None = None
         try:
-            text, usage = await self._send_summary(tenant, channel, body, upstream_auth, routing_key)
+            text, usage = await self._send_summary(tenant, channel, body, upstream_auth, routing_key, slot)
         finally:
             if admitted is not None:
                 await admitted.settle(usage)
@@ -205,9 +214,12 @@ class CompactionService:
         body: dict[str, Any],
         upstream_auth: Mapping[str, str],
         routing_key: str,
+        answered_in: int | None = None,
     ) -> tuple[str, Usage | None]:
         payload = self._tenants.cache_salted(tenant, channel.request(body))  # its cache namespace
         slot = await self._conversation_slot(body, routing_key, upstream_auth)
+        if slot is None:
+            slot = answered_in
         if slot is not None:
             # A slot engine: the summary waits for the slot that holds the conversation, if it is
             # busy, instead of taking another one and evicting the conversation held there.
@@ -249,21 +261,25 @@ class CompactionService:
         upstream_auth: Mapping[str, str],
     ) -> int | None:
         """The idle llama-server slot that holds the conversation a turn carrying a new summary
-        continues, or None: the slot the session's last summary request left as it was (as many
-        tokens as its prompt and completion, less one), or whose prompt holds the turn's messages
-        but its new question. That turn shares only the system prompt with the slot (the summary
-        replaced the history), so llama-server would give it the least recently used slot and evict
-        the conversation held there; an idle slot named does not make the turn wait."""
+        continues, or None: the slot the session's last summary request, or its last answered turn,
+        left as it was (as many tokens as its prompt and completion, less one), or whose prompt
+        holds the turn's messages but its new question. That turn shares only the system prompt
+        with the slot (the summary replaced the history), so llama-server would give it the least
+        recently used slot and evict the conversation held there; an idle slot named does not make
+        the turn wait."""
         if self._models is None:
             return None
-        left = self._summary_tokens.get((tenant, session_id))
+        key = (tenant, session_id)
+        # The summary request's slot, or the last turn's: a turn that came while the summary was
+        # made computed in the conversation's slot after it.
+        left = (self._summary_tokens.get(key), self._turn_tokens.get(key))
         return await self._models.slot_holding(
             messages[:-1],
             model=model,
             key=routing_key,
             headers=upstream_auth,
             idle_only=True,
-            tokens=left - 1 if left else None,
+            sizes=tuple(tokens - 1 for tokens in left if tokens),
         )
 
     async def _conversation_slot(
@@ -334,7 +350,31 @@ class CompactionService:
         if job.slides_window:
             await self._save_tail(job, client_messages(job.messages, job.history_start, job.inserted))
         if due and not self._backing_off(job):
-            self._sessions.spawn(self._run_locked(job, wait=False))
+            self._sessions.spawn(self._run_locked(await self._with_slot(job), wait=False))
+
+    async def _with_slot(self, job: CompactionJob) -> CompactionJob:
+        """``job`` with the llama-server slot that holds its conversation, found now by the tokens
+        the answered turn left there (its prompt and completion, less one: llama-server's
+        ``n_prompt_tokens``). Now, before the answer is released, that slot is idle and holds this
+        turn: once the client's next turn computes in it, its size says nothing of the conversation
+        (and on llama-server's defaults ``GET /slots`` lists no prompt text to search). The summary
+        request then names it and waits for it instead of taking the other slot and evicting the
+        conversation held there. Other engines: ``job`` as it is, nothing asked."""
+        if self._models is None or not job.left_tokens:
+            return job
+        model = str(job.forwarded.get("model"))
+        size = job.left_tokens - 1
+        slot = await self._models.slot_holding(
+            [], model=model, key=job.routing_key, headers=job.upstream_auth, idle_only=True, sizes=(size,)
+        )
+        return job if slot is None else replace(job, slot=slot)
+
+    def answered(self, tenant: str, session_id: str, model: str, left_tokens: int) -> None:
+        """A turn of ``session_id`` was answered and left ``left_tokens`` (its prompt and completion)
+        in the engine: on llama-server, what finds the slot holding the conversation when the first
+        turn carrying a new summary comes (:meth:`turn_slot`)."""
+        if self._models is not None and self._models.engine(model) == LLAMA_SERVER:
+            self._turn_tokens[(tenant, session_id)] = left_tokens
 
     async def compact_now(self, job: CompactionJob) -> SummaryState | None:
         """Synchronous compaction for a request over the hard limit: the session's new summary (also

@@ -412,6 +412,10 @@ class ChatTurn:
             self.reservation,
             self.budget.window_s,
         )
+        if self.settings.summarizer.enabled and usage is not None:
+            left = usage.prompt_tokens + usage.completion_tokens
+            model = str(self.forwarded.get("model"))
+            self.services.compaction.answered(self.tenant.name, self.session.session_id, model, left)
         if self.settings.summarizer.enabled and reply is not None and self.anchored is not None:
             messages = [*self.forwarded["messages"], reply]
             due = self._compaction_due(usage, messages)
@@ -464,6 +468,7 @@ class ChatTurn:
             inserted=self.forwarded_inserted(),
             room=room,
             requests_until_used=self._requests_until_used(usage),
+            left_tokens=usage.prompt_tokens + usage.completion_tokens if usage else None,
         )
 
     def _compaction_due(self, usage: Usage | None, messages: list[dict[str, Any]]) -> bool:
