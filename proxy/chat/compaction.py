@@ -355,11 +355,12 @@ class CompactionService:
     async def _with_slot(self, job: CompactionJob) -> CompactionJob:
         """``job`` with the llama-server slot that holds its conversation, found now by the tokens
         the answered turn left there (its prompt and completion, less one: llama-server's
-        ``n_prompt_tokens``). Now, before the answer is released, that slot is idle and holds this
-        turn: once the client's next turn computes in it, its size says nothing of the conversation
-        (and on llama-server's defaults ``GET /slots`` lists no prompt text to search). The summary
-        request then names it and waits for it instead of taking the other slot and evicting the
-        conversation held there. Other engines: ``job`` as it is, nothing asked."""
+        ``n_prompt_tokens``). Now, as the turn is recorded, that slot is idle and holds it: once the
+        client's next turn computes in it, its size says nothing of the conversation (and on
+        llama-server's defaults ``GET /slots`` lists no prompt text to search); a slot already busy
+        is not named. The summary request then names it and waits for it instead of taking another
+        slot and evicting the conversation held there. Other engines: ``job`` as it is, nothing
+        asked."""
         if self._models is None or not job.left_tokens:
             return job
         model = str(job.forwarded.get("model"))
