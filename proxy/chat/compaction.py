@@ -19,12 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cachetools import LRUCache, TLRUCache
+from cachetools import TLRUCache
 
-from proxy.backends import LLAMA_SERVER, BackendPool, ModelCatalog
+from proxy.backends import BackendPool, ModelCatalog
 from proxy.chat.admission import Admitted, UsageAdmission
 from proxy.chat.budget import prompt_ceiling, request_bytes
 from proxy.chat.decoding import DecodeRates
+from proxy.chat.slots import ConversationSlots
 from proxy.config import SummarizerSettings
 from proxy.http import ProxyError, UpstreamProtocolError, UpstreamTimeout
 from proxy.observability import Metrics
@@ -48,8 +49,6 @@ from summarizer import (
 
 logger = logging.getLogger("prefix_proxy.summarizer")
 WAIT_POLL_S = 0.2
-# Sessions whose last carried summary is remembered (``CompactionService.carried_first``).
-CARRIED_SESSIONS = 10_000
 
 
 class SummaryRefused(UpstreamProtocolError):
@@ -110,14 +109,7 @@ class CompactionService:
     ) -> None:
         self.settings = settings
         # Where the engine keeps one conversation per slot (llama-server), which slot holds it.
-        self._models = models
-        # Per session, the summary (version, made at) its turns last carried: the first turn that
-        # carries a new one is sent to the slot that holds its conversation (``carried_first``).
-        self._carried: LRUCache[tuple[str, str], tuple[int, float]] = LRUCache(CARRIED_SESSIONS)
-        # Per session, the tokens its last summary request, and its last answered turn, left in the
-        # engine (prompt and completion): on llama-server, what finds the slot holding it.
-        self._summary_tokens: LRUCache[tuple[str, str], int] = LRUCache(CARRIED_SESSIONS)
-        self._turn_tokens: LRUCache[tuple[str, str], int] = LRUCache(CARRIED_SESSIONS)
+        self.slots = ConversationSlots(models)
         # Every summary is generation: admitted against the tenant's usage budget first.
         self._admission = admission
         self._sessions = sessions
@@ -167,7 +159,7 @@ class CompactionService:
         except ProxyError as exc:
             raise CompactionFailed(exc.message) from exc
         if usage is not None:
-            self._summary_tokens[(job.tenant.name, job.session_id)] = usage.prompt_tokens + usage.completion_tokens
+            self.slots.summarized(job.tenant.name, job.session_id, usage.prompt_tokens + usage.completion_tokens)
             self._metrics.record_usage(str(body.get("model")), job.tenant.name, usage)
             self.decode_rates.observe(str(body.get("model")), usage.completion_tokens, time.perf_counter() - started)
         return text, usage.completion_tokens if usage else 0
@@ -217,9 +209,7 @@ class CompactionService:
         answered_in: int | None = None,
     ) -> tuple[str, Usage | None]:
         payload = self._tenants.cache_salted(tenant, channel.request(body))  # its cache namespace
-        slot = await self._conversation_slot(body, routing_key, upstream_auth)
-        if slot is None:
-            slot = answered_in
+        slot = await self.slots.for_summary(body, routing_key, upstream_auth, answered_in)
         if slot is not None:
             # A slot engine: the summary waits for the slot that holds the conversation, if it is
             # busy, instead of taking another one and evicting the conversation held there.
@@ -242,57 +232,6 @@ class CompactionService:
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise UpstreamProtocolError("unreadable summary response") from exc
         return str(text), usage
-
-    def carried_first(self, tenant: str, session_id: str, summary: SummaryState) -> bool:
-        """Whether a turn of ``session_id`` carrying ``summary`` is the first to carry it (here)."""
-        key, made = (tenant, session_id), (summary.version, summary.updated)
-        if self._carried.get(key) == made:
-            return False
-        self._carried[key] = made
-        return True
-
-    async def turn_slot(
-        self,
-        tenant: str,
-        session_id: str,
-        messages: list[Any],
-        model: str,
-        routing_key: str,
-        upstream_auth: Mapping[str, str],
-    ) -> int | None:
-        """The idle llama-server slot that holds the conversation a turn carrying a new summary
-        continues, or None: the slot the session's last summary request, or its last answered turn,
-        left as it was (as many tokens as its prompt and completion, less one), or whose prompt
-        holds the turn's messages but its new question. That turn shares only the system prompt
-        with the slot (the summary replaced the history), so llama-server would give it the least
-        recently used slot and evict the conversation held there; an idle slot named does not make
-        the turn wait."""
-        if self._models is None:
-            return None
-        key = (tenant, session_id)
-        # The summary request's slot, or the last turn's: a turn that came while the summary was
-        # made computed in the conversation's slot after it.
-        left = (self._summary_tokens.get(key), self._turn_tokens.get(key))
-        return await self._models.slot_holding(
-            messages[:-1],
-            model=model,
-            key=routing_key,
-            headers=upstream_auth,
-            idle_only=True,
-            sizes=tuple(tokens - 1 for tokens in left if tokens),
-        )
-
-    async def _conversation_slot(
-        self, body: dict[str, Any], routing_key: str, upstream_auth: Mapping[str, str]
-    ) -> int | None:
-        """The llama-server slot holding the conversation a summary request carries (its messages
-        but the instruction), or None (another engine, or not found)."""
-        messages = body.get("messages")
-        if self._models is None or not isinstance(messages, list):
-            return None
-        return await self._models.slot_holding(
-            messages[:-1], model=str(body.get("model")), key=routing_key, headers=upstream_auth
-        )
 
     async def summarize_conversation(
         self,
@@ -353,29 +292,11 @@ class CompactionService:
             self._sessions.spawn(self._run_locked(await self._with_slot(job), wait=False))
 
     async def _with_slot(self, job: CompactionJob) -> CompactionJob:
-        """``job`` with the llama-server slot that holds its conversation, found now by the tokens
-        the answered turn left there (its prompt and completion, less one: llama-server's
-        ``n_prompt_tokens``). Now, as the turn is recorded, that slot is idle and holds it: once the
-        client's next turn computes in it, its size says nothing of the conversation (and on
-        llama-server's defaults ``GET /slots`` lists no prompt text to search); a slot already busy
-        is not named. The summary request then names it and waits for it instead of taking another
-        slot and evicting the conversation held there. Other engines: ``job`` as it is, nothing
-        asked."""
-        if self._models is None or not job.left_tokens:
-            return job
+        """``job`` with the llama-server slot that holds its conversation, found now, as the turn that
+        made it due is recorded (``ConversationSlots.holding_answered``); other engines: as it is."""
         model = str(job.forwarded.get("model"))
-        size = job.left_tokens - 1
-        slot = await self._models.slot_holding(
-            [], model=model, key=job.routing_key, headers=job.upstream_auth, idle_only=True, sizes=(size,)
-        )
+        slot = await self.slots.holding_answered(model, job.left_tokens, job.routing_key, job.upstream_auth)
         return job if slot is None else replace(job, slot=slot)
-
-    def answered(self, tenant: str, session_id: str, model: str, left_tokens: int) -> None:
-        """A turn of ``session_id`` was answered and left ``left_tokens`` (its prompt and completion)
-        in the engine: on llama-server, what finds the slot holding the conversation when the first
-        turn carrying a new summary comes (:meth:`turn_slot`)."""
-        if self._models is not None and self._models.engine(model) == LLAMA_SERVER:
-            self._turn_tokens[(tenant, session_id)] = left_tokens
 
     async def compact_now(self, job: CompactionJob) -> SummaryState | None:
         """Synchronous compaction for a request over the hard limit: the session's new summary (also

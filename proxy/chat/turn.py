@@ -330,18 +330,18 @@ class ChatTurn:
 
     async def summary_slot(self) -> int | None:
         """On llama-server, the idle slot the first turn carrying a new summary goes to: the one
-        holding its conversation (:meth:`CompactionService.turn_slot`); None otherwise."""
+        holding its conversation (:meth:`ConversationSlots.for_turn`); None otherwise."""
         session, anchored = self.session, self.anchored
         if session is None or anchored is None or not anchored.removed or not self.summary.active:
             return None
         model = str(self.forwarded.get("model"))
         if self.services.models.engine(model) != LLAMA_SERVER:
             return None
-        compaction = self.services.compaction
-        if not compaction.carried_first(self.tenant.name, session.session_id, self.summary):
+        slots = self.services.compaction.slots
+        if not slots.carried_first(self.tenant.name, session.session_id, self.summary):
             return None
         messages = self.forwarded["messages"]
-        return await compaction.turn_slot(
+        return await slots.for_turn(
             self.tenant.name, session.session_id, messages, model, self.routing_key, self.upstream_auth_headers()
         )
 
@@ -415,7 +415,7 @@ class ChatTurn:
         if self.settings.summarizer.enabled and usage is not None:
             left = usage.prompt_tokens + usage.completion_tokens
             model = str(self.forwarded.get("model"))
-            self.services.compaction.answered(self.tenant.name, self.session.session_id, model, left)
+            self.services.compaction.slots.answered(self.tenant.name, self.session.session_id, model, left)
         if self.settings.summarizer.enabled and reply is not None and self.anchored is not None:
             messages = [*self.forwarded["messages"], reply]
             due = self._compaction_due(usage, messages)
