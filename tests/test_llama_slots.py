@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ from starlette.routing import Route
 
 from proxy.app import create_app
 from proxy.backends import Backend, BackendPool, ModelCatalog, RoundRobin
+from proxy.backends.catalog import SLOT_SEARCH_S
 from proxy.backends.engines import prompts_unlisted, slot_holding, slot_markers
 from proxy.backends.upstream import Upstream
 from proxy.config import Settings
@@ -365,3 +367,37 @@ def test_a_server_that_lists_no_slot_prompts_is_not_asked_for_them_again(engine:
         return found
 
     assert asyncio.run(ask()) == [None, None, 0]
+
+
+def test_a_slot_search_that_gets_no_answer_names_no_slot_and_holds_nothing_up() -> None:
+    """``GET /slots`` is asked on a turn's way (the first turn carrying a summary) and, with a shared
+    store, before an answer is released: a server that does not answer it within ``SLOT_SEARCH_S``
+    gets no slot named, and the request goes on (the connection's slot in the pool is released)."""
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse(LLAMA_LISTING)
+
+    async def slots(request: Request) -> JSONResponse:
+        await asyncio.sleep(SLOT_SEARCH_S + 5.0)  # past the search's patience (the search gives up)
+        return JSONResponse([])
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/slots", slots)])
+    server = LiveServer(app).start()
+
+    async def ask() -> tuple[int | None, float, int]:
+        pool = BackendPool([Backend("llama", Upstream(server.url + "/v1"))], RoundRobin())
+        catalog = ModelCatalog(pool)
+        await catalog.max_model_len(LLAMA_MODEL["id"])  # the listing: llama-server
+        started = time.monotonic()
+        found = await catalog.slot_holding([], model=LLAMA_MODEL["id"], key=None, headers={}, sizes=(51,))
+        waited = time.monotonic() - started
+        in_flight = pool.backends[0].in_flight
+        await pool.aclose()
+        return found, waited, in_flight
+
+    try:
+        found, waited, in_flight = asyncio.run(ask())
+    finally:
+        server.stop()
+    assert found is None and in_flight == 0
+    assert SLOT_SEARCH_S <= waited < SLOT_SEARCH_S + 2.0

@@ -32,6 +32,8 @@ from proxy.http import ProxyError
 
 logger = logging.getLogger("prefix_proxy.models")
 SHOW_TIMEOUT_S = 3.0
+# The longest a slot search (``GET /slots`` on llama-server) is waited for; past it no slot is named.
+SLOT_SEARCH_S = 1.0
 
 
 class ModelCatalog:
@@ -104,12 +106,15 @@ class ModelCatalog:
         if not sizes and (not markers or self._prompts_unlisted.get(model, 0.0) > time.monotonic()):
             return None
         try:
-            response = await self._upstream.open("GET", "/slots", headers=headers, root=True, key=key, model=model)
-            raw = await self._upstream.read(response)
+            # Asked on a turn's way (and, with a shared store, before an answer is released): never
+            # waited for past SLOT_SEARCH_S. llama-server answers it between decode steps.
+            async with asyncio.timeout(SLOT_SEARCH_S):
+                response = await self._upstream.open("GET", "/slots", headers=headers, root=True, key=key, model=model)
+                raw = await self._upstream.read(response)
             if response.status_code != 200:
                 return None
             slots = json.loads(raw)
-        except (ProxyError, ValueError):
+        except (ProxyError, ValueError, TimeoutError):
             return None
         if not sizes and prompts_unlisted(slots):
             self._prompts_unlisted[model] = time.monotonic() + self._ttl
