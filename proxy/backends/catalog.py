@@ -34,6 +34,8 @@ logger = logging.getLogger("prefix_proxy.models")
 SHOW_TIMEOUT_S = 3.0
 # The longest a slot search (``GET /slots`` on llama-server) is waited for; past it no slot is named.
 SLOT_SEARCH_S = 1.0
+# The longest an exact token count (``/tokenize``, and llama-server's ``/apply-template``) is waited for.
+HELPER_TIMEOUT_S = 5.0
 
 
 class ModelCatalog:
@@ -121,15 +123,22 @@ class ModelCatalog:
         return slot_holding(slots, markers, idle_only=idle_only, sizes=sizes)
 
     async def _post(self, path: str, request: dict[str, Any], headers: dict[str, str]) -> Any:
-        response = await self._upstream.open(
-            "POST",
-            path,
-            content=orjson.dumps(request),
-            headers={**headers, "content-type": "application/json"},
-            root=True,
-            model=request.get("model"),
-        )
-        raw = await self._upstream.read(response)
+        """The engine's JSON answer to a helper request (``/tokenize``, ``/apply-template``), or None:
+        an error status, or no answer within ``HELPER_TIMEOUT_S`` (it is asked on a turn's way, and
+        the turn goes on with its estimate)."""
+        try:
+            async with asyncio.timeout(HELPER_TIMEOUT_S):
+                response = await self._upstream.open(
+                    "POST",
+                    path,
+                    content=orjson.dumps(request),
+                    headers={**headers, "content-type": "application/json"},
+                    root=True,
+                    model=request.get("model"),
+                )
+                raw = await self._upstream.read(response)
+        except TimeoutError:
+            return None
         return json.loads(raw) if response.status_code == 200 else None
 
     async def _refresh(self) -> None:
