@@ -371,7 +371,8 @@ class BudgetSettings(Section):
     window_s: int = Field(3600, gt=0)
     # Completion tokens reserved for a request without max_tokens while it is in flight.
     completion_reserve_tokens: int = Field(512, ge=0)
-    # Near a limit, ask the backend's POST /tokenize (vLLM) for the exact count instead of estimating.
+    # Near a limit, ask the backend's POST /tokenize (vLLM) for the exact count instead of estimating
+    # (an engine that does not answer within 5 s leaves the estimate in place).
     exact_counts_via_tokenize: bool = False
 
 
