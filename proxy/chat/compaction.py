@@ -91,7 +91,7 @@ class CompactionJob:
     # or at once): the turns that come meanwhile count among the ones it leaves verbatim.
     requests_until_used: int | None = None
     # The tokens the answered turn left in the engine (its prompt and completion; None: no usage),
-    # and the llama-server slot found holding them before the answer was released (``after_answer``).
+    # and the llama-server slot found holding them as the turn was recorded (``after_answer``).
     left_tokens: int | None = None
     slot: int | None = None
 
