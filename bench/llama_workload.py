@@ -8,6 +8,11 @@ serve`` on its defaults. Prefill per pass is what llama-server computed: ``promp
 of each answer (its ``usage.prompt_tokens_details.cached_tokens``), and beside it its own
 ``llamacpp:prompt_tokens_total`` (which also counts the proxy's summary requests).
 
+And per pass, from llama-server's own log (``--log-file``), how it placed requests in its slots:
+requests that named a slot (``id_slot``), that took the free slot sharing the most with them, and
+that took the least recently used one *holding another prompt*, whose conversation they evicted
+(``server-context.cpp`` ``get_available_slot``: "selected slot by id / by LCP similarity / by LRU").
+
 The floor (docs/engines.md, DESIGN "The floor"): per request, the tokens of the lines no earlier request
 of its shape carried (assistant lines count as seen: the engine generated them), computed from the
 requests the direct pass answered, at each request's own tokens per byte: ``bench.floors.ShapeFloors``,
@@ -18,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +41,36 @@ from bench.llama_server import (
 )
 from bench.servers import proxy
 from testbed.workload import Exchange, run_workload_async
+
+# llama-server's log line when a request gets a slot: "selected slot by id (N)", "by LCP similarity,
+# ...", "by LRU, t_last = T" (T = -1: the slot never held a prompt).
+_SELECTED = re.compile(r"selected slot by (id|LCP similarity|LRU)(?:, t_last = (-?\d+))?")
+
+
+@dataclass
+class SlotPicks:
+    """How llama-server placed one pass's requests in its slots (from its log)."""
+
+    named: int = 0
+    similar: int = 0
+    fresh: int = 0  # the least recently used slot, never used before
+    evicting: int = 0  # the least recently used slot, holding another prompt
+
+    @classmethod
+    def read(cls, log: Path) -> SlotPicks:
+        picks = cls()
+        text = log.read_text(errors="replace") if log.exists() else ""
+        for how, t_last in _SELECTED.findall(text):
+            if how == "id":
+                picks.named += 1
+            elif how == "LCP similarity":
+                picks.similar += 1
+            elif t_last == "-1":
+                picks.fresh += 1
+            else:
+                picks.evicting += 1
+        return picks
+
 
 DEFAULT_SCENARIOS = "dify_rag,timestamp_user,open_webui,stable_app,append_only"
 
@@ -87,11 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     binary, model = ensure_engine(args.cache), ensure_model(args.cache)
     scenarios = args.scenarios.split(",")
     totals = {}
-    with llama_server(binary, model, args.ctx_size, args.parallel) as server:
+    logs = Path(tempfile.mkdtemp(prefix="llama-workload-"))
+    direct_log, proxy_log = logs / "direct.log", logs / "proxy.log"
+    with llama_server(binary, model, args.ctx_size, args.parallel, ["--log-file", str(direct_log)]) as server:
         direct, floors = run(server + "/v1", scenarios, args.sessions, args.max_tokens)
         totals["direct"] = _engine_prompt_tokens(server)
     log = args.proxy_log.open("wb") if args.proxy_log else subprocess.DEVNULL
-    with llama_server(binary, model, args.ctx_size, args.parallel) as server, proxy(server + "/v1", stderr=log) as base:
+    with (
+        llama_server(binary, model, args.ctx_size, args.parallel, ["--log-file", str(proxy_log)]) as server,
+        proxy(server + "/v1", stderr=log) as base,
+    ):
         proxied, _ = run(base, scenarios, args.sessions, args.max_tokens)
         totals["proxy"] = _engine_prompt_tokens(server)
     for name, floor in floors.tokens.items():
@@ -112,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{ratio:12.2f}"
         )
     print(f"  llamacpp:prompt_tokens_total: direct {totals['direct']:,.0f}, proxy {totals['proxy']:,.0f}")
+    print(f"  slots taken (llama-server's log, {logs}): named / most similar / unused / evicting another prompt")
+    for name, path in (("direct", direct_log), ("proxy", proxy_log)):
+        picks = SlotPicks.read(path)
+        print(f"    {name:7} {picks.named:5} / {picks.similar:5} / {picks.fresh:5} / {picks.evicting:5}")
     return 0
 
 
