@@ -44,7 +44,7 @@ class Admitted:
         if self.settled:
             return
         self.settled = True
-        spent = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
+        spent = usage.total_tokens if usage is not None else 0
         if self.unreserved:
             await self.sessions.charge_unreserved(self.limits, spent, self.budget.window_s)
             return

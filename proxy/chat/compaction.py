@@ -159,7 +159,7 @@ class CompactionService:
         except ProxyError as exc:
             raise CompactionFailed(exc.message) from exc
         if usage is not None:
-            self.slots.summarized(job.tenant.name, job.session_id, usage.prompt_tokens + usage.completion_tokens)
+            self.slots.summarized(job.tenant.name, job.session_id, usage.total_tokens)
             self._metrics.record_usage(str(body.get("model")), job.tenant.name, usage)
             self.decode_rates.observe(str(body.get("model")), usage.completion_tokens, time.perf_counter() - started)
         return text, usage.completion_tokens if usage else 0

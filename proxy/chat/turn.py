@@ -399,7 +399,7 @@ class ChatTurn:
     async def finish(self, usage: Usage | None, reply: dict[str, Any] | None) -> None:
         """Account the answered request: session counters, budget settlement, summary upkeep."""
         if self.unreserved and usage is not None:
-            spent = usage.prompt_tokens + usage.completion_tokens
+            spent = usage.total_tokens
             await self.services.sessions.charge_unreserved(self.unreserved, spent, self.budget.window_s)
         if self.session is None:
             return
@@ -413,9 +413,8 @@ class ChatTurn:
             self.budget.window_s,
         )
         if self.settings.summarizer.enabled and usage is not None:
-            left = usage.prompt_tokens + usage.completion_tokens
-            model = str(self.forwarded.get("model"))
-            self.services.compaction.slots.answered(self.tenant.name, self.session.session_id, model, left)
+            slots, model = self.services.compaction.slots, str(self.forwarded.get("model"))
+            slots.answered(self.tenant.name, self.session.session_id, model, usage.total_tokens)
         if self.settings.summarizer.enabled and reply is not None and self.anchored is not None:
             messages = [*self.forwarded["messages"], reply]
             due = self._compaction_due(usage, messages)
@@ -451,7 +450,7 @@ class ChatTurn:
         if self.session is None or self.anchored is None:
             return None
         context = self.engine_context or self.limit
-        room = context - usage.prompt_tokens - usage.completion_tokens if context and usage else None
+        room = context - usage.total_tokens if context and usage else None
         return CompactionJob(
             tenant=self.tenant,
             session_id=self.session.session_id,
@@ -468,7 +467,7 @@ class ChatTurn:
             inserted=self.forwarded_inserted(),
             room=room,
             requests_until_used=self._requests_until_used(usage),
-            left_tokens=usage.prompt_tokens + usage.completion_tokens if usage else None,
+            left_tokens=usage.total_tokens if usage else None,
         )
 
     def _compaction_due(self, usage: Usage | None, messages: list[dict[str, Any]]) -> bool:
@@ -476,7 +475,7 @@ class ChatTurn:
         a repaired window) restoring more than ``repair_max_tokens``; never while a summary waits."""
         if self.summary_deferred:
             return False  # a summary is ready and waits until the conversation needs it
-        context = usage.prompt_tokens + usage.completion_tokens if usage else 0
+        context = usage.total_tokens if usage else 0
         if is_due(context, self.limit, self.budget.soft_ratio) and self._summary_needed_soon(usage):
             return True
         if self.repairs_window and self.anchored is not None and self.anchored.restored:
@@ -532,7 +531,7 @@ class ChatTurn:
         give the rest of the reservation back. Without the usage chunk, the prompt and one token per
         event relayed (vLLM streams about one per event), never more than was reserved."""
         if usage is not None:
-            spent = usage.prompt_tokens + usage.completion_tokens
+            spent = usage.total_tokens
         else:
             spent = self.prompt_estimate + events_relayed
             if self.reservation is not None:

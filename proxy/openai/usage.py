@@ -22,6 +22,12 @@ class Usage:
     cached_tokens: int = 0
 
     @property
+    def total_tokens(self) -> int:
+        """Prompt and completion: what the request left in the engine's context, and what a budget
+        is charged for it."""
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
     def prefill_tokens(self) -> int:
         return max(0, self.prompt_tokens - self.cached_tokens)
 

@@ -128,7 +128,7 @@ async def _remember(
         "backend": backend,
         "chain": chain or response_id,
         "session": session,
-        "tokens": usage.prompt_tokens + usage.completion_tokens if usage else 0,
+        "tokens": usage.total_tokens if usage else 0,
     }
     with contextlib.suppress(StoreUnavailable):
         await state.sessions.put_response(tenant.name, response_id, info, state.settings.responses.chain_ttl_s)

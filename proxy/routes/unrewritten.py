@@ -130,7 +130,7 @@ class CompletionBudget:
         """Charge what the backend reported; an answer without readable usage keeps its
         reservation, a request that got no answer gives it all back."""
         if usage is not None:
-            await self._settle_to(usage.prompt_tokens + usage.completion_tokens)
+            await self._settle_to(usage.total_tokens)
         elif not answered:
             await self._settle_to(0)
 
@@ -138,7 +138,7 @@ class CompletionBudget:
         """A stream that stopped short: what the backend reported, else the prompt and a token per
         event relayed (vLLM streams about one per event), never more than was reserved."""
         if usage is not None:
-            await self._settle_to(usage.prompt_tokens + usage.completion_tokens)
+            await self._settle_to(usage.total_tokens)
         else:
             await self._settle_to(min(self._amount, self._prompt + events))
 

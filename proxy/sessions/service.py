@@ -394,7 +394,7 @@ class SessionService:
         # Settle first: budget accuracy matters more than the session's counters. An answer
         # without (readable) usage keeps what it reserved: it is not free.
         if usage is not None:
-            await self.settle(reservation, usage.prompt_tokens + usage.completion_tokens, window_s)
+            await self.settle(reservation, usage.total_tokens, window_s)
         with contextlib.suppress(StoreUnavailable):
             await self.call(self.store.record_turn(view.tenant, view.session_id, turn, now))
             _recorded(self.store, view, reply_fp)
