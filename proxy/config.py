@@ -666,6 +666,21 @@ DEFAULT_ADMIN_ROUTES = [
     "/kv_event_sources",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
+    # llama.cpp's llama-server (tools/server): the slots list every conversation's size and state
+    # (with LLAMA_SERVER_SLOTS_DEBUG, its prompt text), and erase, save and restore them; the
+    # adapters' scales are the server's, for every tenant; its router mode loads and unloads models.
+    "/slots",
+    "/slots/*",
+    "/lora-adapters",
+    "/models/load",
+    "/models/unload",
+    # Ollama's model management (the engine inside is llama.cpp's).
+    "/api/pull",
+    "/api/push",
+    "/api/create",
+    "/api/copy",
+    "/api/delete",
+    "/api/blobs/*",
 ]
 
 
@@ -675,6 +690,15 @@ UNGOVERNED_GENERATION_ROUTES = [
     "/cohere/v2/chat",
     "/inference/v1/generate",
     "/generative_scoring",
+    # llama-server's routes outside /v1 (the same handlers as /v1/chat/completions and
+    # /v1/completions, its native completion and infill) and Ollama's native API, which
+    # llama-server also answers at /api/chat.
+    "/completion",
+    "/completions",
+    "/chat/completions",
+    "/infill",
+    "/api/chat",
+    "/api/generate",
 ]
 
 

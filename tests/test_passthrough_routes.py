@@ -155,6 +155,40 @@ def test_operator_routes_need_the_admin_key(recorder: tuple[Recorder, LiveServer
         proxy.stop()
 
 
+def test_llama_server_and_ollama_routes_outside_the_pipeline(recorder: tuple[Recorder, LiveServer]) -> None:
+    """llama-server answers generation outside /v1 (``/chat/completions``, ``/completion``, its
+    Ollama-style ``/api/chat``) and exposes its slots and adapters; Ollama manages models. A tenant
+    under a budget generates through the pipeline only, and never reaches an operator's route."""
+    rec, upstream = recorder
+    tenants = [{"name": "acme", "api_key": "sk-acme", "budget": {"tenant_tokens_per_window": 1000}}]
+    proxy = proxy_for(upstream, tenants=tenants, admin_api_key="adm", upstream_api_key="up-key")
+    try:
+        as_tenant = {"authorization": "Bearer sk-acme"}
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}
+        before = len(forwarded(rec))
+        for path in ("/chat/completions", "/completions", "/completion", "/infill", "/api/chat", "/api/generate"):
+            response = httpx.post(proxy.url + path, headers=as_tenant, json=chat)
+            assert response.status_code == 404, path
+            assert "/v1/chat/completions" in response.json()["error"]["message"]
+        for path in ("/slots", "/slots/0?action=erase", "/lora-adapters", "/api/pull", "/api/delete"):
+            assert httpx.post(proxy.url + path, headers=as_tenant, json={}).status_code == 401, path
+        assert httpx.get(proxy.url + "/slots", headers=as_tenant).status_code == 401
+        assert len(forwarded(rec)) == before  # none of them reached the backend
+        assert httpx.get(proxy.url + "/slots", headers={"authorization": "Bearer adm"}).status_code == 200
+        assert forwarded(rec)[-1]["path"] == "/slots"
+        # What does not generate stays a tenant's: llama-server's token counts and template.
+        assert httpx.post(proxy.url + "/apply-template", headers=as_tenant, json={"messages": []}).status_code == 200
+    finally:
+        proxy.stop()
+    # An open proxy with no budget governs nothing there: llama-server's own routes are forwarded.
+    open_proxy = proxy_for(upstream)
+    try:
+        assert httpx.post(open_proxy.url + "/completion", json={"prompt": "x"}).status_code == 200
+        assert forwarded(rec)[-1]["path"] == "/completion"
+    finally:
+        open_proxy.stop()
+
+
 def test_operator_routes_without_admin_key_are_403(proxy: LiveServer) -> None:
     response = httpx.post(proxy.url + "/reset_prefix_cache")
     assert response.status_code == 403 and response.json()["error"]["type"] == "permission_error"
