@@ -67,6 +67,23 @@ def test_a_reservation_without_max_tokens_covers_the_context() -> None:
     assert completion_allowance({}, budget) == budget.completion_reserve_tokens
 
 
+def test_a_reservation_holds_llama_cpps_own_limit() -> None:
+    """llama-server reads ``n_predict`` before ``max_tokens`` (tools/server: ``json_value(data,
+    "n_predict", json_value(data, "max_tokens", ...))``): a body asking 5 of one and a million of the
+    other generates a million there, and the reservation holds what the engine may generate."""
+    budget = BudgetSettings()
+    assert reservation_amount(100, {"max_tokens": 5, "n_predict": 1_000_000}, budget, 4096) == 4096
+    assert completion_allowance({"max_tokens": 5, "n_predict": 1_000}, budget, 4096) == 1_000
+    assert completion_allowance({"max_tokens": 500, "n_predict": 10}, budget, 4096) == 500
+    # -1: until the context is full; a fraction is cut as nlohmann's get<int> cuts it.
+    assert completion_allowance({"max_tokens": 5, "n_predict": -1}, budget, 4096) == 4096
+    assert completion_allowance({"max_tokens": 5, "n_predict": 700.9}, budget, 4096) == 700
+    assert completion_allowance({"max_tokens": 5, "n_predict": -1}, budget) == budget.completion_reserve_tokens
+    # What llama-server does not read as a number leaves max_tokens in force.
+    assert completion_allowance({"max_tokens": 5, "n_predict": "900"}, budget, 4096) == 5
+    assert completion_allowance({"max_tokens": 5, "n_predict": True}, budget, 4096) == 5
+
+
 # -- end to end: 0 tokens over the budget, single and at 20 concurrent ----------------------------
 
 

@@ -236,15 +236,31 @@ def completion_allowance(
     *,
     engine_default: int | None = None,
 ) -> int:
-    """Completion tokens a reservation holds: per completion, ``max_tokens``; without it what the
-    engine generates then: ``engine_default`` where its protocol has one (vLLM's completions: 16),
-    else up to the end of the context (``engine_context``, the model's ``max_model_len``), and
-    ``completion_reserve_tokens`` only where the context is unknown; for every completion requested."""
+    """Completion tokens a reservation holds: per completion, ``max_tokens`` (or llama.cpp's
+    ``n_predict``, where larger); without it what the engine generates then: ``engine_default``
+    where its protocol has one (vLLM's completions: 16), else up to the end of the context
+    (``engine_context``, the model's ``max_model_len``), and ``completion_reserve_tokens`` only
+    where the context is unknown; for every completion requested."""
     completion = requested_completion_tokens(body)
     if completion is None:
         completion = engine_default if engine_default is not None else engine_context
+    native = _n_predict(body)
+    if native is not None:
+        # llama.cpp's own limit, which llama-server reads before max_tokens (a negative one: until
+        # the context is full). The reservation is made before the engine is known: the larger.
+        bound = native if native >= 0 else engine_context or budget.completion_reserve_tokens
+        completion = max(completion or 0, bound)
     per_choice = completion if completion is not None else budget.completion_reserve_tokens
     return per_choice * completions_requested(body)
+
+
+def _n_predict(body: dict[str, Any]) -> int | None:
+    """``n_predict`` as llama-server reads it (nlohmann's ``get<int>``: a number, a fraction cut; not
+    a bool or a string, which it ignores for ``max_tokens``)."""
+    value = body.get("n_predict")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value) if math.isfinite(value) else -1
 
 
 def reservation_amount(
