@@ -184,6 +184,24 @@ def test_a_key_given_twice_never_pairs_one_arrays_text_with_the_others_values() 
         assert resumedjson.resumed_loads(raw, "t") == loads(raw)
 
 
+@pytest.mark.parametrize("differ", ["true-for-1", "key-order"])
+def test_two_arrays_that_python_calls_equal_are_told_apart(differ: str) -> None:
+    """Python's ``==`` takes ``true`` for ``1`` and ignores key order: a body whose array key is given
+    twice, the arrays differing only so, must not have the second array's values forwarded for the
+    next body's bytes (before: the next body went upstream with ``1`` where the client sent ``true``)."""
+    history = _chat(10)["messages"]
+    if differ == "true-for-1":
+        first = [{**m, "flag": True} if n == 3 else m for n, m in enumerate(history)]
+        second = [{**m, "flag": 1} if n == 3 else m for n, m in enumerate(history)]
+    else:
+        first = history
+        second = [dict(reversed(list(m.items()))) if n == 3 else m for n, m in enumerate(history)]
+    twice = '{"messages": ' + json.dumps(first) + ', "model": "m", "messages": ' + json.dumps(second) + "}"
+    resumedjson.resumed_loads(twice.encode(), "t")
+    raw = json.dumps({"messages": [*first, *_chat(12)["messages"][len(first) :]]}).encode()
+    assert orjson.dumps(resumedjson.resumed_loads(raw, "t")) == orjson.dumps(loads(raw))
+
+
 def test_a_role_of_any_json_type_is_read_as_loads_reads_it() -> None:
     # Validation, which names the parameter, comes after the parse: the parse must not fail first.
     history = _chat(10)["messages"]

@@ -358,12 +358,23 @@ def _proven_whole(run: Run, agreed: int) -> bool:
     while end > run.start and raw[end - 1] in _BYTES_WHITESPACE:
         end -= 1
     try:
-        whole = orjson.loads(b"[" + raw[run.start : end] + b"]") == run.elements
+        whole = _same_json(orjson.loads(b"[" + raw[run.start : end] + b"]"), run.elements)
     except orjson.JSONDecodeError:
         return False
     if whole:
         run.ends, run.counts, run.complete = [end - run.start], [len(run.elements)], True
     return whole
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values: Python's ``==`` alone takes ``true`` for ``1`` and ``1.0`` and objects for
+    equal whatever their keys' order, so a body whose array key is given twice, the two arrays
+    differing only so, would have the other one's values forwarded; orjson's bytes of each tell them
+    apart (and ``==`` first: NaN, which orjson writes as null, is equal to nothing)."""
+    try:
+        return bool(a == b) and orjson.dumps(a) == orjson.dumps(b)
+    except TypeError:
+        return False
 
 
 def _index(run: Run, agreed: int) -> bool:
@@ -385,7 +396,8 @@ def _index(run: Run, agreed: int) -> bool:
                 if start is None:
                     break
                 position = _skip(raw, start)
-                if orjson.loads(raw[start:position]) != run.elements[count]:  # not the array parsed (a key given twice)
+                # Another array than the one parsed (a key given twice):
+                if not _same_json(orjson.loads(raw[start:position]), run.elements[count]):
                     raise ValueError("another array")
                 count += 1
                 ends.append(position - run.start)
