@@ -189,6 +189,28 @@ def test_llama_server_and_ollama_routes_outside_the_pipeline(recorder: tuple[Rec
         open_proxy.stop()
 
 
+@pytest.mark.parametrize("media_type", ["application/json", "application/x+json", "text/plain", None])
+def test_a_body_engines_parse_as_json_is_held_to_the_depth_limit(
+    recorder: tuple[Recorder, LiveServer], media_type: str | None
+) -> None:
+    """FastAPI (vLLM) parses a ``+json`` body and one with no type as JSON, llama-server any body: on
+    the pass-through each is read whole, as ``application/json`` is, so the depth limit holds and its
+    model routes it (before: streamed past the limit as an upload)."""
+    rec, upstream = recorder
+    proxy = proxy_for(upstream)
+    try:
+        headers = {"content-type": media_type} if media_type else {}
+        before = len(forwarded(rec))
+        deep = b'{"model": "m", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+        response = httpx.post(proxy.url + "/tokenize", content=deep, headers=headers)
+        assert response.status_code == 400 and "nests deeper" in response.json()["error"]["message"]
+        assert len(forwarded(rec)) == before
+        plain = httpx.post(proxy.url + "/tokenize", content=b'{"model": "m", "prompt": "x"}', headers=headers)
+        assert plain.status_code == 200 and forwarded(rec)[-1]["body"] == b'{"model": "m", "prompt": "x"}'
+    finally:
+        proxy.stop()
+
+
 def test_operator_routes_without_admin_key_are_403(proxy: LiveServer) -> None:
     response = httpx.post(proxy.url + "/reset_prefix_cache")
     assert response.status_code == 403 and response.json()["error"]["type"] == "permission_error"

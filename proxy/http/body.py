@@ -63,10 +63,25 @@ def require_json_content_type(request: Request) -> None:
     sends cross-site without a CORS preflight: refusing them keeps a web page from spending an open
     proxy's GPUs through its visitors' browsers. Every OpenAI client sends ``application/json``.
     """
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json")):
+    if json_media_type(media_type_of(request)):
         return
     raise UnsupportedMediaType()
+
+
+def media_type_of(request: Request) -> str:
+    """The body's media type, lowercase, without parameters ("" where none is given)."""
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def json_media_type(media_type: str) -> bool:
+    """``application/json`` or a ``+json`` type, both of which FastAPI (vLLM) parses as JSON."""
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
+
+
+def parsed_by_engines(media_type: str) -> bool:
+    """A body an engine reads as JSON: a JSON type; no type at all, which FastAPI parses as JSON too;
+    and ``text/plain``, which llama-server parses as JSON whatever the type says."""
+    return media_type in ("", "text/plain") or json_media_type(media_type)
 
 
 def parse_json_object(raw: bytes, namespace: str | None = None) -> dict[str, Any]:

@@ -42,7 +42,9 @@ from proxy.http import (
     canonical_path,
     invalid_path,
     is_text,
+    media_type_of,
     overhead_header,
+    parsed_by_engines,
 )
 from proxy.openai import MAX_DEPTH, TooDeep, loads
 from proxy.routes.admin import require_admin
@@ -272,8 +274,8 @@ async def _request_body(
         raise PayloadTooLarge(limit)
     if request.method in _BODYLESS and declared in (None, "0") and "transfer-encoding" not in request.headers:
         return None, True, None
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != "application/json":
+    # What an engine parses as JSON is read whole: the depth limit holds for it and its model routes it.
+    if not parsed_by_engines(media_type_of(request)):
         upload = _Upload(request, limit)
         return upload, False, upload
     chunks = []
