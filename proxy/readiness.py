@@ -19,7 +19,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.backends import GENERIC, Backend, BackendPool, context_of, engine_of
+from proxy.backends import GENERIC, LLAMA_SERVER, OLLAMA, Backend, BackendPool, context_of, engine_of
 from proxy.config_sources import masked_url
 from proxy.sessions import SessionService, StoreUnavailable
 
@@ -93,6 +93,8 @@ class Readiness:
     # Why the replica is not ready (503), and what it does without while ready (200, degraded).
     reasons: list[str] = field(default_factory=list)
     degraded: list[str] = field(default_factory=list)
+    # What the operator should know of the deployment as configured (ready or not).
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -166,7 +168,9 @@ async def check(
     *,
     store_required: bool,
     own_keys_only: bool = False,
+    salted: bool = False,
 ) -> Readiness:
+    """``salted``: each tenant's requests carry a cache salt of its own (``tenant_cache_isolation``)."""
     backends, store = await asyncio.gather(
         asyncio.gather(*(check_backend(b, own_keys_only=own_keys_only) for b in pool.backends)),
         check_store(sessions, store_kind, store_url),
@@ -180,7 +184,21 @@ async def check(
             reasons.append("the session store is down")
         else:
             degraded.append("the session store is down: serving without sessions")
-    return Readiness(list(backends), store, store_required, reasons, degraded)
+    warnings: list[str] = []
+    if salted:
+        warnings.extend(
+            f"{b.name}: {b.engine} takes no cache_salt, so tenants share its prompt cache (a fast answer tells "
+            "a tenant another sent the same prefix): one engine per tenant keeps them apart; "
+            "tenant_cache_isolation: false says they may share"
+            for b in backends
+            if b.serves_the_api and b.engine in UNSALTED_ENGINES
+        )
+    return Readiness(list(backends), store, store_required, reasons, degraded, warnings)
+
+
+# Engines that share one prompt cache between every request (no cache_salt): llama.cpp's
+# llama-server, and Ollama, which runs it.
+UNSALTED_ENGINES = (LLAMA_SERVER, OLLAMA)
 
 
 def _model_data(response: Any) -> list[Any] | None:

@@ -45,6 +45,8 @@ def announce(settings: Settings, result: readiness.Readiness) -> None:
     for check in result.backends:
         if not check.serves_the_api:
             logger.warning("upstream %s (%s) %s: %s", check.name, check.url, check.status, check.detail)
+    for line in result.warnings:
+        logger.warning("%s", line)
     if result.store.status != readiness.UP:
         logger.warning(
             "session store %s at %s does not answer: requests pass through without sessions until it does; %s",

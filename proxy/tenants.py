@@ -154,10 +154,15 @@ class TenantDirectory:
     def open(self) -> bool:
         return not self._by_digest and self._redis_lookup is None
 
+    @property
+    def isolates_caches(self) -> bool:
+        """Tenants are told apart and each gets its own ``cache_salt``."""
+        return not self.open and self._isolate_caches
+
     def cache_salted(self, tenant: Tenant, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` with the tenant's ``cache_salt`` (see :func:`tenant_cache_salt`); unchanged when the
         proxy is open (one tenant) or isolation is switched off."""
-        if self.open or not self._isolate_caches:
+        if not self.isolates_caches:
             return body
         salt = tenant_cache_salt(self.salt_key.secret, tenant.name, body.get("cache_salt"))
         return {**body, "cache_salt": salt}

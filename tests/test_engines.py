@@ -312,6 +312,33 @@ def test_the_proxy_learns_a_llama_servers_slot_context_and_says_so(llama: tuple[
     assert list(ready["engines"].values()) == [{"engine": LLAMA_SERVER, "context": 2048}]
 
 
+def test_tenants_on_an_engine_without_a_cache_salt_are_told_they_share_its_cache(
+    llama: tuple[LlamaServerDouble, LiveServer],
+) -> None:
+    """llama-server takes no ``cache_salt``: with tenants isolated, /readyz says its cache is shared
+    (and the start-up log), instead of promising an isolation the engine does not give."""
+    double, server = llama
+    if not double.lists_context:
+        pytest.skip("one listing is enough")
+    tenants = [{"name": "a", "api_key": "sk-a"}, {"name": "b", "api_key": "sk-b"}]
+    for isolation, shared in ((True, True), (False, False)):
+        settings = Settings(upstream=server.url + "/v1", tenants=tenants, tenant_cache_isolation=isolation)
+        proxy = LiveServer(create_app(settings)).start()
+        try:
+            response = httpx.get(proxy.url + "/readyz")
+        finally:
+            proxy.stop()
+        assert response.status_code == 200
+        assert response.json()["status"] == "ready"
+        warnings = response.json().get("warnings", [])
+        assert any("takes no cache_salt" in line for line in warnings) is shared, warnings
+    open_proxy = LiveServer(create_app(Settings(upstream=server.url + "/v1"))).start()
+    try:
+        assert "warnings" not in httpx.get(open_proxy.url + "/readyz").json()
+    finally:
+        open_proxy.stop()
+
+
 def test_a_chat_past_a_small_context_is_answered_every_turn(llama: tuple[LlamaServerDouble, LiveServer]) -> None:
     """16 turns whose history outgrows a 2,048-token slot: direct, llama-server refuses the later
     turns; through the proxy on its defaults, every turn is answered: compacted before the context's

@@ -10,6 +10,7 @@ from proxy.backends.echo import EchoedHeaders
 from proxy.backends.engines import (
     GENERIC,
     LLAMA_SERVER,
+    OLLAMA,
     context_of,
     context_overflow,
     engine_of,
@@ -25,6 +26,7 @@ __all__ = [
     "INVALID_ANSWER",
     "LLAMA_SERVER",
     "NO_FIRST_TOKEN",
+    "OLLAMA",
     "POLICIES",
     "STREAM_CUT",
     "TRIAL_EXTENSION",

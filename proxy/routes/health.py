@@ -41,6 +41,8 @@ async def readyz(request: Request) -> Response:
         body["reasons"] = result.reasons
     if result.degraded:
         body["degraded"] = result.degraded
+    if result.warnings:
+        body["warnings"] = result.warnings
     return json_response(body, status=200 if result.ready else 503)
 
 
@@ -58,6 +60,7 @@ async def check_dependencies(state: ProxyState) -> readiness.Readiness:
         own_keys_only=bool(tenants)
         and all(t.upstream_api_key for t in tenants)
         and not settings.sessions.tenants_in_redis,
+        salted=state.tenants.isolates_caches,
     )
     for name in readiness.STATES:
         state.metrics.readiness.labels(name.replace(" ", "_")).set(1 if name == result.state else 0)
