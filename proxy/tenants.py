@@ -67,6 +67,13 @@ def salt_key_of(material: bytes) -> bytes:
 
 
 # The name under which replicas share a generated salt key in the session store.
+# Request fields an engine reads that the deployment sets, never a tenant: vLLM's
+# ``kv_transfer_params`` (disaggregated prefill: which remote engine's blocks a decode instance reads,
+# by host and block id, so a tenant naming them would read another's KV) and llama-server's
+# ``id_slot`` (the slot a request takes, and the conversation held there it evicts). Dropped from a
+# tenant's requests; the proxy names a slot of its own where it keeps a conversation's.
+DEPLOYMENT_FIELDS = frozenset({"kv_transfer_params", "id_slot"})
+
 SALT_SECRET_NAME = "cache_salt"
 
 
@@ -160,9 +167,14 @@ class TenantDirectory:
         return not self.open and self._isolate_caches
 
     def cache_salted(self, tenant: Tenant, body: dict[str, Any]) -> dict[str, Any]:
-        """``body`` with the tenant's ``cache_salt`` (see :func:`tenant_cache_salt`); unchanged when the
-        proxy is open (one tenant) or isolation is switched off."""
-        if not self.isolates_caches:
+        """``body`` with the tenant's ``cache_salt`` (see :func:`tenant_cache_salt`) and without the
+        fields that are the deployment's (:data:`DEPLOYMENT_FIELDS`); unchanged when the proxy is open
+        (one tenant), and only those fields dropped when isolation is switched off."""
+        if self.open:
+            return body
+        if any(name in body for name in DEPLOYMENT_FIELDS):
+            body = {name: value for name, value in body.items() if name not in DEPLOYMENT_FIELDS}
+        if not self._isolate_caches:
             return body
         salt = tenant_cache_salt(self.salt_key.secret, tenant.name, body.get("cache_salt"))
         return {**body, "cache_salt": salt}

@@ -98,3 +98,27 @@ def test_replicas_sharing_redis_agree_on_a_generated_salt_key(
     # A replica hits the blocks another cached: one cache namespace per tenant across replicas.
     replica = make_proxy(tenants=TENANTS, sessions=sessions)
     assert cached(replica, "sk-acme", "Isolation check 5: the same prompt on every replica") > 200
+
+
+def test_a_tenant_never_sends_what_the_deployment_sets(
+    make_proxy: Callable[..., LiveServer], fake_backend: LiveServer
+) -> None:
+    """vLLM's ``kv_transfer_params`` name the remote blocks a decode instance reads (a tenant naming
+    them would read another's KV) and llama-server's ``id_slot`` the slot a request takes (evicting
+    whoever is there): dropped from a tenant's chat and completion requests; an open proxy passes them."""
+    planted = {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1, 2]}, "id_slot": 1}
+    for isolation in (True, False):
+        proxy = make_proxy(tenants=TENANTS, tenant_cache_isolation=isolation)
+        cached(proxy, "sk-acme", "Deployment fields: may I return an opened item?", **planted)
+        chat = httpx.get(fake_backend.url + "/fake/requests", params={"limit": 1}).json()[-1]["body"]
+        assert not planted.keys() & chat.keys(), chat
+        completion = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-acme").completions.create(
+            model="fake-model", prompt="Deployment fields", max_tokens=4, extra_body=planted
+        )
+        assert completion.choices
+        sent = httpx.get(fake_backend.url + "/fake/requests", params={"limit": 1}).json()[-1]["body"]
+        assert not planted.keys() & sent.keys(), sent
+    open_proxy = make_proxy()
+    cached(open_proxy, "anything", "Deployment fields, open", **planted)
+    sent = httpx.get(fake_backend.url + "/fake/requests", params={"limit": 1}).json()[-1]["body"]
+    assert sent["id_slot"] == 1 and sent["kv_transfer_params"] == planted["kv_transfer_params"]
