@@ -153,7 +153,7 @@ async def measure(app: Any, args: argparse.Namespace) -> list[float]:
             for body in batch:
                 await send_one(app, body, path, headers)
             profiler.disable()
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
+            pstats.Stats(profiler).sort_stats(args.cprofile_sort).print_stats(args.cprofile)
     gc.unfreeze()
     return rounds
 
@@ -190,6 +190,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--bare", action="store_true", help="bench.bare_hop's app: no logic")
     parser.add_argument("--json", action="store_true", help="with --bare: parse and write the body again")
     parser.add_argument("--cprofile", type=int, default=0, metavar="TOP")
+    parser.add_argument(
+        "--cprofile-sort", default="tottime", help="cProfile's order: tottime (own time) or cumulative"
+    )
     parser.add_argument("--bodies-only", action="store_true", help="make the bodies, send none")
     parser.add_argument("--patch", help="a Python file run before the app is built (a prototype)")
     parser.add_argument(
