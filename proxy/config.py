@@ -11,6 +11,7 @@ import json
 import os
 import re
 import socket
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 from urllib.parse import urlsplit
@@ -37,6 +38,7 @@ from pydantic_settings import (
     SettingsConfigDict,
     SettingsError,
 )
+from redis.connection import parse_url as parse_redis_url
 
 from proxy.config_sources import (
     SETTING_CONFLICT,
@@ -124,6 +126,15 @@ def _listen_host(value: str) -> str:
 
 
 ListenHost = Annotated[str, AfterValidator(_listen_host)]
+
+
+def _addresses_of(host: str) -> set[str]:
+    """The addresses a listening host names (``localhost`` and ``127.0.0.1`` are one)."""
+    try:
+        found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError):
+        return {host}
+    return {str(address[0]) for *_, address in found} | {host}
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -477,6 +488,10 @@ class SessionSettings(Section):
         database = parts.path.lstrip("/")
         if parts.scheme != "unix" and database and not database.isdigit():
             raise ValueError("the path of a Redis URL is the database number, e.g. redis://HOST:6379/0")
+        try:
+            parse_redis_url(value)  # its query's options, as redis-py reads them when it connects
+        except ValueError as error:
+            raise ValueError(f"{str(error).rstrip('.')}: fix or remove that option of the URL's query") from None
         return value
 
     @model_validator(mode="before")
@@ -628,7 +643,26 @@ class CaptureSettings(Section):
             raise ValueError(
                 f"the folder {str(path.parent)!r} does not exist: create it, or give a file in one that does"
             )
-        return value
+        why = _unwritable(path)
+        if why:
+            raise ValueError(f"cannot be written ({why}): give a file in a folder this user can write")
+        return str(path)  # ``~`` expanded: where the writer writes is the file checked here
+
+
+def _unwritable(path: Path) -> str:
+    """Why ``path`` cannot be opened to append to ("" where it can): the file opened as the writer
+    opens it, or where it does not exist yet a file made beside it and removed (a read-only
+    filesystem, a folder of another user, /sys or /proc say so only then)."""
+    try:
+        if path.exists():
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+        else:
+            descriptor, probe = tempfile.mkstemp(dir=path.parent, prefix=".prefix-proxy-probe-")
+            os.close(descriptor)
+            os.unlink(probe)
+    except OSError as error:
+        return error.strerror or str(error)
+    return ""
 
 
 # vLLM 0.32 routes that change or expose the engine (vllm/entrypoints/serve/dev, rl, lora, profile,
@@ -967,7 +1001,11 @@ class Settings(BaseSettings):
             )
         if self.metrics_port is not None and self.metrics_port == self.port:
             metrics_host = self.metrics_host or self.host
-            if metrics_host == self.host or WILDCARD_HOSTS & {metrics_host, self.host}:
+            if (
+                metrics_host == self.host
+                or WILDCARD_HOSTS & {metrics_host, self.host}
+                or _addresses_of(metrics_host) & _addresses_of(self.host)
+            ):
                 raise conflict(
                     ("metrics_port",),
                     f"the same port as port ({self.port}): /metrics needs a port of its own; choose another, "

@@ -73,6 +73,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: a config file maps settings to values (key: value), not a {type(data).__name__}"])
+    keys = [key for key in data if not isinstance(key, str)]
+    if keys:
+        # YAML reads ``1:``, ``true:`` and ``null:`` as a number, a boolean and nothing: no setting's name.
+        raise ConfigError([f"{path}: {keys[0]!r}: not a setting's name (a setting is named by a word): remove it"])
     return data
 
 

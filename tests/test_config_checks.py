@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from proxy.canon import Canonicalizer
 from proxy.config import Settings
 from proxy.config_sources import ConfigError
+from proxy.observability.capture import CaptureWriter
 from proxy.preflight import check_settings, load_settings
 from tests.test_operator_config import config_file, run_cli
 
@@ -287,6 +289,19 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             "canon: {rules: [{name: t, pattern: 'a{99999999999}'}]}\n",
             "canon.rules[0].pattern: not a regular expression Python can compile",
         ),
+        # Found by a review (check-config passed, serve did what each says).
+        # serve: a ValueError traceback when redis-py read the URL's query.
+        (
+            "sessions: {store: redis, redis_url: 'redis://127.0.0.1:6379/0?socket_timeout=abc'}\n",
+            "sessions.redis_url: invalid value for 'socket_timeout' in connection URL: fix or remove that option",
+        ),
+        ("sessions: {redis_url: 'unix:///run/redis.sock?db=abc'}\n", "sessions.redis_url: invalid value for 'db'"),
+        # serve: a PermissionError traceback opening the capture file.
+        ("capture: {path: /sys/capture.jsonl}\n", "capture.path: cannot be written (Permission denied)"),
+        # check-config and serve: an AttributeError traceback (a key that is a number, a boolean, nothing).
+        ("1: 2\n", "1: not a setting's name"),
+        ("true: 1\n", "True: not a setting's name"),
+        ("null: 1\n", "None: not a setting's name"),
     ],
 )
 def test_each_check(tmp_path: Path, text: str, expected: str) -> None:
@@ -311,7 +326,11 @@ def test_what_the_checks_let_through(tmp_path: Path) -> None:
     assert settings.log_level == "warning" and settings.metrics_port == 9091
     assert settings.sessions.redis_sentinels == ["s-0:26379", "[::1]:26380"]
     # metrics_port may equal port on another address of the machine.
-    assert Settings(port=9090, metrics_port=9090, host="127.0.0.1", metrics_host="localhost").metrics_port == 9090
+    assert Settings(port=9090, metrics_port=9090, host="127.0.0.1", metrics_host="127.0.0.2").metrics_port == 9090
+    # Not on another name of the same address (serve failed: address already in use, after check-config passed).
+    for host, metrics_host in (("127.0.0.1", "localhost"), ("localhost", "127.0.0.1")):
+        with pytest.raises(ValidationError, match="the same port as port"):
+            Settings(port=9090, metrics_port=9090, host=host, metrics_host=metrics_host)
 
 
 def test_a_flag_replaces_the_backends_of_the_file_and_environment(
@@ -362,3 +381,12 @@ def test_a_value_the_schema_allows_works_where_it_is_used() -> None:
         system = f"You are a helpful assistant.\nCurrent time: 2024-05-01 10:0{minute}:00\nAnswer briefly."
         body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
         assert canonicalizer.apply(body, "t").body["messages"]
+
+
+def test_the_capture_file_is_written_where_it_was_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``~`` in capture.path: checked in the home folder, and written there (before: in a folder
+    named ``~`` under the working directory)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    settings = Settings(capture={"path": "~/capture.jsonl"})
+    assert settings.capture.path == str(tmp_path / "capture.jsonl")
+    assert CaptureWriter("~/other.jsonl").path == tmp_path / "other.jsonl"

@@ -31,7 +31,7 @@ logger = logging.getLogger("prefix_proxy.capture")
 
 class CaptureWriter:
     def __init__(self, path: str | Path, max_bytes: int = 256 * 1024 * 1024, backups: int = 3) -> None:
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         self.max_bytes = max_bytes
         self.backups = backups
         self._sequence = itertools.count(1)
