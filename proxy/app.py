@@ -66,6 +66,8 @@ from proxy.tokenization import TokenCounter
 
 GAUGE_INTERVAL_S = 15.0
 SALT_KEY_RETRY_S = 5.0
+# The longest start-up waits for the backends' first health check.
+FIRST_CHECK_WAIT_S = 1.0
 
 
 def build_store(settings: Settings) -> tuple[SessionStore, RedisSessionStore | None]:
@@ -311,7 +313,12 @@ def create_app(
             background.append(agreeing)
         interval = settings.routing.health_check_interval_s
         if not upstream.single and interval > 0:
-            background.append(asyncio.create_task(upstream.run_health_checks(interval)))
+            checked = asyncio.Event()
+            background.append(asyncio.create_task(upstream.run_health_checks(interval, checked)))
+            # Serving starts once the first round knows which backends answer, or FIRST_CHECK_WAIT_S
+            # on (a backend slow to answer must not delay serving long).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(checked.wait(), FIRST_CHECK_WAIT_S)
         if shared_feed is not None:
             background.append(asyncio.create_task(shared_feed.run()))
         try:

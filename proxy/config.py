@@ -552,6 +552,9 @@ class SummarizerSettings(Section):
 RoutingPolicyName = Literal["affinity", "least_in_flight", "round_robin"]
 
 
+MIN_HEALTH_CHECK_INTERVAL_S = 0.1
+
+
 class RoutingSettings(Section):
     """How requests are spread over several upstreams (``upstreams``); see docs/routing.md."""
 
@@ -560,8 +563,9 @@ class RoutingSettings(Section):
     policy: RoutingPolicyName = "affinity"
     # Affinity yields to the next backend once its own carries this many times the average load.
     balance_factor: float = Field(2.0, ge=1.0)
-    # Active checks (GET /models on every backend) re-admit ejected backends and learn their models;
-    # 0 leaves only passive ejection on failures.
+    # Active checks (GET /models on every backend, the first at start) eject a backend that is down or
+    # does not serve the API at its URL, re-admit ejected backends and learn their models; 0 leaves
+    # only passive ejection on failures.
     health_check_interval_s: float = Field(5.0, ge=0)
     # Outlier detection (passive health; proxy.backends.backend.OutlierDetection, whose defaults
     # these are): this many 5xx/429 answers in a row eject a backend (502/503/504, a Retry-After,
@@ -593,6 +597,19 @@ class RoutingSettings(Section):
     _split_key_headers = field_validator("key_headers", "echo_headers", mode="before")(_string_list)
     _header_names = field_validator("key_headers", "echo_headers")(_router_headers)
 
+
+
+    @field_validator("health_check_interval_s")
+    @classmethod
+    def _checkable(cls, value: float) -> float:
+        """Checks run one round after another: more often than this they would take a backend's time
+        (and the proxy's) for nothing."""
+        if 0 < value < MIN_HEALTH_CHECK_INTERVAL_S:
+            raise ValueError(
+                f"below {MIN_HEALTH_CHECK_INTERVAL_S} s the checks would keep every backend busy answering them: "
+                f"give at least {MIN_HEALTH_CHECK_INTERVAL_S} (5 is the default), or 0 to turn active checks off"
+            )
+        return value
 
 class ReplicaSettings(Section):
     """Several proxy replicas behind a load balancer (docs/routing.md, "Replicas that agree")."""

@@ -218,7 +218,8 @@ def test_unnamed_conversations_stick_to_their_backend_even_when_sessions_blur(
 
 def test_a_dead_backend_is_skipped_and_ejected(two_backends: list[LiveServer]) -> None:
     dead = f"http://127.0.0.1:{free_port()}/v1"
-    proxy = _proxy([dead, two_backends[0].url + "/v1"], routing={"policy": "round_robin"})
+    # Passive health alone (the active checks' first round, at start, would hold it out before any request).
+    proxy = _proxy([dead, two_backends[0].url + "/v1"], routing={"policy": "round_robin", "health_check_interval_s": 0})
     try:
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
         for i in range(6):
@@ -283,7 +284,10 @@ def _overloaded_app(hits: list[str]) -> Starlette:
 def test_503_fails_over_and_the_last_backend_answer_reaches_the_client(two_backends: list[LiveServer]) -> None:
     hits: list[str] = []
     busy = LiveServer(_overloaded_app(hits)).start()
-    proxy = _proxy([busy.url + "/v1", two_backends[0].url + "/v1"], routing={"policy": "round_robin"})
+    # Passive health alone (the active checks' first round would hold the busy one out before any request).
+    proxy = _proxy(
+        [busy.url + "/v1", two_backends[0].url + "/v1"], routing={"policy": "round_robin", "health_check_interval_s": 0}
+    )
     alone = LiveServer(create_app(Settings(upstream=busy.url + "/v1"))).start()
     try:
         body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -562,3 +566,25 @@ def test_a_request_that_never_left_fails_over_but_a_read_timeout_does_not() -> N
 
     assert asyncio.run(scenario(never_sent)) == 200
     assert asyncio.run(scenario(too_slow)) == 504
+
+
+def test_a_backend_at_a_wrong_path_is_held_out_from_the_start() -> None:
+    """One of two upstreams given at a path where nothing serves the API (``/wrong/v1``): its model
+    listing answers 404, and so would every request routed there. Its first health check, at start,
+    holds it out; every conversation is answered by the other (before: the conversations affinity
+    sent there got 404)."""
+    live = LiveServer(create_fake_app(FakeBackendConfig(model="fake-model"))).start()
+    settings = Settings(upstreams=[live.url + "/v1", live.url + "/wrong/v1"])
+    proxy = LiveServer(create_app(settings)).start()
+    try:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+        for number in range(12):
+            reply = client.chat.completions.create(
+                model="fake-model",
+                messages=[{"role": "user", "content": f"Conversation {number}: which drill bit for brick?"}],
+                extra_headers={"x-session-id": f"wrong-path-{number}"},
+            )
+            assert reply.choices[0].message.content
+    finally:
+        proxy.stop()
+        live.stop()

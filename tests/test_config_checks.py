@@ -302,6 +302,8 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ("1: 2\n", "1: not a setting's name"),
         ("true: 1\n", "True: not a setting's name"),
         ("null: 1\n", "None: not a setting's name"),
+        # served, and a healthy backend ejected over and over (each check waited the interval for an answer).
+        ("routing: {health_check_interval_s: 0.0001}\n", "routing.health_check_interval_s: below 0.1 s the checks"),
     ],
 )
 def test_each_check(tmp_path: Path, text: str, expected: str) -> None:

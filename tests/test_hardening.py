@@ -358,3 +358,22 @@ def test_redis_down_gives_503_for_unknown_keys_and_keeps_known_tenants(
         no_tracebacks(caplog)
     finally:
         private.stop()
+
+
+@pytest.mark.parametrize("lines", [3, 120_001])
+def test_a_system_prompt_of_more_lines_than_the_text_memory_holds_is_served(
+    make_proxy: Callable[..., Any], fake_backend: Any, caplog: pytest.LogCaptureFixture, lines: int
+) -> None:
+    """A text larger than the whole text memory (``canon.text_memory_lines``: 100,000 by default,
+    or 1 as configured here) is read, not kept: before, cachetools refused it ("value too large")
+    and the request was a 500. The engine's own answer is the client's (the long one is past the
+    fake engine's context: its 400)."""
+    proxy = make_proxy(canon={"text_memory_lines": 1} if lines == 3 else {})
+    system = "".join(f"Rule {n}: be brief.\n" for n in range(lines))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+    body = {"model": "fake-model", "messages": messages}
+    direct = httpx.post(fake_backend.url + "/v1/chat/completions", json=body, timeout=60).status_code
+    for _ in range(2):  # the second time, a text seen before is kept
+        response = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == direct, response.text
+    no_tracebacks(caplog)

@@ -48,6 +48,9 @@ RETRY_AFTER_STATUSES = frozenset({429, 503})
 # relayed like a 4xx, never held against the backend.
 NOT_FAILURES = frozenset({501, 505})
 BACKEND_EXTENSION = "prefix_proxy_backend"
+# How long an active health check waits for a backend's model listing: at least, and at most.
+CHECK_TIMEOUT_S = 1.0
+MAX_CHECK_TIMEOUT_S = 3.0
 # Set on a response that is its ejected backend's trial (what proves it again, or not).
 TRIAL_EXTENSION = "prefix_proxy_trial"
 
@@ -420,14 +423,22 @@ class BackendPool:
                     logger.info("backend %s answers again; re-admitted", backend.name)
                 self._learned(backend, listing)
 
-    async def run_health_checks(self, interval_s: float) -> None:
+    async def run_health_checks(self, interval_s: float, first_round: asyncio.Event | None = None) -> None:
+        """A round of checks at once (a backend down or at a wrong path is out before the first
+        requests reach it; ``first_round`` is set when it is over), then every ``interval_s``."""
         while True:
-            await asyncio.sleep(interval_s)
             try:
-                timeout_s = min(3.0, interval_s)
+                # At least CHECK_TIMEOUT_S for an answer whatever the interval: a backend that answers
+                # in time must not fail its check (and be ejected) for a round trip longer than a short
+                # interval; rounds run one after another, so a long wait delays the next round only.
+                timeout_s = min(MAX_CHECK_TIMEOUT_S, max(CHECK_TIMEOUT_S, interval_s))
                 await self.check_health(timeout_s, hold_s=interval_s + timeout_s)
             except Exception:  # the checker must outlive any one bad round
                 logger.exception("backend health check failed")
+            if first_round is not None:
+                first_round.set()
+                first_round = None
+            await asyncio.sleep(interval_s)
 
     @staticmethod
     def _learned(backend: Backend, listing: list[dict[str, Any]]) -> None:

@@ -197,9 +197,10 @@ class Upstream:
 
     async def probe_models(self, timeout_s: float = 3.0) -> list[dict[str, Any]] | None:
         """The models listed (``[]`` if the answer lists none), or None when the upstream is
-        unreachable or answers 5xx."""
+        unreachable, answers 5xx, or answers 404 (nothing serves the API at its base URL, a wrong
+        path: every request sent there would be answered 404 too)."""
         response = await self.get_models(timeout_s=timeout_s)
-        if response is None or response.status_code >= 500:
+        if response is None or response.status_code >= 500 or response.status_code == 404:
             return None
         return model_list(response)
 

@@ -909,7 +909,7 @@ class TextScope:
         if found is None:
             found = self._read(text)
             if memo._seen.add(digest):
-                memo._texts[digest] = found  # seen twice: kept
+                _keep(memo._texts, digest, found)  # seen twice: kept
         if place:
             self._settle(place_key, spot, found, text)
         return found
@@ -981,6 +981,13 @@ class TextScope:
             if len(changed) <= min(MAX_HOLES, max(1, found.n // 4)):
                 holes = tuple(sorted(changed))
         memo = self._memo
-        memo._places[place] = _Place(found, text, holes, self._seed)
+        _keep(memo._places, place, _Place(found, text, holes, self._seed))
         while len(memo._places) > memo._place_count:
             memo._places.popitem()
+
+
+def _keep(cache: LRUCache[Any, Any], key: Any, value: Any) -> None:
+    """``cache[key] = value``, unless the value alone is larger than the whole cache (a text of more
+    lines than ``canon.text_memory_lines``): then it is read again when it comes again."""
+    if cache.getsizeof(value) <= cache.maxsize:
+        cache[key] = value
