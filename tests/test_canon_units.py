@@ -256,6 +256,27 @@ def test_claude_code_git_status_groups_stay_whole() -> None:
         assert ("Recent commits:" in stable) == (commits[0] in stable)
 
 
+def test_a_key_value_line_opening_a_paragraph_goes_with_all_it_heads() -> None:
+    """mistral-vibe 3.0.2's git context (never run before by the project): a ``key: value`` line whose
+    value says what the lines under it are. The git lines moved, it stayed, reading as nothing; as
+    the opening of its paragraph it goes along when every line it heads moves, and only then."""
+    text = (
+        "Absolute path: /tmp/repo\n\n"
+        "gitContext: This is Git repository metadata from the start of the conversation. Note that this "
+        "context is a snapshot in time, and will not update during the conversation.\n"
+        "Current branch: main\nMain branch (you will usually use this for PRs): main\n"
+        "Recent commits:\n929f370 Initial commit\n\n"
+        "<env>\nWorking directory: /tmp/repo\nPlatform: linux\nToday's date: 2026-12-05\n</env>\n"
+    )
+    units = units_of(text)
+    assert units.whole({3, 4, 5, 6}) == {2, 3, 4, 5, 6}
+    assert [unit.first for unit in units.torn({3, 4, 5, 6})] == [2]  # what the proxy did before
+    assert units.whole({4}) == {4}  # a part of what it heads: it stays
+    assert units.whole({11}) == {11}  # the date moves alone out of <env>
+    assert units.whole({9}) == {9}  # the opening line varies itself: it moves alone
+    assert units.whole({10, 11}) == set(range(8, 13))  # all the run: the element's whole content
+
+
 # -- random nestings --------------------------------------------------------------------------------
 
 

@@ -24,6 +24,12 @@ turn, so the environment the clients report changes mid-session), saved by ``ben
 - a LlamaIndex ``ContextChatEngine`` (``llama-index-core`` 0.14.25, ``llama-index-llms-openai-like`` 0.8.1,
   bench/clients/llamaindex_agent.py): one system message, LlamaIndex's context template (retrieved files as
   ``file_path:`` nodes between dashed rules) then our prompt ending with a clock line;
+- two coding agents first run in session 29 (``python -m bench.clients --clients kilo-code,mistral-vibe
+  --scenarios edits``): Kilo Code CLI (``@kilocode/cli`` 7.7.7, ``kilo run`` then ``--continue``), whose
+  system prompt holds an ``<env>`` element with the date and its config paths, each user turn ending
+  with an ``<environment_details>`` block; and mistral-vibe (``mistral-vibe`` 3.0.2, ``vibe -p`` then
+  ``-c``), whose prompt holds the date, the absolute path and a ``gitContext:`` line heading the git
+  lines, and whose tool schemas come in another key order in each new process;
 - and each agent again recorded with the fake's tool-calling replies (``--policy-replies``: a tool call then
   text every turn, so two requests a turn; replayed with text replies like every recording, the tool calls
   in the history are the client's text).
@@ -61,6 +67,8 @@ SESSIONS = (
     "smolagents-edits",
     "smolagents-tools",
     "llamaindex-edits",
+    "kilo-code-edits",
+    "mistral-vibe-edits",
 )
 # Nothing in the system prompt smolagents builds varies (no clock, no directory, no status): the proxy
 # forwards its requests' system text as sent.
@@ -89,6 +97,9 @@ PREFILL_CASES = [
     "smolagents-edits",
     "smolagents-tools",
     "llamaindex-edits",
+    # Its <env> element moves at first sight like Continue's: 12,683 against 12,663 (5 tokens a request).
+    pytest.param("kilo-code-edits", marks=FRAMING_COSTS_MORE),
+    "mistral-vibe-edits",
 ]
 
 

@@ -326,6 +326,151 @@ class ContinueCLI(Client):
         return [str(binary), "--config", ws.state["config"], "-p", *more, prompt]
 
 
+class KiloCode(Client):
+    """Kilo Code's CLI (``kilo run``, an OpenCode fork) on a ``kilo.json`` naming an OpenAI-compatible
+    provider. 7.7.7: 7.8.1 on npm lacks its platform packages (``@kilocode/cli-linux-x64@7.8.1``)."""
+
+    name = "kilo-code"
+    protocol = "chat"
+
+    def install(self) -> Path:
+        return install.npm_package(self.name, "@kilocode/cli@7.7.7", "kilo")
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        config_dir = ws.home / ".config" / "kilo"
+        config_dir.mkdir(parents=True, exist_ok=True)
+        config = {
+            "$schema": "https://app.kilo.ai/config.json",
+            "provider": {
+                "bench": {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "bench",
+                    "options": {"baseURL": ws.openai_base, "apiKey": DUMMY_KEY},
+                    "models": {ws.model: {"name": ws.model}},
+                }
+            },
+            "model": f"bench/{ws.model}",
+            "small_model": f"bench/{ws.model}",
+            "autoupdate": False,
+            "share": "disabled",
+        }
+        (config_dir / "kilo.json").write_text(json.dumps(config, indent=2))
+        return {
+            "KILO_DISABLE_AUTOUPDATE": "1",
+            "KILO_DISABLE_MODELS_FETCH": "1",
+            "KILO_DISABLE_LSP_DOWNLOAD": "1",
+            "KILO_DISABLE_DEFAULT_PLUGINS": "1",
+        }
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        more = [] if index == 0 else ["--continue"]
+        return [str(binary), "run", "-m", f"bench/{ws.model}", *more, prompt]
+
+
+class ClineCLI(Client):
+    """Cline's CLI (``cline --json``, headless, tools auto-approved by default) with its ``openai-compatible``
+    provider written where ``cline auth --provider openai --baseurl ...`` writes it. Each turn is a new
+    task: 3.0.65 has no headless resume (``--id`` switches to the TTY-only interactive mode and drops the
+    prompt). Not ``--yolo``: that mode asks for a completion tool call and re-asks after a text answer."""
+
+    name = "cline"
+    protocol = "chat"
+
+    def install(self) -> Path:
+        return install.npm_package(self.name, "cline@3.0.65", "cline")
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        settings_dir = ws.home / ".cline" / "data" / "settings"
+        settings_dir.mkdir(parents=True, exist_ok=True)
+        settings = {
+            "provider": "openai-compatible",
+            "apiKey": DUMMY_KEY,
+            "model": ws.model,
+            "baseUrl": ws.openai_base,
+        }
+        providers = {
+            "version": 1,
+            "lastUsedProvider": "openai-compatible",
+            "modes": {},
+            # Without ``updatedAt`` the CLI ignores the entry (and rewrites the file without the URL and key).
+            "providers": {
+                "openai-compatible": {
+                    "settings": settings,
+                    "updatedAt": "2026-12-01T09:00:00.000Z",
+                    "tokenSource": "manual",
+                }
+            },
+        }
+        (settings_dir / "providers.json").write_text(json.dumps(providers, indent=2))
+        return {}
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        return [str(binary), "--json", "-P", "openai-compatible", "-m", ws.model, prompt]
+
+
+class MistralVibe(Client):
+    """Mistral's Vibe CLI (``vibe -p``, programmatic mode) on a ``~/.vibe/config.toml`` with a generic
+    OpenAI-style provider at the base URL; later turns ``-c`` (the most recent session). 3.0.2: 3.0.3
+    pins ``certifi==2026.10.19``, which the index does not have."""
+
+    name = "mistral-vibe"
+    protocol = "chat"
+
+    def install(self) -> Path:
+        return install.pip_package(self.name, "mistral-vibe==3.0.2", "vibe", timeout=900.0)
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        vibe_home = ws.home / ".vibe"
+        vibe_home.mkdir(parents=True, exist_ok=True)
+        (vibe_home / "config.toml").write_text(
+            f'active_model = "{ws.model}"\n'
+            "enable_telemetry = false\n"
+            "enable_update_checks = false\n"
+            "enable_auto_update = false\n"
+            "enable_notifications = false\n"
+            "\n[[providers]]\n"
+            'name = "bench"\n'
+            f'api_base = "{ws.openai_base}"\n'
+            'api_key_env_var = "BENCH_API_KEY"\n'
+            'api_style = "openai"\n'
+            'backend = "generic"\n'
+            "\n[[models]]\n"
+            f'name = "{ws.model}"\n'
+            'provider = "bench"\n'
+            f'alias = "{ws.model}"\n'
+        )
+        return {"VIBE_HOME": str(vibe_home), "BENCH_API_KEY": DUMMY_KEY}
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        more = [] if index == 0 else ["-c"]
+        return [str(binary), *more, "-p", prompt, "--output", "text"]
+
+
+class OpenInterpreter(Client):
+    """Open Interpreter's CLI in stdin mode (``interpreter -s``: one message from stdin, answered, exit),
+    LiteLLM's ``openai/`` provider at the base URL. Each turn is a new conversation: the CLI resumes a
+    saved one only interactively (``--conversations``)."""
+
+    name = "open-interpreter"
+    protocol = "chat"
+
+    def install(self) -> Path:
+        python = install.find_python(("3.11",))  # the one it was tried with
+        return install.pip_package(self.name, "open-interpreter==0.4.3", "interpreter", python=python, timeout=1200.0)
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        return {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        command = [
+            str(binary), "-s", "-y", "-pl", "--disable_telemetry", "--offline",
+            "--model", f"openai/{ws.model}", "--api_base", ws.openai_base, "--api_key", DUMMY_KEY,
+            "--context_window", "32768", "--max_tokens", "1024",
+        ]  # fmt: skip
+        # The prompt on stdin (the bench gives the client none): sh pipes it in.
+        return ["sh", "-c", 'printf "%s\\n" "$0" | "$@"', prompt, *command]
+
+
 class PythonAgent(Client):
     """An agent framework from PyPI driven by a small script of ours (``python -m <driver> turn STATE PROMPT``,
     one process per turn, with the framework venv's interpreter), the conversation kept in ``STATE``."""
@@ -421,6 +566,10 @@ CLIENTS: dict[str, type[Client]] = {
         OpenWebUI,
         DifyPlugin,
         ContinueCLI,
+        KiloCode,
+        ClineCLI,
+        MistralVibe,
+        OpenInterpreter,
         PydanticAIAgent,
         OpenAIAgentsSDK,
         LangGraphAgent,

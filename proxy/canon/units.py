@@ -19,6 +19,9 @@ text's own marks (never from one client's wording):
 - a section: a Markdown heading and what follows up to a heading of its level or above;
 - a listing: the run of other lines a label introduces (``Status:`` then ``git status --short``'s
   lines, ``Recent commits:`` then one a line), whole;
+- a run: a paragraph that opens with a ``key: value`` line, which heads the lines after it
+  (``gitStatus: This is the git status at the start ...`` then ``Current branch: main``); the opening
+  line goes along when every line it heads moves, and moves alone where it varies itself;
 - every other line, a unit of its own: a ``key: value`` line (``Today's date: 2026-12-04``), a
   sentence of an instruction.
 
@@ -63,6 +66,8 @@ _PAIR_WORDS = 8
 # Kinds of unit. Framed kinds keep their framing (head, tail) only while some content stays.
 FENCE, ELEMENT, GROUP, ITEM, SECTION = "fence", "element", "group", "item", "section"
 LINE, LISTING, CODE = "line", "listing", "code"
+# A paragraph opened by a ``key: value`` line: its head goes along with all of the rest, and that alone.
+RUN = "run"
 # Units taken whole once touched.
 ATOMIC = frozenset({LISTING, CODE})
 FRAMED = frozenset({FENCE, ELEMENT, GROUP, ITEM, SECTION})
@@ -250,6 +255,11 @@ class Units:
                 taken.append((unit.first, unit.last))
                 return size
             content = sum(close(child) for child in unit.children)
+            if unit.kind == RUN:
+                if content == size - 1:  # all it heads: the opening line goes along
+                    taken.append((unit.first, unit.last))
+                    return size
+                return content + holds(unit.first, unit.first)
             framing = (unit.head and holds(unit.first, unit.first)) or (unit.tail and holds(unit.last, unit.last))
             if unit.kind in FRAMED and (framing or content == size - unit.head - unit.tail):
                 taken.append((unit.first, unit.last))
@@ -277,6 +287,9 @@ class Units:
                 continue
             if unit.kind in ATOMIC:
                 torn.append(unit)
+            elif unit.kind == RUN:
+                if unit.first not in lines and all(i in lines for i in inside if i != unit.first):
+                    torn.append(unit)  # what it heads moved without it
             elif unit.kind in FRAMED:
                 framing = {unit.first} if unit.head else set()
                 framing |= {unit.last} if unit.tail else set()
@@ -362,7 +375,7 @@ class _Parser:
                 stop = index
                 while stop < end and not reads[stop].blank and (stop == index or stop not in ends):
                     stop += 1
-                found = [Unit(index, stop - 1, CODE)] if code else self._block(index, stop)
+                found = [Unit(index, stop - 1, CODE)] if code else self._run(self._block(index, stop))
                 index = stop
             if introducing is not None and found[0].kind != SECTION and not reads[found[0].first].heading:
                 label = units.pop()
@@ -372,6 +385,15 @@ class _Parser:
             last = units[-1]
             introducing = last.first if last.kind == LINE and reads[last.first].label else None
         return self._sections(units)
+
+    def _run(self, units: list[Unit]) -> list[Unit]:
+        """A paragraph's units, as a run where a ``key: value`` line opens it with more after it."""
+        if len(units) < 2 or units[0].kind != LINE:
+            return units
+        read = self.reads[units[0].first]
+        if not read.pair or read.label or read.item or read.heading:
+            return units
+        return [Unit(units[0].first, units[-1].last, RUN, tuple(units[1:]), head=True)]
 
     def _block(self, start: int, end: int, introduced: bool = False) -> list[Unit]:
         """The units of non-blank lines ``[start, end)`` (``introduced``: what a label introduces,
