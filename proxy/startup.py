@@ -47,6 +47,16 @@ def announce(settings: Settings, result: readiness.Readiness) -> None:
             logger.warning("upstream %s (%s) %s: %s", check.name, check.url, check.status, check.detail)
     for line in result.warnings:
         logger.warning("%s", line)
+    summarizer_model = settings.summarizer.model
+    served = {model for check in result.backends if check.serves_the_api for model in check.models}
+    if settings.summarizer.enabled and summarizer_model and served and summarizer_model not in served:
+        logger.warning(
+            "summarizer.model %r is not a model the backends serve (%s): every summary will fail and long "
+            "conversations go unsummarized; set it to one of them, or remove it to summarize with the "
+            "conversation's own model",
+            summarizer_model,
+            ", ".join(sorted(served)[:8]),
+        )
     if result.store.status != readiness.UP:
         logger.warning(
             "session store %s at %s does not answer: requests pass through without sessions until it does; %s",

@@ -351,3 +351,16 @@ def test_sighup_reloads_a_new_tenant_key_without_dropping_a_stream(tmp_path: Pat
         assert served.process.poll() is None
     finally:
         served.stop()
+
+
+def test_a_summarizer_model_the_backends_do_not_serve_is_named_at_start(fake_backend: Any) -> None:
+    """``summarizer.model`` that no backend lists: check-config cannot know (it asks no backend), so
+    start-up says so, naming the key and the models there are (before: nothing, and every summary
+    failed with a 404 that named neither)."""
+    served = Served(["--upstream", fake_backend.url + "/v1"], {"PREFIX_PROXY_SUMMARIZER__MODEL": "no-such-model"})
+    try:
+        warning = served.logged(lambda r: "summarizer.model" in r.get("message", ""))
+        assert warning["level"] == "warning" and "'no-such-model'" in warning["message"]
+        assert "fake-model" in warning["message"]
+    finally:
+        served.stop()

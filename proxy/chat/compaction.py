@@ -56,8 +56,14 @@ class SummaryRefused(UpstreamProtocolError):
 
     code = "summary_failed"
 
-    def __init__(self, status: int) -> None:
-        self._describe(f"the backend answered HTTP {status} to the summary request; nothing was compacted", None, None)
+    def __init__(self, status: int, configured_model: str | None = None) -> None:
+        message = f"the backend answered HTTP {status} to the summary request; nothing was compacted"
+        if configured_model and status in (400, 404):
+            message += (
+                f" (its model is summarizer.model, {configured_model!r}: set it to a model the backend serves, "
+                "or remove it to summarize with the conversation's own model)"
+            )
+        self._describe(message, None, None)
 
 
 @dataclass(frozen=True)
@@ -226,7 +232,7 @@ class CompactionService:
         )
         raw = await self._backends.read(response)
         if response.status_code >= 400:
-            raise SummaryRefused(response.status_code)
+            raise SummaryRefused(response.status_code, self.settings.model)
         try:
             text, usage = channel.reply(json.loads(raw))
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
