@@ -1125,7 +1125,24 @@ def _upstream_url(value: str) -> str:
         port = -1
     if port is not None and not 1 <= port <= 65535:
         raise ValueError("the port of an upstream URL must be a number from 1 to 65535")
+    host = parts.hostname
+    if not _UPSTREAM_HOST.fullmatch(host) or host.endswith("."):
+        raise ValueError(
+            f"{host!r} is not a host name or address (letters, digits, '-' and '.', no space or trailing dot): "
+            "write the backend's host as its server answers to it"
+        )
+    if any(c.isspace() for c in parts.path) or _BAD_ESCAPE.search(parts.path):
+        raise ValueError(
+            "the path of an upstream URL has a space or a % not followed by two hex digits: "
+            "write the API's path as the server serves it, e.g. /v1"
+        )
     return text
+
+
+# A host an HTTP client can connect to: a DNS name (letters of any script, digits, '-', '_' and dots), an IPv4 address,
+# or an IPv6 address (urlsplit gives it without its brackets).
+_UPSTREAM_HOST = re.compile(r"[\w.-]+|[0-9A-Fa-f:.]+(%[A-Za-z0-9]+)?")
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 
 
 def backend_name(base_url: str) -> str:

@@ -112,6 +112,10 @@ class Sources:
     def where(self, loc: Location) -> str:
         """The source to name in a problem about ``loc``, with the key when the source is shallower."""
         origin = self.origin(loc)
+        if origin == "default" and loc:
+            indexed = self._indexed_variable(loc)
+            if indexed is not None:
+                return indexed
         if origin == "default":
             # A missing key: the source of the section that lacks it.
             parents = (self.origin(loc[:depth]) for depth in range(len(loc) - 1, 0, -1))
@@ -124,6 +128,16 @@ class Sources:
         if variable is not None and variable.count("__") + 1 < len(loc):
             return f"{variable}: {dotted(loc)}"
         return origin
+
+    def _indexed_variable(self, loc: Location) -> str | None:
+        """A variable that gives a list setting item by item (``PREFIX_PROXY_TENANTS__0__NAME``), which
+        the environment cannot: named, with the form it takes (the whole list, as JSON)."""
+        stem = self.prefix + "__".join(str(part).upper() for part in loc) + "__"
+        for name in sorted(self.environment):
+            if name.startswith(stem) and name[len(stem) :].split("__", 1)[0].isdigit():
+                whole = stem[:-2]
+                return f"{name} (a list is one variable holding JSON: {whole}='[...]', not one per item)"
+        return None
 
     def unknown_variables(self, model: type[BaseModel], allowed: Iterable[str] = ()) -> list[str]:
         """Problems for ``prefix`` variables that name no setting (nested ones are the model's to judge).

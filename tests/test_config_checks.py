@@ -302,6 +302,11 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ("1: 2\n", "1: not a setting's name"),
         ("true: 1\n", "True: not a setting's name"),
         ("null: 1\n", "None: not a setting's name"),
+        # served: every request 502 (a space in the host, a trailing dot) or 404 (a space in the path).
+        ("upstream: 'http://127.0.0 .1:8000/v1'\n", "upstream: '127.0.0 .1' is not a host name or address"),
+        ("upstream: 'http://127.0.0.1.:8000/v1'\n", "upstream: '127.0.0.1.' is not a host name or address"),
+        ("upstream: 'http://127.0.0.1:8000/v 1'\n", "upstream: the path of an upstream URL has a space"),
+        ("upstream: 'http://127.0.0.1:8000/v%zz'\n", "upstream: the path of an upstream URL has a space or a %"),
         # served, and a healthy backend ejected over and over (each check waited the interval for an answer).
         ("routing: {health_check_interval_s: 0.0001}\n", "routing.health_check_interval_s: below 0.1 s the checks"),
     ],
@@ -392,3 +397,14 @@ def test_the_capture_file_is_written_where_it_was_checked(tmp_path: Path, monkey
     settings = Settings(capture={"path": "~/capture.jsonl"})
     assert settings.capture.path == str(tmp_path / "capture.jsonl")
     assert CaptureWriter("~/other.jsonl").path == tmp_path / "other.jsonl"
+
+
+def test_a_list_given_item_by_item_in_the_environment_is_named_with_its_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PREFIX_PROXY_TENANTS__0__NAME``: the environment gives a list whole, as JSON (before: the
+    line named ``tenants`` and neither the variable nor the form)."""
+    monkeypatch.setenv("PREFIX_PROXY_TENANTS__0__NAME", "a")
+    found = problems()
+    assert found == [
+        "PREFIX_PROXY_TENANTS__0__NAME (a list is one variable holding JSON: PREFIX_PROXY_TENANTS='[...]', "
+        "not one per item): input should be a valid list"
+    ], found
