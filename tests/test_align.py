@@ -96,3 +96,61 @@ def test_the_ends_shortcut_agrees_with_the_whole_diff_on_edits_the_pipeline_make
     assert matched == sorted(set(matched))
     unchanged = sum(1 for pair in aligned if pair.view is not None and not pair.changed)
     assert unchanged >= sum(1 for pair in whole_diff(view, forwarded) if pair.view is not None and not pair.changed)
+
+
+@pytest.mark.parametrize("seed", range(200))
+@pytest.mark.parametrize("same_objects", [True, False])
+def test_long_conversations_align_as_the_whole_diff_does(seed: int, same_objects: bool) -> None:
+    """Past ``ANCHOR_MIN`` messages the middle is aligned on anchors (the view's very objects, or
+    serializations unique in both lists) with only the runs between them diffed: each forwarded
+    message stands for a view message of its role, in order, and no fewer are found unchanged."""
+    rng = random.Random(seed)
+    view = conversation(rng.randint(8, 40))
+    if rng.random() < 0.3:
+        view[3:3] = [dict(view[1]), dict(view[2])]  # a repeated exchange: its serialization not unique
+    forwarded = list(view) if same_objects else copies(view)
+    forwarded[0] = {"role": "system", "content": "You are terse."}  # a line moved out of the system prompt
+    for _ in range(rng.randint(0, 4)):
+        edit = rng.choice(["insert", "fold", "rewrite"])
+        at = rng.randint(1, len(forwarded) - 1)
+        if edit == "insert":
+            forwarded.insert(at, {"role": "system", "content": f"moved {at}"})
+        elif edit == "fold":
+            del forwarded[at : at + rng.randint(1, 6)]
+        else:
+            forwarded[at] = {**forwarded[at], "content": str(forwarded[at].get("content")) + "!"}
+    aligned = align(view, forwarded)
+    assert len(aligned) == len(forwarded)
+    for position, pair in enumerate(aligned):
+        if pair.view is not None:
+            assert view[pair.view]["role"] == forwarded[position]["role"]
+            assert pair.changed == (view[pair.view] != forwarded[position])
+    matched = [pair.view for pair in aligned if pair.view is not None]
+    assert matched == sorted(set(matched))
+    unchanged = sum(1 for pair in aligned if pair.view is not None and not pair.changed)
+    assert unchanged >= sum(1 for pair in whole_diff(view, forwarded) if pair.view is not None and not pair.changed)
+
+
+@pytest.mark.parametrize("same_objects", [True, False])
+def test_a_long_history_between_a_changed_top_and_an_inserted_block_is_not_diffed(
+    monkeypatch: pytest.MonkeyPatch, same_objects: bool
+) -> None:
+    """A system prompt whose clock moved out and a block before the last user turn: the 2,000
+    messages between are anchors, and what is diffed is a few messages, not the conversation (a diff of
+    it all made a 1,000-turn conversation on /v1/messages cost 30 ms a request)."""
+    view = conversation(1000)
+    forwarded = list(view) if same_objects else copies(view)
+    forwarded[0] = {"role": "system", "content": "You are terse."}
+    forwarded.insert(len(forwarded) - 1, {"role": "system", "content": "Today is Monday."})
+    sizes: list[int] = []
+    diff = align_module._diff
+
+    def recorded(a: list[Any], b: list[Any]) -> list[Aligned]:
+        sizes.append(len(a) + len(b))
+        return diff(a, b)
+
+    monkeypatch.setattr(align_module, "_diff", recorded)
+    aligned = align(view, forwarded)
+    assert max(sizes) <= 4, max(sizes)
+    assert aligned[0] == Aligned(0, True) and aligned[-2] == Aligned(None, True)
+    assert aligned[1:-2] == [Aligned(i, False) for i in range(1, len(view) - 1)]
