@@ -104,6 +104,10 @@ def body_maker(args: argparse.Namespace) -> tuple[Callable[[int], list[bytes]], 
 
         conversation = Conversation(args.style, 1, args.tokens)
         turns = iter(range(max(1, args.history - 1), 10**9))
+        if args.protocol == "messages":
+            return (
+                lambda count: [json.dumps(messages_body(conversation.body(next(turns)))).encode() for _ in range(count)]
+            ), "/v1/messages"
         return (lambda count: [json.dumps(conversation.body(next(turns))).encode() for _ in range(count)]), (
             "/v1/chat/completions"
         )
@@ -116,6 +120,15 @@ def body_maker(args: argparse.Namespace) -> tuple[Callable[[int], list[bytes]], 
         return [body_of(next(salts), args.tokens, args.messages) for _ in range(count)]
 
     return bodies, path
+
+
+def messages_body(chat: dict[str, Any]) -> dict[str, Any]:
+    """A chat body of ``bench.history`` (the Dify style: text turns) as Anthropic's ``/v1/messages``
+    takes it: its system messages as ``system``, the turns as messages."""
+    messages = chat["messages"]
+    system = "\n".join(str(m["content"]) for m in messages if m["role"] == "system")
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"]
+    return {"model": chat.get("model", "fake-model"), "max_tokens": 64, "system": system, "messages": turns}
 
 
 def make_bodies_only(args: argparse.Namespace) -> None:
@@ -199,6 +212,12 @@ def parser() -> argparse.ArgumentParser:
         "--history", type=int, default=0, metavar="TURNS", help="one conversation of bench.history resumed at TURNS"
     )
     parser.add_argument("--style", choices=("dify", "agent"), default="dify", help="with --history: its style")
+    parser.add_argument(
+        "--protocol",
+        choices=("chat", "messages"),
+        default="chat",
+        help="with --history --style dify: the conversation on /v1/chat/completions or Anthropic's /v1/messages",
+    )
     parser.add_argument("--session", action="store_true", help="send an x-session-id header")
     parser.add_argument(
         "--summary", action="store_true", help="with --history: a summary in place (bench.history's summary rows)"
@@ -209,6 +228,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     arguments = parser()
     args = arguments.parse_args(argv)
+    if args.protocol == "messages" and (not args.history or args.style != "dify"):
+        arguments.error("--protocol messages is a Dify-style conversation: give it with --history N --style dify")
     if args.json and not args.bare:
         arguments.error("--json parses the body in the bare stack: give it with --bare")
     if args.bodies_only:

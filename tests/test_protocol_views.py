@@ -241,3 +241,62 @@ def test_tool_views_of_a_list_orjson_writes_ambiguously_are_made_afresh() -> Non
     assert tool_views(none, view, "t")[0]["function"]["default"] is None
     views = tool_views(nan, view, "t")  # both serialize as null: never the other's view
     assert views[0]["function"]["default"] != views[0]["function"]["default"]  # NaN
+
+
+def _anthropic_conversation(turns: int) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"question {turn}"})
+        content: list[dict[str, Any]] = [
+            {"type": "text", "text": f"answer {turn}"},
+            {"type": "tool_use", "id": f"toolu_{turn}", "name": "look", "input": {"n": turn, "ok": True}},
+        ]
+        messages.append({"role": "assistant", "content": content})
+        messages.append(
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{turn}", "content": "1"}]}
+        )
+    messages.append({"role": "user", "content": "and now?"})
+    return {"model": "m", "max_tokens": 64, "system": "It is 10:00. Be brief.", "messages": messages}
+
+
+def test_a_conversations_history_is_viewed_once(monkeypatch: Any) -> None:
+    """The next request of a Messages conversation, its history the very objects viewed last time (a
+    long body comes back so from the resumed parse), views only the messages it adds, and its view is
+    the one a fresh view makes; a history equal but not the same objects is viewed again."""
+    import proxy.protocols.anthropic as anthropic
+
+    viewed: list[Any] = []
+    original = anthropic._message_view
+
+    def counted(message: dict[str, Any]) -> Any:
+        viewed.append(message)
+        return original(message)
+
+    monkeypatch.setattr(anthropic, "_message_view", counted)
+    first = _anthropic_conversation(6)
+    AnthropicView.of(first, namespace="views-once")
+    second = {
+        **first,
+        "system": "It is 10:01. Be brief.",
+        "messages": [*first["messages"], {"role": "user", "content": "more?"}],
+    }
+    viewed.clear()
+    resumed = AnthropicView.of(second, namespace="views-once")
+    assert viewed == [second["messages"][-1]]
+    fresh = AnthropicView.of(copy.deepcopy(second), namespace="views-fresh")
+    assert resumed.chat["messages"] == fresh.chat["messages"] and resumed.sources == fresh.sources
+    assert [resumed.viewed_as(k) for k in range(len(second["messages"]))] == [
+        fresh.viewed_as(k) for k in range(len(second["messages"]))
+    ]
+    # Restored as the client sent it, its own objects.
+    _, restored = resumed.restore_messages(resumed.chat["messages"])
+    assert all(a is b for a, b in zip(restored, second["messages"], strict=True))
+    # Equal, not the same: true became 1 in a copy; nothing viewed from the other objects is taken.
+    third = copy.deepcopy(second)
+    third["messages"][1]["content"][1]["input"]["ok"] = 1
+    viewed.clear()
+    view = AnthropicView.of(third, namespace="views-once")
+    assert len(viewed) == len(third["messages"])
+    assert json.dumps(view.chat["messages"]) == json.dumps(
+        AnthropicView.of(copy.deepcopy(third), namespace="x").chat["messages"]
+    )

@@ -30,6 +30,8 @@ from bisect import bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from itertools import islice
+from operator import is_
 from typing import Any, Generic, TypeVar
 
 from proxy.openai.jsonio import dumps
@@ -265,6 +267,17 @@ def shared_prefix(kept: Sequence[Any], messages: Sequence[Any]) -> int:
 # on the way (the proxy's steps copy a message before they change it), and each entry holds its
 # messages, so no id is reused.
 _EQUAL: deque[tuple[list[Any], list[Any]]] = deque(maxlen=4)
+
+
+def identical_prefix(a: Sequence[Any], b: Sequence[Any], limit: int | None = None) -> int:
+    """How many leading items of ``a`` and ``b`` (at most ``limit``) are the very same objects: one
+    pass in C (``operator.is_`` mapped over both)."""
+    count = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    same = list(map(is_, islice(a, count), islice(b, count)))
+    try:
+        return same.index(False)
+    except ValueError:
+        return count
 
 
 def shared_length(a: Sequence[Any], b: Sequence[Any]) -> int:

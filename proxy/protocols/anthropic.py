@@ -34,7 +34,16 @@ from proxy.http import (
     require_model,
     with_data_fields,
 )
-from proxy.openai import STABLE_ROLES, AssistantRecorder, ToolCall, Usage, sort_keys_deep, token_count
+from proxy.openai import (
+    STABLE_ROLES,
+    AssistantRecorder,
+    Continuations,
+    ToolCall,
+    Usage,
+    identical_prefix,
+    sort_keys_deep,
+    token_count,
+)
 from proxy.protocols.align import align
 from proxy.protocols.base import (
     Diagnosis,
@@ -149,6 +158,10 @@ class AnthropicView:
     chat: dict[str, Any]
     sources: list[Source]
     actions: list[str] = field(default_factory=list)
+    # The view messages of client message ``k`` are ``history_at + history_ends[k]`` up to
+    # ``history_at + history_ends[k + 1]`` (None: not known, found from ``sources``).
+    history_ends: list[int] | None = None
+    history_at: int = 0
 
     @classmethod
     def of(cls, body: dict[str, Any], tool_orders: ToolOrders | None = None, namespace: str = "") -> AnthropicView:
@@ -164,10 +177,10 @@ class AnthropicView:
             if converted is not None:
                 messages.append(converted[0])
                 sources.append(Source(None, converted[1]))
-        for index, message in enumerate(body["messages"]):
-            for view_message, blocks in _message_view(message):
-                messages.append(view_message)
-                sources.append(Source(index, blocks))
+        history_at = len(messages)
+        history, history_sources, history_ends = _history_view(body["messages"], namespace)
+        messages.extend(history)
+        sources.extend(history_sources)
         chat: dict[str, Any] = {"model": body["model"], "messages": messages}
         tools = body.get("tools")
         if isinstance(tools, list) and tools:
@@ -178,7 +191,16 @@ class AnthropicView:
         metadata = body.get("metadata")
         if isinstance(metadata, dict) and isinstance(metadata.get("user_id"), str):
             chat["user"] = metadata["user_id"]  # a session id only where sessions.use_user says so
-        return cls(body, chat, sources, actions)
+        return cls(body, chat, sources, actions, history_ends, history_at)
+
+    def viewed_as(self, index: int) -> list[int]:
+        """The view messages client message ``index`` made."""
+        ends = self.history_ends
+        if ends is None:
+            return [k for k, source in enumerate(self.sources) if source.message == index]
+        if not 0 <= index < len(ends) - 1:
+            return []
+        return list(range(self.history_at + ends[index], self.history_at + ends[index + 1]))
 
     def position(self, index: int) -> tuple[int | str | None, int | None]:
         """The client's message (``"system"``: the ``system`` field) and first content block."""
@@ -224,9 +246,50 @@ class AnthropicView:
                 builder.add_new(message)
                 continue
             assert aligned.view is not None
+            if not aligned.changed and not source.blocks:
+                builder.emit_unchanged(source.message)  # string content: its one view message
+                continue
             builder.add(aligned.view, source, message, aligned.changed)
         builder.flush()
         return system, out
+
+
+@dataclass(slots=True)
+class _HistoryView:
+    """A request's client messages and their view: ``ends[k]``, the view messages the first ``k`` made."""
+
+    client: list[Any]
+    messages: list[dict[str, Any]]
+    sources: list[Source]
+    ends: list[int]
+
+
+# The last view of each conversation's messages (per tenant): the next request views only what it adds.
+_VIEWED: Continuations[_HistoryView] = Continuations()
+
+
+def _history_view(history: list[Any], namespace: str) -> tuple[list[dict[str, Any]], list[Source], list[int]]:
+    """The view messages of the client's ``messages`` and their sources. The leading messages that are
+    the very objects the conversation's last request viewed (a long body's history comes back as
+    the same objects from the resumed parse, :mod:`proxy.openai.resumedjson`) take the views made
+    then: what goes upstream is made from this request's own messages (:meth:`AnthropicView.restore`
+    takes the client's object for each unchanged one), and nothing viewed from an object equal but not
+    the same (``1`` for ``true``) is taken. Per request, work for the messages it adds."""
+    resumed = _VIEWED.resume(namespace, history, "anthropic")
+    kept = resumed.state
+    shared = identical_prefix(kept.client, history, resumed.shared) if kept is not None else 0
+    if kept is not None and shared:
+        end = kept.ends[shared]
+        messages, sources, ends = kept.messages[:end], kept.sources[:end], kept.ends[: shared + 1]
+    else:
+        messages, sources, ends = [], [], [0]
+    for index in range(shared, len(history)):
+        for view_message, blocks in _message_view(history[index]):
+            messages.append(view_message)
+            sources.append(Source(index, blocks))
+        ends.append(len(messages))
+    resumed.keep(history, _HistoryView(list(history), messages, sources, ends))
+    return list(messages), list(sources), list(ends)
 
 
 class _Absent:
@@ -410,11 +473,6 @@ class _MessageBuilder:
         self._message: int | None = None
         self._group: list[tuple[int, Source, dict[str, Any], bool]] = []
         self._emitted: set[int] = set()
-        # view message indices of each client message
-        self._expected: dict[int, list[int]] = {}
-        for index, source in enumerate(view.sources):
-            if source.message is not None:
-                self._expected.setdefault(source.message, []).append(index)
         self._new_tool_message: dict[str, Any] | None = None
 
     def add(self, view_index: int, source: Source, message: dict[str, Any], changed: bool) -> None:
@@ -431,7 +489,7 @@ class _MessageBuilder:
         self._message, self._group = None, []
         self._new_tool_message = None
         original = self._view.body["messages"][index]
-        whole = [g[0] for g in group] == self._expected.get(index, [])
+        whole = [g[0] for g in group] == self._view.viewed_as(index)
         if whole and not any(changed for _, _, _, changed in group):
             self._out.append(original)
             self._emitted.add(index)
@@ -458,7 +516,7 @@ class _MessageBuilder:
             present.update(source.blocks)
             if changed:
                 replaced.update(_patched_blocks(original, source, view_messages[view_index], message))
-        all_viewed = {b for vi in self._expected.get(index, []) for b in self._view.sources[vi].blocks}
+        all_viewed = {b for vi in self._view.viewed_as(index) for b in self._view.sources[vi].blocks}
         blocks: list[Any] = []
         first_part = index not in self._emitted
         for block_index, block in enumerate(content):
@@ -469,6 +527,14 @@ class _MessageBuilder:
         if not blocks:
             return None
         return {**original, "content": blocks}
+
+    def emit_unchanged(self, index: int) -> None:
+        """Client message ``index``, whose one view message came through unchanged: the client's own
+        object (what :meth:`add` then :meth:`flush` give it, without the group)."""
+        self.flush()
+        self._new_tool_message = None
+        self._out.append(self._view.body["messages"][index])
+        self._emitted.add(index)
 
     def add_new(self, message: dict[str, Any]) -> None:
         """A message the pipeline inserted: a system message (moved lines, a summary), or turns

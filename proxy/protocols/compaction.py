@@ -26,7 +26,7 @@ from functools import partial
 from typing import Any, TypeGuard
 
 from proxy.http import EventData, InvalidRequest, event_data
-from proxy.openai import Usage, dumps
+from proxy.openai import Continuations, Usage, dumps, identical_prefix
 from summarizer import SUMMARY_HEADER
 
 COMPACTION = "compaction"
@@ -261,7 +261,7 @@ def expand_messages(body: dict[str, Any], unseal: Unseal) -> tuple[dict[str, Any
     is kept (the system prompt is not a message), and that block becomes the user message of its
     summary, then the messages it kept. Raises :class:`InvalidCompactionItem`."""
     messages = body.get("messages")
-    if not isinstance(messages, list) or not any(_holds_compaction(m) for m in messages):
+    if not isinstance(messages, list) or _first_compaction(messages) < 0:
         return body, 0
     opened: dict[int, dict[int, Any]] = {}
     # From the last back to the latest block made past a threshold: what precedes it is dropped unopened.
@@ -306,6 +306,25 @@ def _blocks_expanded(message: dict[str, Any], handoffs: dict[int, Any]) -> dict[
     if len(blocks) == 1 and handoffs and message.get("role") == "assistant":
         return {"role": "user", "content": blocks[0]["text"]}
     return {**message, "content": blocks}
+
+
+# The last message lists scanned for compaction blocks, with where the first was (-1: none): a
+# conversation's next request scans only the messages that are not the very objects scanned then.
+_SCANNED: Continuations[tuple[list[Any], int]] = Continuations()
+
+
+def _first_compaction(messages: list[Any]) -> int:
+    """The index of the first message holding a compaction block (-1: none)."""
+    resumed = _SCANNED.resume("", messages, "compaction")
+    start = 0
+    if resumed.state is not None:
+        kept, first = resumed.state
+        start = identical_prefix(kept, messages, resumed.shared)
+        if 0 <= first < start:
+            start = first  # found there then: the same object now
+    found = next((index for index in range(start, len(messages)) if _holds_compaction(messages[index])), -1)
+    resumed.keep(messages, (list(messages), found))
+    return found
 
 
 def _holds_compaction(message: Any) -> bool:
