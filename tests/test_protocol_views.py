@@ -300,3 +300,39 @@ def test_a_conversations_history_is_viewed_once(monkeypatch: Any) -> None:
     assert json.dumps(view.chat["messages"]) == json.dumps(
         AnthropicView.of(copy.deepcopy(third), namespace="x").chat["messages"]
     )
+
+
+def test_a_responses_input_is_viewed_once_and_a_call_joins_the_message_before_it(monkeypatch: Any) -> None:
+    """The next request of a Responses conversation (``store`` false: its whole input again), its items
+    the very objects viewed last time, views only from the last message they made (a function call
+    that follows an assistant message joins it): its view is the one a fresh view makes."""
+    import proxy.protocols.responses as responses
+
+    viewed: list[Any] = []
+    original = responses._add_item
+
+    def counted(item: Any, *rest: Any) -> None:
+        viewed.append(item)
+        original(item, *rest)
+
+    monkeypatch.setattr(responses, "_add_item", counted)
+    items: list[dict[str, Any]] = []
+    for turn in range(5):
+        items.append({"role": "user", "content": f"question {turn}"})
+        items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"a{turn}"}]})
+    first = {"model": "m", "instructions": "It is 10:00.", "input": items, "store": False}
+    ResponsesView.of(first, namespace="responses-once")
+    call = {"type": "function_call", "call_id": "c1", "name": "look", "arguments": '{"ok": true}'}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "1"}
+    second = {**first, "instructions": "It is 10:01.", "input": [*items, call, output]}
+    viewed.clear()
+    resumed = ResponsesView.of(second, namespace="responses-once")
+    assert viewed == [items[-1], call, output]  # the last assistant message again, then what is new
+    fresh = ResponsesView.of(copy.deepcopy(second), namespace="responses-fresh")
+    assert resumed.chat["messages"] == fresh.chat["messages"] and resumed.sources == fresh.sources
+    assert resumed.chat["messages"][-2]["tool_calls"][0]["id"] == "c1"  # joined the assistant message
+    _, restored = resumed.restore_input(resumed.chat["messages"])
+    assert all(a is b for a, b in zip(restored, second["input"], strict=True))
+    # The first request's view is untouched by the second's (the call joined a new message).
+    again = ResponsesView.of(first, namespace="responses-once")
+    assert "tool_calls" not in again.chat["messages"][-1]

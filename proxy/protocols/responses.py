@@ -18,13 +18,23 @@ messages become ``{"role": "system", "content": ...}`` items, which vLLM renders
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.canon import ToolOrders, canonicalize_tool_fields
 from proxy.http import InvalidRequest, SSERelay, is_text, reading, require_model, with_data_fields
-from proxy.openai import STABLE_ROLES, AssistantRecorder, ToolCall, Usage, sort_keys_deep, token_count
+from proxy.openai import (
+    STABLE_ROLES,
+    AssistantRecorder,
+    Continuations,
+    ToolCall,
+    Usage,
+    identical_prefix,
+    sort_keys_deep,
+    token_count,
+)
 from proxy.protocols.align import align
 from proxy.protocols.base import GenerationProtocol, event_payloads, summary_options, texts, tool_views
 
@@ -41,16 +51,22 @@ ROLES = frozenset({"user", "assistant", "system", "developer"})
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 
 
-def validate_request(body: dict[str, Any]) -> None:
-    """Types of everything the proxy reads (400 naming the parameter); the rest is vLLM's to judge."""
+def validate_request(body: dict[str, Any], namespace: str = "") -> None:
+    """Types of everything the proxy reads (400 naming the parameter); the rest is vLLM's to judge
+    (``namespace``: the tenant, whose conversation's items validated before are not again)."""
     reading.RESPONSES.read(body)
     require_model(body)
     value = body.get("input")
     if not isinstance(value, str | list):
         raise InvalidRequest("'input' must be a string or an array of items", param="input")
     if isinstance(value, list):
-        for index, item in enumerate(value):
-            _validate_item(item, f"input[{index}]")
+        # Items that are the very objects validated in the last request of the conversation (a long
+        # body's history, from the resumed parse) passed then; the rest are checked.
+        resumed = _VALIDATED.resume(namespace, value, "validated")
+        start = identical_prefix(resumed.state, value, resumed.shared) if resumed.state is not None else 0
+        for index in range(start, len(value)):
+            _validate_item(value[index], f"input[{index}]")
+        resumed.keep(value, list(value))
     for key, kind, what in (
         ("instructions", str, "a string"),
         ("previous_response_id", str, "a string"),
@@ -144,8 +160,9 @@ class ResponsesView:
             messages.append({"role": "user", "content": value})
             sources.append(Source(text=True))
         else:
-            for index, item in enumerate(value):
-                _add_item(item, index, messages, sources)
+            viewed, viewed_sources = _input_view(value, namespace)
+            messages.extend(viewed)
+            sources.extend(viewed_sources)
         chat: dict[str, Any] = {"model": body["model"], "messages": messages}
         sent_tools = body.get("tools")
         tools = [t for t in tool_views(sent_tools, _tool_view, namespace) if t is not None] if sent_tools else []
@@ -213,16 +230,62 @@ class ResponsesView:
             if source.text:
                 out.append(_TEXT_INPUT if not aligned.changed else {"role": "user", "content": message.get("content")})
                 continue
-            first = min(source.items)
-            while pending_unviewed and pending_unviewed[0] < first:
-                out.append(original_items[pending_unviewed.pop(0)])
+            items = source.items
+            if pending_unviewed and pending_unviewed[0] < min(items):
+                first = min(items)
+                while pending_unviewed and pending_unviewed[0] < first:
+                    out.append(original_items[pending_unviewed.pop(0)])
             if not aligned.changed:
-                out.extend(original_items[i] for i in source.items)
+                if len(items) == 1:
+                    out.append(original_items[items[0]])
+                else:
+                    out.extend(original_items[i] for i in items)
             else:
                 assert aligned.view is not None
                 out.extend(_patched(original_items, source, view_messages[aligned.view], message))
         out.extend(original_items[i] for i in pending_unviewed)
         return instructions, out
+
+
+@dataclass(slots=True)
+class _InputView:
+    """A request's input items and their view messages (``starts[m]``: the first item of message ``m``)."""
+
+    items: list[Any]
+    messages: list[dict[str, Any]]
+    sources: list[Source]
+    starts: list[int]
+
+
+# The last view of each conversation's input (per tenant): the next request views only what it adds.
+_VIEWED: Continuations[_InputView] = Continuations()
+# The last input lists validated per conversation (per tenant).
+_VALIDATED: Continuations[list[Any]] = Continuations()
+
+
+def _input_view(items: list[Any], namespace: str) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The view messages of ``items`` and their sources. The leading items that are the very objects
+    the conversation's last request viewed take the views made then, up to the last message they
+    made, which is viewed again (a function call or reasoning item that follows joins the assistant
+    message before it). What goes upstream is made from this request's own items
+    (:meth:`ResponsesView.restore_input` takes the client's item for each unchanged message)."""
+    resumed = _VIEWED.resume(namespace, items, "responses")
+    kept = resumed.state
+    shared = identical_prefix(kept.items, items, resumed.shared) if kept is not None else 0
+    messages: list[dict[str, Any]] = []
+    sources: list[Any] = []
+    start = 0
+    if kept is not None and shared:
+        # The messages made only of items before ``shared``, less the last of them (it may grow).
+        whole = bisect_right(kept.starts, shared - 1) - 1
+        if whole > 0:
+            messages, sources, start = kept.messages[:whole], list(kept.sources[:whole]), kept.starts[whole]
+    for index in range(start, len(items)):
+        _add_item(items[index], index, messages, sources)
+    frozen = [s if isinstance(s, Source) else Source(items=tuple(s)) for s in sources]
+    starts = [s.items[0] if s.items else 0 for s in frozen]
+    resumed.keep(items, _InputView(list(items), messages, frozen, starts))
+    return list(messages), list(frozen)
 
 
 class _TextInput:
@@ -535,7 +598,7 @@ class Responses(GenerationProtocol):
     answer_list = "output"
 
     def validate(self, body: dict[str, Any], namespace: str | None = None) -> None:
-        validate_request(body)
+        validate_request(body, namespace or "")
 
     def view(self, body: dict[str, Any], tool_orders: ToolOrders | None, namespace: str) -> ResponsesView:
         return ResponsesView.of(body, tool_orders, namespace)
