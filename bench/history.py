@@ -76,7 +76,7 @@ from bench.overhead import (
 from bench.servers import free_port, spawn
 
 MODEL = shapes.MODEL
-STYLES = ("dify", "agent")
+STYLES = ("dify", "agent", "messages")
 CASES = ("plain", "session", "summary", "summary-session")
 # The row of a style measured through the floor of a hop (``bench.bare_hop``: the proxy's server and
 # upstream client carrying the body, no logic) instead.
@@ -147,18 +147,36 @@ class Row:
         return self.case.startswith("summary")
 
 
+# Styles of text turns (ShareGPT's) under a Dify app's system prompt: on chat, and on Anthropic's Messages.
+TEXT_STYLES = ("dify", "messages")
+
+
+def messages_body(chat: dict[str, Any]) -> dict[str, Any]:
+    """A chat body of text turns as Anthropic's ``/v1/messages`` takes it: its system messages as
+    ``system``, the turns as messages."""
+    messages = chat["messages"]
+    system = "\n".join(str(m["content"]) for m in messages if m["role"] == "system")
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"]
+    return {
+        "model": chat.get("model", MODEL),
+        "max_tokens": chat.get("max_tokens", 16),
+        "system": system,
+        "messages": turns,
+    }
+
+
 class Conversation:
     """One conversation of a style; :meth:`body` is its request after ``turns`` earlier turns."""
 
     def __init__(self, style: str, number: int, tokens: int) -> None:
         self.style, self.number = style, number
-        self._dify = shapes.dify(tokens) if style == "dify" else None
+        self._dify = shapes.dify(tokens) if style in TEXT_STYLES else None
         self._system = shapes.agent_system() if style == "agent" else ""
         self._tools = shapes.agent_tools() if style == "agent" else []
         self._turns: list[list[dict[str, Any]]] = []
         # ShareGPT's turns in an order of the conversation's own: two conversations never re-send the
         # same run of turns (the proxy would take one for the other with its window slid).
-        self._order = list(range(len(sharegpt_turns()))) if style == "dify" else []
+        self._order = list(range(len(sharegpt_turns()))) if style in TEXT_STYLES else []
         random.Random(number).shuffle(self._order)
 
     def _pair(self, turn: int) -> tuple[str, str]:
@@ -166,7 +184,7 @@ class Conversation:
 
     def _question(self, turn: int) -> str:
         opening = f"(chat {self.number}) " if turn == 0 else ""
-        if self.style == "dify":
+        if self.style in TEXT_STYLES:
             return opening + self._pair(turn)[0]
         asked = questions()
         return opening + asked[(self.number * 3 + turn) % len(asked)]
@@ -174,7 +192,7 @@ class Conversation:
     def _turn(self, turn: int) -> list[dict[str, Any]]:
         while len(self._turns) <= turn:
             t = len(self._turns)
-            if self.style == "dify":
+            if self.style in TEXT_STYLES:
                 asked, reply = self._question(t), self._pair(t)[1]
                 self._turns.append([{"role": "user", "content": asked}, {"role": "assistant", "content": reply}])
             else:
@@ -187,7 +205,8 @@ class Conversation:
         if self._dify is not None:
             # The app's system prompt as bench.hop's dify row sends it, its clock a tick further each request.
             system = self._dify.body(self.number * 10_000 + turns)["messages"][0]
-            return {"model": MODEL, "max_tokens": 16, "messages": [system, *history, asked]}
+            chat = {"model": MODEL, "max_tokens": 16, "messages": [system, *history, asked]}
+            return messages_body(chat) if self.style == "messages" else chat
         messages = [{"role": "system", "content": self._system}, *history, asked]
         return {"model": MODEL, "max_tokens": 16, "tools": self._tools, "tool_choice": "auto", "messages": messages}
 
@@ -220,7 +239,8 @@ class Proxies:
 
     def of(self, row: Row) -> list[Hop]:
         if row.case == FLOOR:
-            return self.floors
+            # vLLM Router has no /v1/messages: the Messages style's floor is the bare hop's alone.
+            return [h for h in self.floors if row.style != "messages" or h.name == BARE_HOP]
         return self.summary if row.summary else self.plain
 
 
@@ -266,7 +286,8 @@ class Sender:
         return orjson.dumps(self._conversation.body(turns))
 
     async def send(self, hop: Hop, content: bytes) -> bool:
-        response = await self._client.post(hop.base_url + "/chat/completions", content=content, headers=self._headers)
+        path = "/messages" if self._row.style == "messages" else "/chat/completions"
+        response = await self._client.post(hop.base_url + path, content=content, headers=self._headers)
         response.raise_for_status()
         return "summary_anchored" in response.headers.get("x-prefix-proxy-actions", "")
 
@@ -384,6 +405,8 @@ def table(results: Results) -> str:
     for style in dict.fromkeys(row.style for row in results.rows):
         floor = Row(style, FLOOR)
         for hop in results.floor_names:
+            if style == "messages" and hop != BARE_HOP:
+                continue
             base = results.ms(hop, floor, lengths[0])
             cells = [
                 f"{style}: {hop}",
@@ -458,7 +481,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--turns", default=",".join(map(str, TURNS)), help="history lengths, comma-separated")
     parser.add_argument("--window", type=int, default=10, help="requests measured per row, length and round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--styles", default=",".join(STYLES), help=f"comma-separated: {', '.join(STYLES)}")
+    parser.add_argument(
+        "--styles",
+        default="dify,agent",
+        help=f"comma-separated: {', '.join(STYLES)} (messages: the Dify style on Anthropic's /v1/messages)",
+    )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {', '.join(CASES)}")
     parser.add_argument("--tokens", type=int, default=8000, help="the Dify system prompt's size")
     parser.add_argument("--before", help="another checkout of prefix-proxy, measured beside this one")

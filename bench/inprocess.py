@@ -100,7 +100,7 @@ def body_maker(args: argparse.Namespace) -> tuple[Callable[[int], list[bytes]], 
     if args.history:
         # One conversation of ``bench.history``, resumed at ``--history`` turns (the warm-up's
         # first request), each next request a turn longer.
-        from bench.history import Conversation
+        from bench.history import Conversation, messages_body
 
         conversation = Conversation(args.style, 1, args.tokens)
         turns = iter(range(max(1, args.history - 1), 10**9))
@@ -120,15 +120,6 @@ def body_maker(args: argparse.Namespace) -> tuple[Callable[[int], list[bytes]], 
         return [body_of(next(salts), args.tokens, args.messages) for _ in range(count)]
 
     return bodies, path
-
-
-def messages_body(chat: dict[str, Any]) -> dict[str, Any]:
-    """A chat body of ``bench.history`` (the Dify style: text turns) as Anthropic's ``/v1/messages``
-    takes it: its system messages as ``system``, the turns as messages."""
-    messages = chat["messages"]
-    system = "\n".join(str(m["content"]) for m in messages if m["role"] == "system")
-    turns = [{"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"]
-    return {"model": chat.get("model", "fake-model"), "max_tokens": 64, "system": system, "messages": turns}
 
 
 def make_bodies_only(args: argparse.Namespace) -> None:
@@ -203,9 +194,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--bare", action="store_true", help="bench.bare_hop's app: no logic")
     parser.add_argument("--json", action="store_true", help="with --bare: parse and write the body again")
     parser.add_argument("--cprofile", type=int, default=0, metavar="TOP")
-    parser.add_argument(
-        "--cprofile-sort", default="tottime", help="cProfile's order: tottime (own time) or cumulative"
-    )
+    parser.add_argument("--cprofile-sort", default="tottime", help="cProfile's order: tottime (own time) or cumulative")
     parser.add_argument("--bodies-only", action="store_true", help="make the bodies, send none")
     parser.add_argument("--patch", help="a Python file run before the app is built (a prototype)")
     parser.add_argument(
