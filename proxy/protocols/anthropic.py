@@ -193,6 +193,13 @@ class AnthropicView:
             chat["user"] = metadata["user_id"]  # a session id only where sessions.use_user says so
         return cls(body, chat, sources, actions, history_ends, history_at)
 
+    def viewed_once(self, index: int) -> bool:
+        """Client message ``index`` made exactly one view message."""
+        ends = self.history_ends
+        if ends is None or not 0 <= index < len(ends) - 1:
+            return len(self.viewed_as(index)) == 1
+        return ends[index + 1] - ends[index] == 1
+
     def viewed_as(self, index: int) -> list[int]:
         """The view messages client message ``index`` made."""
         ends = self.history_ends
@@ -246,8 +253,8 @@ class AnthropicView:
                 builder.add_new(message)
                 continue
             assert aligned.view is not None
-            if not aligned.changed and not source.blocks:
-                builder.emit_unchanged(source.message)  # string content: its one view message
+            if not aligned.changed and (not source.blocks or self.viewed_once(source.message)):
+                builder.emit_unchanged(source.message)  # its one view message, unchanged
                 continue
             builder.add(aligned.view, source, message, aligned.changed)
         builder.flush()
