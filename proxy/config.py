@@ -750,6 +750,9 @@ UNGOVERNED_GENERATION_ROUTES = [
     "/infill",
     "/api/chat",
     "/api/generate",
+    # Speech to text decodes tokens too (Whisper), outside the budget.
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
 ]
 
 

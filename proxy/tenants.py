@@ -68,11 +68,12 @@ def salt_key_of(material: bytes) -> bytes:
 
 # The name under which replicas share a generated salt key in the session store.
 # Request fields an engine reads that the deployment sets, never a tenant: vLLM's
-# ``kv_transfer_params`` (disaggregated prefill: which remote engine's blocks a decode instance reads,
-# by host and block id, so a tenant naming them would read another's KV) and llama-server's
-# ``id_slot`` (the slot a request takes, and the conversation held there it evicts). Dropped from a
-# tenant's requests; the proxy names a slot of its own where it keeps a conversation's.
-DEPLOYMENT_FIELDS = frozenset({"kv_transfer_params", "id_slot"})
+# ``kv_transfer_params`` and ``ec_transfer_params`` (disaggregated serving: which remote engine's KV or
+# encoder-cache blocks an instance reads, by host and block id, so a tenant naming them would read
+# another's), its ``priority`` (with priority scheduling, a tenant's place ahead of every other's) and
+# llama-server's ``id_slot`` (the slot a request takes, and the conversation held there it evicts).
+# Dropped from a tenant's requests; the proxy names a slot of its own where it keeps a conversation's.
+DEPLOYMENT_FIELDS = frozenset({"kv_transfer_params", "ec_transfer_params", "id_slot", "priority"})
 
 SALT_SECRET_NAME = "cache_salt"
 

@@ -14,7 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.chat.budget import completion_allowance, completions_requested, reservation_amount
+from proxy.chat.budget import (
+    completion_allowance,
+    completions_requested,
+    requested_completion_tokens,
+    reservation_amount,
+    tokens_per_event,
+)
 from proxy.config import BudgetSettings
 from proxy.http import InvalidRequest, reading
 from testbed.fakevllm import FakeBackendConfig
@@ -82,6 +88,27 @@ def test_a_reservation_holds_llama_cpps_own_limit() -> None:
     # What llama-server does not read as a number leaves max_tokens in force.
     assert completion_allowance({"max_tokens": 5, "n_predict": "900"}, budget, 4096) == 5
     assert completion_allowance({"max_tokens": 5, "n_predict": True}, budget, 4096) == 5
+
+
+def test_limits_are_read_as_the_engines_read_them() -> None:
+    """A review's findings: a 0 in ``max_completion_tokens`` (which vLLM refuses, or where an engine
+    reads ``max_completion_tokens or max_tokens``, passes over) leaves ``max_tokens`` reserved, an
+    explicit ``"max_tokens": null`` on completions generates to the context's end (its default of 16
+    is for an absent field), llama-server's ``n_cmpl`` is its ``n``, and an event of a stream that asks
+    ``stream_interval: N`` carries N tokens (what a stream cut short is charged per event)."""
+    budget = BudgetSettings()
+    assert requested_completion_tokens({"max_completion_tokens": 0, "max_tokens": 100_000}) == 100_000
+    assert requested_completion_tokens({"max_completion_tokens": 7, "max_tokens": 100_000}) == 7
+    assert completion_allowance({"max_tokens": None}, budget, 4096, engine_default=16) == 4096
+    assert completion_allowance({}, budget, 4096, engine_default=16) == 16
+    assert completions_requested({"n_cmpl": 8}) == 8
+    assert tokens_per_event({"stream_interval": 1000}) == 1000
+    assert (
+        tokens_per_event({})
+        == tokens_per_event({"stream_interval": True})
+        == tokens_per_event({"stream_interval": "9"})
+        == 1
+    )
 
 
 # -- end to end: 0 tokens over the budget, single and at 20 concurrent ----------------------------
@@ -157,12 +184,37 @@ def _send(server: LiveServer, request: tuple[str, dict[str, Any]]) -> tuple[int,
 def test_no_request_spends_past_the_budget(
     make_proxy: Callable[..., LiveServer], small_backend: LiveServer, protocol: str, variant: str
 ) -> None:
+    _spends_within_the_budget(make_proxy, small_backend, protocol, VARIANTS[variant], variant)
+
+
+# OpenAI's limits only (Responses and Messages have fields of their own): an explicit null, which vLLM
+# reads as "to the context's end" (its completions' 16 is for an absent field).
+LIMIT_VARIANTS = {
+    "max_tokens null": {"max_tokens": None},
+}
+
+
+@pytest.mark.parametrize("protocol", ["chat", "completions"])
+@pytest.mark.parametrize("variant", LIMIT_VARIANTS)
+def test_no_limit_the_engine_reads_otherwise_spends_past_the_budget(
+    make_proxy: Callable[..., LiveServer], small_backend: LiveServer, protocol: str, variant: str
+) -> None:
+    _spends_within_the_budget(make_proxy, small_backend, protocol, LIMIT_VARIANTS[variant], variant)
+
+
+def _spends_within_the_budget(
+    make_proxy: Callable[..., LiveServer],
+    small_backend: LiveServer,
+    protocol: str,
+    fields: dict[str, Any],
+    variant: str,
+) -> None:
     make = PROTOCOLS[protocol]
     # One at a time until the budget refuses.
     server = _proxy(make_proxy, small_backend)
     spent, statuses = 0, []
     for i in range(12):
-        status, tokens = _send(server, make(i, dict(VARIANTS[variant])))
+        status, tokens = _send(server, make(i, dict(fields)))
         statuses.append(status)
         spent += tokens
         if status == 429:
@@ -172,7 +224,7 @@ def test_no_request_spends_past_the_budget(
     # Twenty at once, on a fresh budget.
     server = _proxy(make_proxy, small_backend)
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
-        results = list(pool.map(lambda i: _send(server, make(i, dict(VARIANTS[variant]))), range(20)))
+        results = list(pool.map(lambda i: _send(server, make(i, dict(fields))), range(20)))
     statuses = [status for status, _ in results]
     spent = sum(tokens for _, tokens in results)
     assert set(statuses) <= {200, 429}, statuses

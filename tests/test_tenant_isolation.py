@@ -106,7 +106,12 @@ def test_a_tenant_never_sends_what_the_deployment_sets(
     """vLLM's ``kv_transfer_params`` name the remote blocks a decode instance reads (a tenant naming
     them would read another's KV) and llama-server's ``id_slot`` the slot a request takes (evicting
     whoever is there): dropped from a tenant's chat and completion requests; an open proxy passes them."""
-    planted = {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1, 2]}, "id_slot": 1}
+    planted = {
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1, 2]},
+        "ec_transfer_params": {"remote_block_ids": [3]},
+        "id_slot": 1,
+        "priority": -100,
+    }
     for isolation in (True, False):
         proxy = make_proxy(tenants=TENANTS, tenant_cache_isolation=isolation)
         cached(proxy, "sk-acme", "Deployment fields: may I return an opened item?", **planted)
@@ -121,4 +126,4 @@ def test_a_tenant_never_sends_what_the_deployment_sets(
     open_proxy = make_proxy()
     cached(open_proxy, "anything", "Deployment fields, open", **planted)
     sent = httpx.get(fake_backend.url + "/fake/requests", params={"limit": 1}).json()[-1]["body"]
-    assert sent["id_slot"] == 1 and sent["kv_transfer_params"] == planted["kv_transfer_params"]
+    assert {key: sent[key] for key in planted} == planted

@@ -68,11 +68,22 @@ def effective_budget(
 
 
 def requested_completion_tokens(body: dict[str, Any]) -> int | None:
+    """The completion limit: ``max_completion_tokens``, else ``max_tokens``. A 0 in the first is
+    passed over: vLLM refuses it, and an engine that reads ``max_completion_tokens or max_tokens``
+    generates ``max_tokens`` then."""
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
-        if isinstance(value, int) and value >= 0:
+        if isinstance(value, int) and value >= 0 and not (value == 0 and key == "max_completion_tokens"):
             return value
     return None
+
+
+def tokens_per_event(body: dict[str, Any]) -> int:
+    """Tokens a streamed event may carry: vLLM's ``stream_interval`` where the request sets it (an
+    event every that many tokens), else one. What a stream cut short is charged for each event it
+    relayed, the engine's usage never having come."""
+    value = body.get("stream_interval")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
 # vLLM clamps max_tokens to what the context leaves after the prompt, so a max_tokens that asks for
@@ -218,11 +229,14 @@ def prompt_ceiling(size_bytes: int, message_count: int) -> int:
     return size_bytes + message_count * TEMPLATE_TOKENS_PER_MESSAGE + TEMPLATE_TOKENS
 
 
+_ABSENT = object()
+
+
 def completions_requested(body: dict[str, Any]) -> int:
     """How many completions the backend generates for the request: ``n``, or ``best_of`` where it
     is larger (vLLM generates best_of and returns n of them)."""
     count = 1
-    for key in ("n", "best_of"):
+    for key in ("n", "best_of", "n_cmpl"):  # n_cmpl: llama-server's, read before n
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > count:
             count = value
@@ -243,7 +257,9 @@ def completion_allowance(
     where the context is unknown; for every completion requested."""
     completion = requested_completion_tokens(body)
     if completion is None:
-        completion = engine_default if engine_default is not None else engine_context
+        # An explicit null is no default: vLLM generates to the context's end then.
+        default = engine_default if body.get("max_tokens", _ABSENT) is _ABSENT else None
+        completion = default if default is not None else engine_context
     native = _n_predict(body)
     if native is not None:
         # llama.cpp's own limit, which llama-server reads before max_tokens (a negative one: until

@@ -24,6 +24,7 @@ from proxy.chat.budget import (
     prompt_ceiling,
     request_bytes,
     reservation_amount,
+    tokens_per_event,
     usage_limits,
 )
 from proxy.chat.compaction import CompactionJob, CompactionService
@@ -526,14 +527,19 @@ class ChatTurn:
         """The upstream failed: give the reserved tokens back."""
         await self._settle_early(0)
 
-    async def settle_unfinished(self, usage: Usage | None, events_relayed: int) -> None:
+    @property
+    def tokens_per_event(self) -> int:
+        """Tokens one streamed event of this request may carry (``stream_interval``; else one)."""
+        return tokens_per_event(self.canonical)
+
+    async def settle_unfinished(self, usage: Usage | None, tokens_relayed: int) -> None:
         """A stream ended early (the client left, the upstream broke off): charge what was spent and
-        give the rest of the reservation back. Without the usage chunk, the prompt and one token per
-        event relayed (vLLM streams about one per event), never more than was reserved."""
+        give the rest of the reservation back. Without the usage chunk, the prompt and what the
+        events relayed could carry (:attr:`tokens_per_event` each), never more than was reserved."""
         if usage is not None:
             spent = usage.total_tokens
         else:
-            spent = self.prompt_estimate + events_relayed
+            spent = self.prompt_estimate + tokens_relayed
             if self.reservation is not None:
                 spent = min(spent, self.reservation.amount)
         await self._settle_early(spent)

@@ -131,7 +131,7 @@ class TurnEnding:
             await self.record()
 
     def cut_short(self, usage: Usage | None, events: int) -> None:
-        self._pending.append(partial(self._turn.settle_unfinished, usage, events))
+        self._pending.append(partial(self._turn.settle_unfinished, usage, events * self._turn.tokens_per_event))
 
     def failed(self, error: ProxyError | None) -> None:
         """No answer: the reserved tokens go back (a client's own error reserved nothing to keep)."""

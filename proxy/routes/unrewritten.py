@@ -11,7 +11,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
+from proxy.backends import LLAMA_SERVER, OLLAMA
 from proxy.chat import budget_for, budget_refused, completion_allowance, prompt_ceiling, usage_limits
+from proxy.chat.budget import tokens_per_event
 from proxy.config import BudgetSettings
 from proxy.http import (
     ProxyError,
@@ -36,7 +38,7 @@ async def completions(state: ProxyState, request: Request, ctx: RequestContext, 
     body = state.tenants.cache_salted(tenant, body)
     ctx.model = body["model"]
     ctx.stream = bool(body.get("stream"))
-    budget = CompletionBudget.admit(state, tenant, body)
+    budget = await CompletionBudget.admit(state, tenant, body)
     await budget.reserve()
     client_wants_usage = True
     if ctx.stream:
@@ -58,6 +60,8 @@ COMPLETIONS = Wire("/completions", answer_list="choices")
 VLLM_COMPLETIONS_MAX_TOKENS = 16
 EMBEDDINGS = Wire("/embeddings")
 MODELS = Wire("/models")
+# Engines whose completions run to the end of the context without max_tokens (llama.cpp's n_predict -1).
+UNBOUNDED_ENGINES = (LLAMA_SERVER, OLLAMA)
 
 
 class CompletionBudget:
@@ -70,12 +74,13 @@ class CompletionBudget:
     ) -> None:
         self._state, self._tenant, self._budget, self._limits = state, tenant, budget, limits
         self._prompt, self._amount = prompt, amount
+        self._tokens_per_event = 1
         self._reservation: Reservation | None = None
         self._unreserved = False
         self._settlement: Coroutine[Any, Any, None] | None = None
 
     @classmethod
-    def admit(cls, state: ProxyState, tenant: Tenant, body: dict[str, Any]) -> CompletionBudget:
+    async def admit(cls, state: ProxyState, tenant: Tenant, body: dict[str, Any]) -> CompletionBudget:
         model = str(body.get("model"))
         budget = budget_for(state.settings, model, tenant.budget)
         limits = usage_limits(budget, tenant.name, None)
@@ -85,9 +90,15 @@ class CompletionBudget:
         prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
         # The prompt as JSON: at least one byte per token for text, and for token ids alike.
         ceiling = prompt_ceiling(len(dumps(prompt)) if prompt is not None else 0, prompts)
-        # Without max_tokens vLLM's completions generate 16 tokens (its CompletionRequest's default).
-        completion = completion_allowance(body, budget, engine_default=VLLM_COMPLETIONS_MAX_TOKENS) * prompts
-        return cls(state, tenant.name, budget, limits, ceiling, ceiling + completion)
+        # Without max_tokens vLLM's completions generate 16 tokens (its CompletionRequest's default);
+        # llama-server's (and Ollama's) to the end of the context (n_predict -1), as vLLM's do with
+        # an explicit null.
+        context = await state.models.max_model_len(model)
+        default = VLLM_COMPLETIONS_MAX_TOKENS if state.models.engine(model) not in UNBOUNDED_ENGINES else None
+        completion = completion_allowance(body, budget, context, engine_default=default) * prompts
+        admitted = cls(state, tenant.name, budget, limits, ceiling, ceiling + completion)
+        admitted._tokens_per_event = tokens_per_event(body)
+        return admitted
 
     async def reserve(self) -> None:
         if not self._limits:
@@ -111,7 +122,7 @@ class CompletionBudget:
             self._settlement = self.settle(answer.usage, answered=answer.ok)
 
     def cut_short(self, usage: Usage | None, events: int) -> None:
-        self._settlement = self.settle_cut_short(usage, events)
+        self._settlement = self.settle_cut_short(usage, events * self._tokens_per_event)
 
     def failed(self, error: ProxyError | None) -> None:
         self._settlement = self.settle(None, answered=False)
@@ -134,13 +145,13 @@ class CompletionBudget:
         elif not answered:
             await self._settle_to(0)
 
-    async def settle_cut_short(self, usage: Usage | None, events: int) -> None:
-        """A stream that stopped short: what the backend reported, else the prompt and a token per
-        event relayed (vLLM streams about one per event), never more than was reserved."""
+    async def settle_cut_short(self, usage: Usage | None, tokens: int) -> None:
+        """A stream that stopped short: what the backend reported, else the prompt and the tokens
+        its events relayed could carry (``tokens_per_event`` each), never more than was reserved."""
         if usage is not None:
             await self._settle_to(usage.total_tokens)
         else:
-            await self._settle_to(min(self._amount, self._prompt + events))
+            await self._settle_to(min(self._amount, self._prompt + tokens))
 
     async def _settle_to(self, spent: int) -> None:
         reservation, self._reservation = self._reservation, None
