@@ -86,7 +86,32 @@ def conflict(loc: tuple[str | int, ...], message: str) -> PydanticCustomError:
 def _port(value: int) -> int:
     if not 1 <= value <= 65535:
         raise ValueError("a port is a number from 1 to 65535")
+    if _needs_privilege(value):
+        raise ValueError(
+            f"port {value} needs the privilege to bind low ports (CAP_NET_BIND_SERVICE), which this process "
+            "lacks: choose a port of 1024 or above (8080 is the default), or grant the capability"
+        )
     return value
+
+
+# Linux: the first port any process may bind, and the capability that binds below it.
+UNPRIVILEGED_PORT_START = Path("/proc/sys/net/ipv4/ip_unprivileged_port_start")
+PROCESS_STATUS = Path("/proc/self/status")
+CAP_NET_BIND_SERVICE = 10
+
+
+def _needs_privilege(port: int) -> bool:
+    """Whether binding ``port`` here needs a capability this process does not hold (Linux; False where
+    /proc does not say)."""
+    try:
+        start = int(UNPRIVILEGED_PORT_START.read_text())
+        status = PROCESS_STATUS.read_text()
+    except (OSError, ValueError):
+        return False
+    if port >= start:
+        return False
+    effective = next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), None)
+    return effective is not None and not int(effective, 16) >> CAP_NET_BIND_SERVICE & 1
 
 
 Port = Annotated[int, AfterValidator(_port)]

@@ -408,3 +408,24 @@ def test_a_list_given_item_by_item_in_the_environment_is_named_with_its_form(mon
         "PREFIX_PROXY_TENANTS__0__NAME (a list is one variable holding JSON: PREFIX_PROXY_TENANTS='[...]', "
         "not one per item): input should be a valid list"
     ], found
+
+
+def test_a_port_this_process_cannot_bind_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Port 80 without CAP_NET_BIND_SERVICE: check-config passed and serve exited on the bind (a
+    review); now check-config says so, reading what Linux reads (the first unprivileged port, the
+    process's effective capabilities)."""
+    import proxy.config as config
+
+    start = tmp_path / "ip_unprivileged_port_start"
+    status = tmp_path / "status"
+    start.write_text("1024\n")
+    monkeypatch.setattr(config, "UNPRIVILEGED_PORT_START", start)
+    monkeypatch.setattr(config, "PROCESS_STATUS", status)
+    status.write_text("Name:\tprefix-proxy\nCapEff:\t0000000000000000\n")  # no capability
+    assert problems(port=80) == [
+        "--port: port 80 needs the privilege to bind low ports (CAP_NET_BIND_SERVICE), which this process "
+        "lacks: choose a port of 1024 or above (8080 is the default), or grant the capability (got 80)"
+    ]
+    assert problems(port=8080) == []
+    status.write_text("Name:\tprefix-proxy\nCapEff:\t0000000000000400\n")  # CAP_NET_BIND_SERVICE
+    assert problems(port=80) == []
