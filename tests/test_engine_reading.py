@@ -8,6 +8,7 @@ context. Spending is measured from the answers' own ``usage``, never from the pr
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -246,3 +247,29 @@ def test_a_content_part_whose_type_is_not_a_string_is_a_400(kind: Any) -> None:
     with pytest.raises(InvalidRequest) as responses:
         validate_request({"model": "m", "input": [{"role": "user", "content": [{"type": kind, "text": "x"}]}]})
     assert responses.value.param == "input[0].content[0].type"
+
+
+def test_a_stream_its_client_leaves_is_charged_what_its_events_could_carry(
+    make_proxy: Callable[..., LiveServer], small_backend: LiveServer
+) -> None:
+    """vLLM sends an event every ``stream_interval`` tokens: a stream the client leaves after its
+    first event brings no usage, and was charged the prompt and one token, whatever the interval
+    (a review: 8 streams of ``stream_interval: 1000`` passed a 2,000-token budget). Charged 1,000
+    tokens for that event, the next request of 1,000 no longer fits."""
+    tenants = [
+        {"name": "acme", "api_key": KEY, "budget": {"tenant_tokens_per_window": 2000, "window_s": steady_window_s()}}
+    ]
+    server = make_proxy(upstream=small_backend.url + "/v1", tenants=tenants)
+    headers = {"authorization": f"Bearer {KEY}"}
+    path, body = _chat(0, {"max_tokens": 1000, "stream": True, "stream_interval": 1000})
+    # A token every 50 ms: the engine is still generating when the client leaves (the proxy then
+    # closes the upstream, as vLLM aborts, and no usage comes).
+    body = {**body, "fake_options": {"reply": LONG_REPLY, "chunk_delay_s": 0.05}}
+    with httpx.stream("POST", server.url + path, json=body, headers=headers, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # the client leaves after the first event
+    time.sleep(1.0)  # the proxy settles once it sees the client gone
+    status, _ = _send(server, _chat(1, {"max_tokens": 1000}))
+    assert status == 429
