@@ -8,6 +8,7 @@ from proxy.chat.budget import (
     context_limit,
     effective_budget,
     prompt_ceiling,
+    tokens_per_event,
     usage_limits,
 )
 from proxy.chat.compaction import CompactionService
@@ -27,5 +28,6 @@ __all__ = [
     "effective_budget",
     "prompt_ceiling",
     "routing_key",
+    "tokens_per_event",
     "usage_limits",
 ]

@@ -12,8 +12,14 @@ from starlette.routing import Route
 
 from proxy.app_state import ProxyState
 from proxy.backends import LLAMA_SERVER, OLLAMA
-from proxy.chat import budget_for, budget_refused, completion_allowance, prompt_ceiling, usage_limits
-from proxy.chat.budget import tokens_per_event
+from proxy.chat import (
+    budget_for,
+    budget_refused,
+    completion_allowance,
+    prompt_ceiling,
+    tokens_per_event,
+    usage_limits,
+)
 from proxy.config import BudgetSettings
 from proxy.http import (
     ProxyError,
