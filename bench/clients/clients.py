@@ -135,15 +135,20 @@ class OpenCode(Client):
     name = "opencode"
     protocol = "chat"
     session_header = "x-session-id"
+    # What differs between opencode and its forks (Kilo Code): the package, its command, its config
+    # file (under ~/.config) and schema, and the prefix of its environment switches.
+    package, command = "opencode-ai@1.18.33", "opencode"
+    config_file, schema = "opencode/opencode.json", "https://opencode.ai/config.json"
+    environment_prefix = "OPENCODE"
 
     def install(self) -> Path:
-        return install.npm_package(self.name, "opencode-ai@1.18.33", "opencode")
+        return install.npm_package(self.name, self.package, self.command)
 
     def prepare(self, ws: Workspace) -> dict[str, str]:
-        config_dir = ws.home / ".config" / "opencode"
-        config_dir.mkdir(parents=True, exist_ok=True)
+        path = ws.home / ".config" / self.config_file
+        path.parent.mkdir(parents=True, exist_ok=True)
         config = {
-            "$schema": "https://opencode.ai/config.json",
+            "$schema": self.schema,
             "provider": {
                 "bench": {
                     "npm": "@ai-sdk/openai-compatible",
@@ -157,13 +162,9 @@ class OpenCode(Client):
             "autoupdate": False,
             "share": "disabled",
         }
-        (config_dir / "opencode.json").write_text(json.dumps(config, indent=2))
-        return {
-            "OPENCODE_DISABLE_AUTOUPDATE": "1",
-            "OPENCODE_DISABLE_MODELS_FETCH": "1",
-            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
-            "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
-        }
+        path.write_text(json.dumps(config, indent=2))
+        switches = ("AUTOUPDATE", "MODELS_FETCH", "LSP_DOWNLOAD", "DEFAULT_PLUGINS")
+        return {f"{self.environment_prefix}_DISABLE_{switch}": "1" for switch in switches}
 
     def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
         more = [] if index == 0 else ["--continue"]
@@ -326,45 +327,14 @@ class ContinueCLI(Client):
         return [str(binary), "--config", ws.state["config"], "-p", *more, prompt]
 
 
-class KiloCode(Client):
+class KiloCode(OpenCode):
     """Kilo Code's CLI (``kilo run``, an OpenCode fork) on a ``kilo.json`` naming an OpenAI-compatible
     provider. 7.7.7: 7.8.1 on npm lacks its platform packages (``@kilocode/cli-linux-x64@7.8.1``)."""
 
     name = "kilo-code"
-    protocol = "chat"
-
-    def install(self) -> Path:
-        return install.npm_package(self.name, "@kilocode/cli@7.7.7", "kilo")
-
-    def prepare(self, ws: Workspace) -> dict[str, str]:
-        config_dir = ws.home / ".config" / "kilo"
-        config_dir.mkdir(parents=True, exist_ok=True)
-        config = {
-            "$schema": "https://app.kilo.ai/config.json",
-            "provider": {
-                "bench": {
-                    "npm": "@ai-sdk/openai-compatible",
-                    "name": "bench",
-                    "options": {"baseURL": ws.openai_base, "apiKey": DUMMY_KEY},
-                    "models": {ws.model: {"name": ws.model}},
-                }
-            },
-            "model": f"bench/{ws.model}",
-            "small_model": f"bench/{ws.model}",
-            "autoupdate": False,
-            "share": "disabled",
-        }
-        (config_dir / "kilo.json").write_text(json.dumps(config, indent=2))
-        return {
-            "KILO_DISABLE_AUTOUPDATE": "1",
-            "KILO_DISABLE_MODELS_FETCH": "1",
-            "KILO_DISABLE_LSP_DOWNLOAD": "1",
-            "KILO_DISABLE_DEFAULT_PLUGINS": "1",
-        }
-
-    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
-        more = [] if index == 0 else ["--continue"]
-        return [str(binary), "run", "-m", f"bench/{ws.model}", *more, prompt]
+    package, command = "@kilocode/cli@7.7.7", "kilo"
+    config_file, schema = "kilo/kilo.json", "https://app.kilo.ai/config.json"
+    environment_prefix = "KILO"
 
 
 class ClineCLI(Client):
