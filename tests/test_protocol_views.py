@@ -336,3 +336,25 @@ def test_a_responses_input_is_viewed_once_and_a_call_joins_the_message_before_it
     # The first request's view is untouched by the second's (the call joined a new message).
     again = ResponsesView.of(first, namespace="responses-once")
     assert "tool_calls" not in again.chat["messages"][-1]
+
+
+def test_the_unchanged_lead_is_restored_as_the_whole_alignment_restores_it() -> None:
+    """The client messages that lead the forwarded list unchanged (after a system prompt that alone
+    changed) are taken at once; what that gives is what aligning every message gives."""
+    import random
+
+    for seed in range(60):
+        rng = random.Random(seed)
+        body = _anthropic_conversation(rng.randint(1, 12))
+        view = AnthropicView.of(body, namespace=f"lead-{seed}")
+        forwarded = list(view.chat["messages"])
+        if rng.random() < 0.7:  # the clock moved out of the system prompt
+            forwarded[0] = {"role": "system", "content": "Be brief."}
+        if rng.random() < 0.7:  # ... and into a block before the last user turn
+            forwarded.insert(len(forwarded) - 1, {"role": "system", "content": "It is 10:00."})
+        if rng.random() < 0.3 and len(forwarded) > 4:  # a rewritten message in the middle
+            at = rng.randint(1, len(forwarded) - 2)
+            forwarded[at] = {**forwarded[at], "content": str(forwarded[at].get("content")) + "!"}
+        fast = view.restore_messages(forwarded)
+        slow_view = AnthropicView(view.body, view.chat, view.sources, view.actions)  # no ends: every message aligned
+        assert json.dumps(fast, default=repr) == json.dumps(slow_view.restore_messages(forwarded), default=repr), seed

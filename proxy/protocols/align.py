@@ -38,8 +38,8 @@ def align(view: Sequence[Any], forwarded: Sequence[Any]) -> list[Aligned]:
     # Most of a conversation is forwarded as it came, and the pipeline's copies share their values
     # with the view's messages (equal at the cost of an identity check each): the equal runs at both
     # ends are matched without serializing a message, and only what lies between is aligned.
-    head = _common_head(view, forwarded)
-    tail = _common_head(view[head:][::-1], forwarded[head:][::-1])
+    head = common_head(view, forwarded)
+    tail = common_head(view[head:][::-1], forwarded[head:][::-1])
     out = [Aligned(i, False) for i in range(head)]
     middle = _anchored(view[head : len(view) - tail], forwarded[head : len(forwarded) - tail])
     out.extend(Aligned(None if m.view is None else head + m.view, m.changed) for m in middle)
@@ -102,7 +102,8 @@ def _once(digests: list[int]) -> dict[int, int]:
 ANCHOR_MIN = 16
 
 
-def _common_head(a: Sequence[Any], b: Sequence[Any]) -> int:
+def common_head(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading messages of the two lists are the same message (the very object, or equal)."""
     count = 0
     for x, y in zip(a, b, strict=False):
         # Equal as values: the same message (the pipeline changes text, never a key's order or a number's type).

@@ -19,6 +19,7 @@ itself (order by name, key order), which the view then mirrors.
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,7 @@ from proxy.openai import (
     sort_keys_deep,
     token_count,
 )
-from proxy.protocols.align import align
+from proxy.protocols.align import Aligned, align, common_head
 from proxy.protocols.base import (
     Diagnosis,
     DiagnosticsAsk,
@@ -193,6 +194,21 @@ class AnthropicView:
             chat["user"] = metadata["user_id"]  # a session id only where sessions.use_user says so
         return cls(body, chat, sources, actions, history_ends, history_at)
 
+    def _unchanged_lead(self, view: Sequence[Any], forwarded: Sequence[Any]) -> tuple[int, int]:
+        """(view messages, client messages) that lead both lists unchanged, whole client messages only,
+        after the system prompt where that alone changed (0, 0 where not known)."""
+        ends = self.history_ends
+        if ends is None:
+            return 0, 0
+        head = common_head(view, forwarded)
+        if not head and self.history_at == 1 and forwarded and _role(forwarded[0]) == "system":
+            # The system prompt changed (lines moved out of it): the history may lead unchanged after it.
+            head = 1 + common_head(view[1:], forwarded[1:])
+        whole = bisect_right(ends, head - self.history_at) - 1
+        if whole <= 0:
+            return 0, 0
+        return self.history_at + ends[whole], whole
+
     def viewed_once(self, index: int) -> bool:
         """Client message ``index`` made exactly one view message."""
         ends = self.history_ends
@@ -237,11 +253,19 @@ class AnthropicView:
         system: Any = _ABSENT if viewed_system else original_system
         if viewed_system:
             system = _system_rest(original_system, self.sources[0].blocks)
-        out: list[dict[str, Any]] = []
+        view = self.chat["messages"]
+        # The client messages whose every view message leads both lists unchanged: the client's own
+        # objects, taken at once (a conversation's history, most of a long one).
+        start, whole = self._unchanged_lead(view, forwarded)
+        if start and viewed_system:
+            changed = forwarded[0] is not view[0] and forwarded[0] != view[0]
+            system = _system_from(forwarded[0], original_system, self.sources[0].blocks) if changed else original_system
+        out: list[dict[str, Any]] = list(self.body["messages"][:whole])
         builder = _MessageBuilder(self, out)
-        for position, (message, aligned) in enumerate(
-            zip(forwarded, align(self.chat["messages"], forwarded), strict=True)
-        ):
+        rest = align(view[start:], forwarded[start:])
+        for position, (message, aligned) in enumerate(zip(forwarded[start:], rest, strict=True), start):
+            if aligned.view is not None:
+                aligned = Aligned(aligned.view + start, aligned.changed)
             source = self.sources[aligned.view] if aligned.view is not None else None
             if source is not None and source.message is None and position == 0:
                 system = (
@@ -859,3 +883,7 @@ class AnthropicMessages(GenerationProtocol):
 
 
 MESSAGES = AnthropicMessages()
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None
