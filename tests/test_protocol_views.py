@@ -358,3 +358,35 @@ def test_the_unchanged_lead_is_restored_as_the_whole_alignment_restores_it() -> 
         fast = view.restore_messages(forwarded)
         slow_view = AnthropicView(view.body, view.chat, view.sources, view.actions)  # no ends: every message aligned
         assert json.dumps(fast, default=repr) == json.dumps(slow_view.restore_messages(forwarded), default=repr), seed
+
+
+def test_the_unchanged_lead_of_a_responses_input_is_restored_as_the_whole_alignment_restores_it() -> None:
+    """Items whose view messages lead the forwarded list unchanged (after instructions that alone
+    changed) are taken at once, up to the first message not made of the next items in order (an
+    item the view leaves out, a call joining its message across one); what that gives is what
+    aligning every message gives."""
+    import random
+
+    for seed in range(60):
+        rng = random.Random(seed)
+        items: list[dict[str, Any]] = []
+        for turn in range(rng.randint(1, 10)):
+            items.append({"role": "user", "content": f"question {turn}"})
+            text = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"a{turn}"}]}
+            items.append(text)
+            if rng.random() < 0.3:
+                items.append({"type": "item_reference", "id": f"ref{turn}"})  # left out of the view
+            if rng.random() < 0.5:
+                items.append({"type": "function_call", "call_id": f"c{turn}", "name": "look", "arguments": "{}"})
+                items.append({"type": "function_call_output", "call_id": f"c{turn}", "output": "1"})
+        items.append({"role": "user", "content": "and now?"})
+        body = {"model": "m", "instructions": "It is 10:00. Be brief.", "input": items, "store": False}
+        view = ResponsesView.of(body, namespace=f"responses-lead-{seed}")
+        forwarded = list(view.chat["messages"])
+        if rng.random() < 0.7:
+            forwarded[0] = {"role": "system", "content": "Be brief."}
+        if rng.random() < 0.7:
+            forwarded.insert(len(forwarded) - 1, {"role": "system", "content": "It is 10:00."})
+        fast = view.restore_input(forwarded)
+        slow_view = ResponsesView(view.body, view.chat, view.sources, view.actions)  # covered unknown
+        assert json.dumps(fast, default=repr) == json.dumps(slow_view.restore_input(forwarded), default=repr), seed

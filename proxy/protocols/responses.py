@@ -35,7 +35,7 @@ from proxy.openai import (
     sort_keys_deep,
     token_count,
 )
-from proxy.protocols.align import align
+from proxy.protocols.align import Aligned, align, common_head
 from proxy.protocols.base import GenerationProtocol, event_payloads, summary_options, texts, tool_views
 
 # Ties a system/developer text part of the view to the client's content part (stripped on the way back).
@@ -137,6 +137,10 @@ class ResponsesView:
     chat: dict[str, Any]
     sources: list[Source]
     actions: list[str] = field(default_factory=list)
+    # The input's view messages start at ``items_at``; the first ``m`` of them are made of items
+    # ``0`` to ``covered[m]``, in order, each once, none left unviewed between (None: not known).
+    items_at: int = 0
+    covered: list[int] | None = None
 
     @classmethod
     def of(cls, body: dict[str, Any], tool_orders: ToolOrders | None = None, namespace: str = "") -> ResponsesView:
@@ -160,7 +164,8 @@ class ResponsesView:
             messages.append({"role": "user", "content": value})
             sources.append(Source(text=True))
         else:
-            viewed, viewed_sources = _input_view(value, namespace)
+            items_at = len(messages)
+            viewed, viewed_sources, covered = _input_view(value, namespace)
             messages.extend(viewed)
             sources.extend(viewed_sources)
         chat: dict[str, Any] = {"model": body["model"], "messages": messages}
@@ -174,7 +179,9 @@ class ResponsesView:
             if key in body:
                 chat[key] = body[key]
         frozen = [s if isinstance(s, Source) else Source(items=tuple(s)) for s in sources]
-        return cls(body, chat, frozen, actions)
+        if isinstance(value, str):
+            return cls(body, chat, frozen, actions)
+        return cls(body, chat, frozen, actions, items_at, covered)
 
     @property
     def previous_response_id(self) -> str | None:
@@ -206,6 +213,20 @@ class ResponsesView:
         )
         return out
 
+    def _unchanged_lead(self, view: Sequence[Any], forwarded: Sequence[Any]) -> tuple[int, int]:
+        """(view messages, items) that lead both lists unchanged, after instructions that alone changed;
+        only messages made of their items in order (0, 0 where not known)."""
+        covered = self.covered
+        if covered is None:
+            return 0, 0
+        head = common_head(view, forwarded)
+        if not head and self.items_at == 1 and forwarded and forwarded[0].get("role") == "system":
+            head = 1 + common_head(view[1:], forwarded[1:])  # the instructions changed (lines moved out)
+        lead = min(head - self.items_at, len(covered) - 1)
+        if lead <= 0:
+            return 0, 0
+        return self.items_at + lead, covered[lead]
+
     def restore_input(self, forwarded: Sequence[dict[str, Any]]) -> tuple[str | None, list[Any]]:
         """(instructions, input items) for these view messages; the string input stays a marker."""
         original_items = self.body["input"] if isinstance(self.body["input"], list) else []
@@ -213,11 +234,19 @@ class ResponsesView:
         viewed_instructions = bool(self.sources) and self.sources[0].instructions
         if viewed_instructions:
             instructions = None  # unless it comes through
-        out: list[Any] = []
-        viewed_items = {i for s in self.sources for i in s.items}
-        pending_unviewed = [i for i in range(len(original_items)) if i not in viewed_items]
         view_messages = self.chat["messages"]
-        for position, (message, aligned) in enumerate(zip(forwarded, align(view_messages, forwarded), strict=True)):
+        # The items whose view messages lead both lists unchanged: the client's own, taken at once.
+        start, upto = self._unchanged_lead(view_messages, forwarded)
+        if start and viewed_instructions:
+            changed = forwarded[0] is not view_messages[0] and forwarded[0] != view_messages[0]
+            instructions = "".join(texts(forwarded[0].get("content"))) if changed else self.body["instructions"]
+        out: list[Any] = list(original_items[:upto])
+        viewed_items = {i for s in self.sources[start:] for i in s.items}
+        pending_unviewed = [i for i in range(upto, len(original_items)) if i not in viewed_items]
+        rest = align(view_messages[start:], forwarded[start:])
+        for position, (message, aligned) in enumerate(zip(forwarded[start:], rest, strict=True), start):
+            if aligned.view is not None:
+                aligned = Aligned(aligned.view + start, aligned.changed)
             source = self.sources[aligned.view] if aligned.view is not None else None
             if source is not None and source.instructions and position == 0:
                 instructions = (
@@ -249,12 +278,14 @@ class ResponsesView:
 
 @dataclass(slots=True)
 class _InputView:
-    """A request's input items and their view messages (``starts[m]``: the first item of message ``m``)."""
+    """A request's input items and their view messages (``starts[m]``: the first item of message ``m``;
+    ``covered``: as :attr:`ResponsesView.covered`)."""
 
     items: list[Any]
     messages: list[dict[str, Any]]
     sources: list[Source]
     starts: list[int]
+    covered: list[int]
 
 
 # The last view of each conversation's input (per tenant): the next request views only what it adds.
@@ -263,7 +294,7 @@ _VIEWED: Continuations[_InputView] = Continuations()
 _VALIDATED: Continuations[list[Any]] = Continuations()
 
 
-def _input_view(items: list[Any], namespace: str) -> tuple[list[dict[str, Any]], list[Any]]:
+def _input_view(items: list[Any], namespace: str) -> tuple[list[dict[str, Any]], list[Any], list[int]]:
     """The view messages of ``items`` and their sources. The leading items that are the very objects
     the conversation's last request viewed take the views made then, up to the last message they
     made, which is viewed again (a function call or reasoning item that follows joins the assistant
@@ -274,18 +305,32 @@ def _input_view(items: list[Any], namespace: str) -> tuple[list[dict[str, Any]],
     shared = identical_prefix(kept.items, items, resumed.shared) if kept is not None else 0
     messages: list[dict[str, Any]] = []
     sources: list[Any] = []
+    covered = [0]
     start = 0
     if kept is not None and shared:
         # The messages made only of items before ``shared``, less the last of them (it may grow).
         whole = bisect_right(kept.starts, shared - 1) - 1
         if whole > 0:
             messages, sources, start = kept.messages[:whole], list(kept.sources[:whole]), kept.starts[whole]
+            covered = kept.covered[: whole + 1]
     for index in range(start, len(items)):
         _add_item(items[index], index, messages, sources)
     frozen = [s if isinstance(s, Source) else Source(items=tuple(s)) for s in sources]
     starts = [s.items[0] if s.items else 0 for s in frozen]
-    resumed.keep(items, _InputView(list(items), messages, frozen, starts))
-    return list(messages), list(frozen)
+    _extend_covered(covered, frozen)  # a lead that stopped short stops at the same message again
+    resumed.keep(items, _InputView(list(items), messages, frozen, starts, covered))
+    return list(messages), list(frozen), covered
+
+
+def _extend_covered(covered: list[int], sources: list[Source]) -> None:
+    """``covered`` (one entry per message so far, and one) carried on while each next message is made
+    of the next items in order; it stops at the first that is not (an item left unviewed, a call
+    joined across one)."""
+    for source in sources[len(covered) - 1 :]:
+        items, first = source.items, covered[-1]
+        if items != tuple(range(first, first + len(items))) or not items:
+            return
+        covered.append(first + len(items))
 
 
 class _TextInput:
