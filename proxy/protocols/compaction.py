@@ -83,7 +83,7 @@ def expand_responses(body: dict[str, Any], unseal: Unseal) -> tuple[dict[str, An
     threshold only instructions (system, developer messages) are kept, and that item is followed
     by the turn it kept. Raises :class:`InvalidCompactionItem`."""
     items = body.get("input")
-    if not isinstance(items, list) or not any(_is(item, COMPACTION) for item in items):
+    if not isinstance(items, list) or _first_index(items, _is_compaction_item, "compaction item") < 0:
         return body, 0
     opened = _opened(items, unseal, lambda index: f"input[{index}]")
     start = _latest_kept(opened)
@@ -150,9 +150,9 @@ def is_trigger_request(body: dict[str, Any]) -> bool:
     items = body.get("input")
     if not isinstance(items, list):
         return False
-    for index, item in enumerate(items[:-1]):
-        if _is(item, TRIGGER):
-            raise InvalidRequest(f"input[{index}]: a compaction_trigger must be the last input item", param="input")
+    first = _first_index(items, _is_trigger, "compaction trigger")
+    if 0 <= first < len(items) - 1:
+        raise InvalidRequest(f"input[{first}]: a compaction_trigger must be the last input item", param="input")
     return bool(items) and _is(items[-1], TRIGGER)
 
 
@@ -308,23 +308,36 @@ def _blocks_expanded(message: dict[str, Any], handoffs: dict[int, Any]) -> dict[
     return {**message, "content": blocks}
 
 
-# The last message lists scanned for compaction blocks, with where the first was (-1: none): a
-# conversation's next request scans only the messages that are not the very objects scanned then.
+# The last lists scanned, per test, with where the first match was (-1: none): a conversation's next
+# request scans only the messages (items) that are not the very objects scanned then.
 _SCANNED: Continuations[tuple[list[Any], int]] = Continuations()
+
+
+def _first_index(items: list[Any], test: Callable[[Any], bool], part: str) -> int:
+    """The index of the first of ``items`` that ``test`` holds for (-1: none)."""
+    resumed = _SCANNED.resume("", items, part)
+    start = 0
+    if resumed.state is not None:
+        kept, first = resumed.state
+        start = identical_prefix(kept, items, resumed.shared)
+        if 0 <= first < start:
+            start = first  # found there then: the same object now
+    found = next((index for index in range(start, len(items)) if test(items[index])), -1)
+    resumed.keep(items, (list(items), found))
+    return found
 
 
 def _first_compaction(messages: list[Any]) -> int:
     """The index of the first message holding a compaction block (-1: none)."""
-    resumed = _SCANNED.resume("", messages, "compaction")
-    start = 0
-    if resumed.state is not None:
-        kept, first = resumed.state
-        start = identical_prefix(kept, messages, resumed.shared)
-        if 0 <= first < start:
-            start = first  # found there then: the same object now
-    found = next((index for index in range(start, len(messages)) if _holds_compaction(messages[index])), -1)
-    resumed.keep(messages, (list(messages), found))
-    return found
+    return _first_index(messages, _holds_compaction, "compaction block")
+
+
+def _is_compaction_item(item: Any) -> bool:
+    return _is(item, COMPACTION)
+
+
+def _is_trigger(item: Any) -> bool:
+    return _is(item, TRIGGER)
 
 
 def _holds_compaction(message: Any) -> bool:
