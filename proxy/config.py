@@ -161,6 +161,7 @@ def _addresses_of(host: str) -> set[str]:
         return {host}
     return {str(address[0]) for *_, address in found} | {host}
 
+
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
@@ -622,8 +623,6 @@ class RoutingSettings(Section):
     _split_key_headers = field_validator("key_headers", "echo_headers", mode="before")(_string_list)
     _header_names = field_validator("key_headers", "echo_headers")(_router_headers)
 
-
-
     @field_validator("health_check_interval_s")
     @classmethod
     def _checkable(cls, value: float) -> float:
@@ -635,6 +634,7 @@ class RoutingSettings(Section):
                 f"give at least {MIN_HEALTH_CHECK_INTERVAL_S} (5 is the default), or 0 to turn active checks off"
             )
         return value
+
 
 class ReplicaSettings(Section):
     """Several proxy replicas behind a load balancer (docs/routing.md, "Replicas that agree")."""
