@@ -4,7 +4,7 @@ A leaf: it imports nothing else from the proxy, so every part (and ``summarizer`
 """
 
 from proxy.openai.assistant import AssistantRecorder, ToolCall
-from proxy.openai.continuation import Continuations, Resumption, identical_prefix, shared_length
+from proxy.openai.continuation import Continuations, Resumption, shared_length
 from proxy.openai.jsoncanon import canonical_arguments, canonical_dumps, sort_keys_deep
 from proxy.openai.jsonio import (
     MAX_DEPTH,
@@ -56,7 +56,6 @@ __all__ = [
     "dumps_body",
     "expire_idle_lists",
     "extend_links",
-    "identical_prefix",
     "is_text_parts",
     "leading_system_count",
     "link_hash",

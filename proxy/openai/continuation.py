@@ -110,21 +110,37 @@ class Resumption(Generic[State]):
     the list ``state`` was derived from (0 and None: nothing to resume). :meth:`keep` records the
     request's list and the part's state for the next request of the conversation."""
 
-    __slots__ = ("_kept", "_key", "_matched", "_memory", "_part", "shared", "state")
+    __slots__ = ("_from", "_kept", "_key", "_matched", "_memory", "_messages", "_part", "shared", "state")
 
     def __init__(
-        self, memory: Continuations[State], key: Hashable, part: str, kept: _Kept | None = None, matched: int = 0
+        self,
+        memory: Continuations[State],
+        key: Hashable,
+        part: str,
+        kept: _Kept | None = None,
+        matched: int = 0,
+        messages: Sequence[Any] = (),
     ) -> None:
         self._memory, self._key, self._part, self._kept, self._matched = memory, key, part, kept, matched
+        self._messages = messages
+        self._from: Sequence[Any] = ()  # the list ``state`` was derived from
         self.shared, self.state = 0, None
         if kept is None or not matched:
             return
         if part in kept.states:
-            self.shared, self.state = matched, kept.states[part]
+            self.shared, self.state, self._from = matched, kept.states[part], kept.messages
         elif kept.base is not None and part in kept.base.states and kept.base_shared:
             # Another part read this very list first in this request: this part resumes from the
             # list before it, as far as the two agree.
             self.shared, self.state = min(matched, kept.base_shared), kept.base.states[part]
+            self._from = kept.base.messages
+
+    def identical(self) -> int:
+        """How many of the ``shared`` leading messages are the very objects ``state`` was derived from:
+        what a part may take where it passes on values, not digests (an object equal by ``==`` may
+        differ as JSON: ``1`` for ``true``, keys in another order). A long body's history comes back
+        from the resumed parse (:mod:`proxy.openai.resumedjson`) as those objects."""
+        return identical_prefix(self._from, self._messages, self.shared) if self.shared else 0
 
     def keep(self, messages: Sequence[Any], state: State) -> None:
         if self._key is None:
@@ -163,7 +179,7 @@ class Continuations(Generic[State]):
                 best, matched = kept, count
             if count == len(kept.messages):
                 break  # the list continues this one whole: the most a candidate can give
-        return Resumption(self, key, part, best, matched)
+        return Resumption(self, key, part, best, matched, messages)
 
     def __len__(self) -> int:
         return len(self._kept)

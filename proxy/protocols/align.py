@@ -102,6 +102,20 @@ def _once(digests: list[int]) -> dict[int, int]:
 ANCHOR_MIN = 16
 
 
+def unchanged_lead(view: Sequence[Any], forwarded: Sequence[Any], system_first: bool) -> int:
+    """How many leading messages the two lists hold unchanged; where the view opens with the client's
+    system prompt (``system_first``) and that alone changed (lines moved out of it), counted past it."""
+    head = common_head(view, forwarded)
+    if not head and system_first and forwarded and _role(forwarded[0]) == "system":
+        head = 1 + common_head(view[1:], forwarded[1:])
+    return head
+
+
+def same_message(a: Any, b: Any) -> bool:
+    """The same message: the very object, or equal (as :func:`common_head` compares them)."""
+    return a is b or (type(a) is type(b) and a == b)
+
+
 def common_head(a: Sequence[Any], b: Sequence[Any]) -> int:
     """How many leading messages of the two lists are the same message (the very object, or equal)."""
     count = 0

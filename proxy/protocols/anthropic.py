@@ -41,11 +41,10 @@ from proxy.openai import (
     Continuations,
     ToolCall,
     Usage,
-    identical_prefix,
     sort_keys_deep,
     token_count,
 )
-from proxy.protocols.align import Aligned, align, common_head
+from proxy.protocols.align import Aligned, align, same_message, unchanged_lead
 from proxy.protocols.base import (
     Diagnosis,
     DiagnosticsAsk,
@@ -200,10 +199,7 @@ class AnthropicView:
         ends = self.history_ends
         if ends is None:
             return 0, 0
-        head = common_head(view, forwarded)
-        if not head and self.history_at == 1 and forwarded and _role(forwarded[0]) == "system":
-            # The system prompt changed (lines moved out of it): the history may lead unchanged after it.
-            head = 1 + common_head(view[1:], forwarded[1:])
+        head = unchanged_lead(view, forwarded, system_first=self.history_at == 1)
         whole = bisect_right(ends, head - self.history_at) - 1
         if whole <= 0:
             return 0, 0
@@ -258,8 +254,10 @@ class AnthropicView:
         # objects, taken at once (a conversation's history, most of a long one).
         start, whole = self._unchanged_lead(view, forwarded)
         if start and viewed_system:
-            changed = forwarded[0] is not view[0] and forwarded[0] != view[0]
-            system = _system_from(forwarded[0], original_system, self.sources[0].blocks) if changed else original_system
+            if not same_message(forwarded[0], view[0]):
+                system = _system_from(forwarded[0], original_system, self.sources[0].blocks)
+            else:
+                system = original_system
         out: list[dict[str, Any]] = list(self.body["messages"][:whole])
         builder = _MessageBuilder(self, out)
         rest = align(view[start:], forwarded[start:])
@@ -287,9 +285,8 @@ class AnthropicView:
 
 @dataclass(slots=True)
 class _HistoryView:
-    """A request's client messages and their view: ``ends[k]``, the view messages the first ``k`` made."""
+    """A request's view of the client's messages: ``ends[k]``, the view messages the first ``k`` made."""
 
-    client: list[Any]
     messages: list[dict[str, Any]]
     sources: list[Source]
     ends: list[int]
@@ -308,7 +305,7 @@ def _history_view(history: list[Any], namespace: str) -> tuple[list[dict[str, An
     the same (``1`` for ``true``) is taken. Per request, work for the messages it adds."""
     resumed = _VIEWED.resume(namespace, history, "anthropic")
     kept = resumed.state
-    shared = identical_prefix(kept.client, history, resumed.shared) if kept is not None else 0
+    shared = resumed.identical()
     if kept is not None and shared:
         end = kept.ends[shared]
         messages, sources, ends = kept.messages[:end], kept.sources[:end], kept.ends[: shared + 1]
@@ -319,8 +316,9 @@ def _history_view(history: list[Any], namespace: str) -> tuple[list[dict[str, An
             messages.append(view_message)
             sources.append(Source(index, blocks))
         ends.append(len(messages))
-    resumed.keep(history, _HistoryView(list(history), messages, sources, ends))
-    return list(messages), list(sources), list(ends)
+    resumed.keep(history, _HistoryView(messages, sources, ends))
+    # Kept as they are from here on: the caller copies the messages and sources into its own lists.
+    return messages, sources, ends
 
 
 class _Absent:
@@ -883,7 +881,3 @@ class AnthropicMessages(GenerationProtocol):
 
 
 MESSAGES = AnthropicMessages()
-
-
-def _role(message: Any) -> Any:
-    return message.get("role") if isinstance(message, dict) else None

@@ -26,7 +26,7 @@ from functools import partial
 from typing import Any, TypeGuard
 
 from proxy.http import EventData, InvalidRequest, event_data
-from proxy.openai import Continuations, Usage, dumps, identical_prefix
+from proxy.openai import Continuations, Usage, dumps
 from summarizer import SUMMARY_HEADER
 
 COMPACTION = "compaction"
@@ -310,20 +310,18 @@ def _blocks_expanded(message: dict[str, Any], handoffs: dict[int, Any]) -> dict[
 
 # The last lists scanned, per test, with where the first match was (-1: none): a conversation's next
 # request scans only the messages (items) that are not the very objects scanned then.
-_SCANNED: Continuations[tuple[list[Any], int]] = Continuations()
+_SCANNED: Continuations[int] = Continuations()
 
 
 def _first_index(items: list[Any], test: Callable[[Any], bool], part: str) -> int:
     """The index of the first of ``items`` that ``test`` holds for (-1: none)."""
     resumed = _SCANNED.resume("", items, part)
-    start = 0
-    if resumed.state is not None:
-        kept, first = resumed.state
-        start = identical_prefix(kept, items, resumed.shared)
-        if 0 <= first < start:
-            start = first  # found there then: the same object now
+    start = resumed.identical()
+    first = resumed.state
+    if first is not None and 0 <= first < start:
+        start = first  # found there then: the same object now
     found = next((index for index in range(start, len(items)) if test(items[index])), -1)
-    resumed.keep(items, (list(items), found))
+    resumed.keep(items, found)
     return found
 
 

@@ -31,11 +31,10 @@ from proxy.openai import (
     Continuations,
     ToolCall,
     Usage,
-    identical_prefix,
     sort_keys_deep,
     token_count,
 )
-from proxy.protocols.align import Aligned, align, common_head
+from proxy.protocols.align import Aligned, align, same_message, unchanged_lead
 from proxy.protocols.base import GenerationProtocol, event_payloads, summary_options, texts, tool_views
 
 # Ties a system/developer text part of the view to the client's content part (stripped on the way back).
@@ -62,11 +61,10 @@ def validate_request(body: dict[str, Any], namespace: str = "") -> None:
     if isinstance(value, list):
         # Items that are the very objects validated in the last request of the conversation (a long
         # body's history, from the resumed parse) passed then; the rest are checked.
-        resumed = _VALIDATED.resume(namespace, value, "validated")
-        start = identical_prefix(resumed.state, value, resumed.shared) if resumed.state is not None else 0
-        for index in range(start, len(value)):
+        resumed = _INPUTS.resume(namespace, value, "validated")
+        for index in range(resumed.identical(), len(value)):
             _validate_item(value[index], f"input[{index}]")
-        resumed.keep(value, list(value))
+        resumed.keep(value, True)
     for key, kind, what in (
         ("instructions", str, "a string"),
         ("previous_response_id", str, "a string"),
@@ -154,7 +152,7 @@ class ResponsesView:
         body = dict(body)
         actions = [str(action) for action in canonicalize_tool_fields(body, tool_orders, namespace)]
         messages: list[dict[str, Any]] = []
-        sources: list[list[int] | Source] = []
+        sources: list[Source] = []
         instructions = body.get("instructions")
         if isinstance(instructions, str) and instructions and body.get("previous_response_id") is None:
             messages.append({"role": "system", "content": instructions})
@@ -178,10 +176,9 @@ class ResponsesView:
         for key in ("stream", "prompt_cache_key", "user", "cache_salt"):
             if key in body:
                 chat[key] = body[key]
-        frozen = [s if isinstance(s, Source) else Source(items=tuple(s)) for s in sources]
         if isinstance(value, str):
-            return cls(body, chat, frozen, actions)
-        return cls(body, chat, frozen, actions, items_at, covered)
+            return cls(body, chat, sources, actions)
+        return cls(body, chat, sources, actions, items_at, covered)
 
     @property
     def previous_response_id(self) -> str | None:
@@ -219,9 +216,7 @@ class ResponsesView:
         covered = self.covered
         if covered is None:
             return 0, 0
-        head = common_head(view, forwarded)
-        if not head and self.items_at == 1 and forwarded and forwarded[0].get("role") == "system":
-            head = 1 + common_head(view[1:], forwarded[1:])  # the instructions changed (lines moved out)
+        head = unchanged_lead(view, forwarded, system_first=self.items_at == 1)
         lead = min(head - self.items_at, len(covered) - 1)
         if lead <= 0:
             return 0, 0
@@ -238,8 +233,8 @@ class ResponsesView:
         # The items whose view messages lead both lists unchanged: the client's own, taken at once.
         start, upto = self._unchanged_lead(view_messages, forwarded)
         if start and viewed_instructions:
-            changed = forwarded[0] is not view_messages[0] and forwarded[0] != view_messages[0]
-            instructions = "".join(texts(forwarded[0].get("content"))) if changed else self.body["instructions"]
+            unchanged = same_message(forwarded[0], view_messages[0])
+            instructions = self.body["instructions"] if unchanged else "".join(texts(forwarded[0].get("content")))
         out: list[Any] = list(original_items[:upto])
         viewed_items = {i for s in self.sources[start:] for i in s.items}
         pending_unviewed = [i for i in range(upto, len(original_items)) if i not in viewed_items]
@@ -281,17 +276,16 @@ class _InputView:
     """A request's input items and their view messages (``starts[m]``: the first item of message ``m``;
     ``covered``: as :attr:`ResponsesView.covered`)."""
 
-    items: list[Any]
     messages: list[dict[str, Any]]
     sources: list[Source]
     starts: list[int]
     covered: list[int]
 
 
-# The last view of each conversation's input (per tenant): the next request views only what it adds.
-_VIEWED: Continuations[_InputView] = Continuations()
-# The last input lists validated per conversation (per tenant).
-_VALIDATED: Continuations[list[Any]] = Continuations()
+# The last input of each conversation (per tenant), with what was derived from it (its validation
+# passed, its view): the next request validates and views only what it adds. One memory for both
+# parts: the second finds the list the first kept.
+_INPUTS: Continuations[Any] = Continuations()
 
 
 def _input_view(items: list[Any], namespace: str) -> tuple[list[dict[str, Any]], list[Any], list[int]]:
@@ -300,26 +294,29 @@ def _input_view(items: list[Any], namespace: str) -> tuple[list[dict[str, Any]],
     made, which is viewed again (a function call or reasoning item that follows joins the assistant
     message before it). What goes upstream is made from this request's own items
     (:meth:`ResponsesView.restore_input` takes the client's item for each unchanged message)."""
-    resumed = _VIEWED.resume(namespace, items, "responses")
-    kept = resumed.state
-    shared = identical_prefix(kept.items, items, resumed.shared) if kept is not None else 0
+    resumed = _INPUTS.resume(namespace, items, "view")
+    kept: _InputView | None = resumed.state
+    shared = resumed.identical()
     messages: list[dict[str, Any]] = []
     sources: list[Any] = []
+    starts: list[int] = []
     covered = [0]
     start = 0
     if kept is not None and shared:
         # The messages made only of items before ``shared``, less the last of them (it may grow).
         whole = bisect_right(kept.starts, shared - 1) - 1
         if whole > 0:
-            messages, sources, start = kept.messages[:whole], list(kept.sources[:whole]), kept.starts[whole]
-            covered = kept.covered[: whole + 1]
+            messages, sources, start = kept.messages[:whole], kept.sources[:whole], kept.starts[whole]
+            starts, covered = kept.starts[:whole], kept.covered[: whole + 1]
+    made = len(sources)  # the sources before are frozen already
     for index in range(start, len(items)):
         _add_item(items[index], index, messages, sources)
-    frozen = [s if isinstance(s, Source) else Source(items=tuple(s)) for s in sources]
-    starts = [s.items[0] if s.items else 0 for s in frozen]
-    _extend_covered(covered, frozen)  # a lead that stopped short stops at the same message again
-    resumed.keep(items, _InputView(list(items), messages, frozen, starts, covered))
-    return list(messages), list(frozen), covered
+    sources[made:] = [Source(items=tuple(items)) for items in sources[made:]]
+    starts.extend(source.items[0] if source.items else 0 for source in sources[made:])
+    _extend_covered(covered, sources)  # a lead that stopped short stops at the same message again
+    resumed.keep(items, _InputView(messages, sources, starts, covered))
+    # Kept as they are from here on: the caller copies the messages and sources into its own lists.
+    return messages, sources, covered
 
 
 def _extend_covered(covered: list[int], sources: list[Source]) -> None:
