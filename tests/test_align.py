@@ -20,6 +20,21 @@ def whole_diff(view: list[Any], forwarded: list[Any]) -> list[Aligned]:
     return align_module._diff(view, forwarded)
 
 
+def assert_aligns_as_the_whole_diff(view: list[Any], forwarded: list[Any]) -> None:
+    """Each forwarded message stands for a view message of its role, in order, and is marked changed
+    exactly when it differs from it; no fewer are found unchanged than the whole diff finds."""
+    aligned = align(view, forwarded)
+    assert len(aligned) == len(forwarded)
+    for position, pair in enumerate(aligned):
+        if pair.view is not None:
+            assert view[pair.view]["role"] == forwarded[position]["role"]
+            assert pair.changed == (view[pair.view] != forwarded[position])
+    matched = [pair.view for pair in aligned if pair.view is not None]
+    assert matched == sorted(set(matched))
+    unchanged = sum(1 for pair in aligned if pair.view is not None and not pair.changed)
+    assert unchanged >= sum(1 for pair in whole_diff(view, forwarded) if pair.view is not None and not pair.changed)
+
+
 def conversation(turns: int) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse.\nToday is Monday."}]
     for turn in range(turns):
@@ -84,18 +99,7 @@ def test_the_ends_shortcut_agrees_with_the_whole_diff_on_edits_the_pipeline_make
                 del forwarded[at]
             else:
                 forwarded[at] = {**forwarded[at], "content": forwarded[at]["content"] + "!"}
-    aligned = align(view, forwarded)
-    assert len(aligned) == len(forwarded)
-    for position, pair in enumerate(aligned):
-        if pair.view is not None:
-            # Each forwarded message stands for a view message of its role, in order, and is marked
-            # changed exactly when it differs from it.
-            assert view[pair.view]["role"] == forwarded[position]["role"]
-            assert pair.changed == (view[pair.view] != forwarded[position])
-    matched = [pair.view for pair in aligned if pair.view is not None]
-    assert matched == sorted(set(matched))
-    unchanged = sum(1 for pair in aligned if pair.view is not None and not pair.changed)
-    assert unchanged >= sum(1 for pair in whole_diff(view, forwarded) if pair.view is not None and not pair.changed)
+    assert_aligns_as_the_whole_diff(view, forwarded)
 
 
 @pytest.mark.parametrize("seed", range(200))
@@ -119,16 +123,7 @@ def test_long_conversations_align_as_the_whole_diff_does(seed: int, same_objects
             del forwarded[at : at + rng.randint(1, 6)]
         else:
             forwarded[at] = {**forwarded[at], "content": str(forwarded[at].get("content")) + "!"}
-    aligned = align(view, forwarded)
-    assert len(aligned) == len(forwarded)
-    for position, pair in enumerate(aligned):
-        if pair.view is not None:
-            assert view[pair.view]["role"] == forwarded[position]["role"]
-            assert pair.changed == (view[pair.view] != forwarded[position])
-    matched = [pair.view for pair in aligned if pair.view is not None]
-    assert matched == sorted(set(matched))
-    unchanged = sum(1 for pair in aligned if pair.view is not None and not pair.changed)
-    assert unchanged >= sum(1 for pair in whole_diff(view, forwarded) if pair.view is not None and not pair.changed)
+    assert_aligns_as_the_whole_diff(view, forwarded)
 
 
 @pytest.mark.parametrize("same_objects", [True, False])
