@@ -71,9 +71,12 @@ def salt_key_of(material: bytes) -> bytes:
 # ``kv_transfer_params`` and ``ec_transfer_params`` (disaggregated serving: which remote engine's KV or
 # encoder-cache blocks an instance reads, by host and block id, so a tenant naming them would read
 # another's), its ``priority`` (with priority scheduling, a tenant's place ahead of every other's) and
-# llama-server's ``id_slot`` (the slot a request takes, and the conversation held there it evicts).
+# llama-server's ``id_slot`` (the slot a request takes, and the conversation held there it evicts),
+# and vLLM's ``request_id`` (the engine's name for the request, and on the Responses API the key it
+# stores the response and its conversation under: a tenant naming another's response id would
+# overwrite that conversation, and be recorded as an owner of the id).
 # Dropped from a tenant's requests; the proxy names a slot of its own where it keeps a conversation's.
-DEPLOYMENT_FIELDS = frozenset({"kv_transfer_params", "ec_transfer_params", "id_slot", "priority"})
+DEPLOYMENT_FIELDS = frozenset({"kv_transfer_params", "ec_transfer_params", "id_slot", "priority", "request_id"})
 
 SALT_SECRET_NAME = "cache_salt"
 
@@ -179,6 +182,13 @@ class TenantDirectory:
             return body
         salt = tenant_cache_salt(self.salt_key.secret, tenant.name, body.get("cache_salt"))
         return {**body, "cache_salt": salt}
+
+    def without_deployment_fields(self, body: Any) -> Any:
+        """A JSON body forwarded as the client wrote it (embeddings, pooling, scores) without the
+        fields that are the deployment's: ``body`` itself where it has none or the proxy is open."""
+        if self.open or not isinstance(body, dict) or not any(name in body for name in DEPLOYMENT_FIELDS):
+            return body
+        return {name: value for name, value in body.items() if name not in DEPLOYMENT_FIELDS}
 
     async def authenticate(self, authorization: str | None) -> Tenant:
         if self.open:

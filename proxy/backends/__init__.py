@@ -11,9 +11,11 @@ from proxy.backends.engines import (
     GENERIC,
     LLAMA_SERVER,
     OLLAMA,
+    OPENAI_LIMIT_FIELDS,
     context_of,
     context_overflow,
     engine_of,
+    limit_fields,
     refuses_answer_room,
 )
 from proxy.backends.policies import POLICIES, Affinity, LeastInFlight, RoundRobin, RoutingPolicy, make_policy
@@ -27,6 +29,7 @@ __all__ = [
     "LLAMA_SERVER",
     "NO_FIRST_TOKEN",
     "OLLAMA",
+    "OPENAI_LIMIT_FIELDS",
     "POLICIES",
     "STREAM_CUT",
     "TRIAL_EXTENSION",
@@ -46,6 +49,7 @@ __all__ = [
     "context_overflow",
     "engine_of",
     "key_forms",
+    "limit_fields",
     "make_policy",
     "refuses_answer_room",
     "upstream_error_kind",

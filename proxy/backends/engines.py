@@ -46,6 +46,20 @@ def refuses_answer_room(kind: EngineKind) -> bool:
     return kind != LLAMA_SERVER
 
 
+# The fields an engine reads for a completion's limit, the first present winning. vLLM reads
+# ``max_completion_tokens or max_tokens``; llama-server ``n_predict``, then either alias in that order
+# (server-schema.cpp; ``n_predict`` is read apart, see ``proxy.chat.budget``); Ollama's OpenAI API
+# ``max_tokens`` alone (its documented request fields): there ``max_completion_tokens`` limits nothing,
+# and a request with only it generates until the model stops.
+OPENAI_LIMIT_FIELDS = ("max_completion_tokens", "max_tokens")
+_LIMIT_FIELDS: dict[EngineKind, tuple[str, ...]] = {OLLAMA: ("max_tokens",)}
+
+
+def limit_fields(kind: EngineKind) -> tuple[str, ...]:
+    """The request fields ``kind`` reads for the most tokens a completion may take."""
+    return _LIMIT_FIELDS.get(kind, OPENAI_LIMIT_FIELDS)
+
+
 def engine_of(model: Any) -> EngineKind:
     """The engine that lists ``model`` (one entry of ``GET /v1/models``'s ``data``)."""
     if not isinstance(model, dict):

@@ -28,6 +28,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.backends import OPENAI_LIMIT_FIELDS
 from proxy.config import BudgetOverrides, BudgetSettings, Settings
 from proxy.openai import Continuations, message_text, shared_dumps, utf8_size
 from proxy.sessions import UsageLimit, slot_tag
@@ -67,11 +68,15 @@ def effective_budget(
     return budget
 
 
-def requested_completion_tokens(body: dict[str, Any]) -> int | None:
-    """The completion limit: ``max_completion_tokens``, else ``max_tokens``. A 0 in the first is
-    passed over: vLLM refuses it, and an engine that reads ``max_completion_tokens or max_tokens``
-    generates ``max_tokens`` then."""
-    for key in ("max_completion_tokens", "max_tokens"):
+# The fields a completion's limit is read from, the first present winning (vLLM's and OpenAI's).
+DEFAULT_LIMIT_FIELDS = OPENAI_LIMIT_FIELDS
+
+
+def requested_completion_tokens(body: dict[str, Any], fields: tuple[str, ...] = DEFAULT_LIMIT_FIELDS) -> int | None:
+    """The completion limit: the first of ``fields`` (the engine's: ``max_completion_tokens``, else
+    ``max_tokens``) the body sets. A 0 in ``max_completion_tokens`` is passed over: vLLM refuses it,
+    and an engine that reads ``max_completion_tokens or max_tokens`` generates ``max_tokens`` then."""
+    for key in fields:
         value = body.get(key)
         if isinstance(value, int) and value >= 0 and not (value == 0 and key == "max_completion_tokens"):
             return value
@@ -249,13 +254,15 @@ def completion_allowance(
     engine_context: int | None = None,
     *,
     engine_default: int | None = None,
+    fields: tuple[str, ...] = DEFAULT_LIMIT_FIELDS,
 ) -> int:
     """Completion tokens a reservation holds: per completion, ``max_tokens`` (or llama.cpp's
     ``n_predict``, where larger); without it what the engine generates then: ``engine_default``
     where its protocol has one (vLLM's completions: 16), else up to the end of the context
     (``engine_context``, the model's ``max_model_len``), and ``completion_reserve_tokens`` only
-    where the context is unknown; for every completion requested."""
-    completion = requested_completion_tokens(body)
+    where the context is unknown; for every completion requested. ``fields``: those the engine
+    reads for the limit (``proxy.backends.limit_fields``): one it ignores limits nothing."""
+    completion = requested_completion_tokens(body, fields)
     if completion is None:
         # An explicit null is no default: vLLM generates to the context's end then.
         default = engine_default if body.get("max_tokens", _ABSENT) is _ABSENT else None
@@ -280,12 +287,17 @@ def _n_predict(body: dict[str, Any]) -> int | None:
 
 
 def reservation_amount(
-    prompt_tokens: int, body: dict[str, Any], budget: BudgetSettings, engine_context: int | None = None
+    prompt_tokens: int,
+    body: dict[str, Any],
+    budget: BudgetSettings,
+    engine_context: int | None = None,
+    fields: tuple[str, ...] = DEFAULT_LIMIT_FIELDS,
 ) -> int:
-    """The most a request can spend: its prompt and every completion's allowance; with the engine's
-    context known, at most the context per completion (a completion's prompt and answer fit in it:
-    the prompt plus ``n`` answers of at most the context less the prompt is at most ``n`` contexts)."""
-    amount = prompt_tokens + completion_allowance(body, budget, engine_context)
+    """The most a request can spend: its prompt and every completion's allowance (its limit read
+    from ``fields``); with the engine's context known, at most the context per completion (a
+    completion's prompt and answer fit in it: the prompt plus ``n`` answers of at most the context
+    less the prompt is at most ``n`` contexts)."""
+    amount = prompt_tokens + completion_allowance(body, budget, engine_context, fields=fields)
     if engine_context:
         amount = min(amount, engine_context * completions_requested(body))
     return amount

@@ -8,10 +8,11 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from proxy.backends import LLAMA_SERVER, BackendPool, ModelCatalog, refuses_answer_room
+from proxy.backends import LLAMA_SERVER, BackendPool, ModelCatalog, limit_fields, refuses_answer_room
 from proxy.canon import Canonicalizer, CanonResult
 from proxy.chat.admission import budget_refused
 from proxy.chat.budget import (
+    DEFAULT_LIMIT_FIELDS,
     EXACT_COUNT_SLACK,
     ContextCheck,
     RequestSizes,
@@ -105,6 +106,8 @@ class ChatTurn:
     # The model's context at the engine (max_model_len), where known: what a request without
     # max_tokens may generate up to.
     engine_context: int | None = None
+    # The fields the engine reads for a completion's limit (``proxy.backends.limit_fields``).
+    limit_fields: tuple[str, ...] = DEFAULT_LIMIT_FIELDS
     request_bytes: int = 0
     reservation: Reservation | None = None
     # The usage limits of a request admitted without a reservation (the store was down).
@@ -226,7 +229,9 @@ class ChatTurn:
             turn.summary = summary_of(session.record.summary)
         turn._anchor()
         turn.engine_context = await services.models.max_model_len(model)
-        answer_room = refuses_answer_room(services.models.engine(model))
+        engine = services.models.engine(model)
+        turn.limit_fields = limit_fields(engine)
+        answer_room = refuses_answer_room(engine)
         turn.limit = context_limit(budget, turn.engine_context, canonical, answer_room=answer_room)
         if turn._defers_summary():
             turn.summary_deferred = True
@@ -379,14 +384,20 @@ class ChatTurn:
         self.prompt_estimate = prompt_estimate
         forwarded = self.forwarded
         ceiling = prompt_ceiling(self.request_bytes, len(forwarded["messages"])) + self.history_tokens
-        amount = reservation_amount(max(ceiling, prompt_estimate), forwarded, self.budget, self.engine_context)
+        amount = reservation_amount(
+            max(ceiling, prompt_estimate), forwarded, self.budget, self.engine_context, self.limit_fields
+        )
         try:
             reservation = await self.services.sessions.reserve(limits, amount, self.budget.window_s)
             if not reservation.admitted:
                 exact = await self.services.models.count_prompt_tokens(forwarded, self.upstream_auth_headers())
                 if exact is not None:
                     exact_amount = reservation_amount(
-                        exact + EXACT_COUNT_SLACK + self.history_tokens, forwarded, self.budget, self.engine_context
+                        exact + EXACT_COUNT_SLACK + self.history_tokens,
+                        forwarded,
+                        self.budget,
+                        self.engine_context,
+                        self.limit_fields,
                     )
                     if exact_amount < amount:
                         reservation = await self.services.sessions.reserve(limits, exact_amount, self.budget.window_s)

@@ -33,6 +33,11 @@ OVERHEAD_HEADER = "x-prefix-proxy-overhead-ms"
 class RequestContext:
     route: str
     request_id: str = field(default_factory=unique_id)
+    # ``request_id`` is the client's (its ``X-Request-Id``).
+    client_named: bool = False
+    # The id the engine got instead of the client's where tenants share the engine (vLLM names the
+    # request by that header: one tenant's must not collide with another's); None: ``request_id``.
+    engine_request_id: str | None = None
     started: float = field(default_factory=time.perf_counter)
     tenant: str = "anonymous"
     model: str | None = None

@@ -82,6 +82,7 @@ def log_request(ctx: RequestContext, overhead_ms: float, extra: dict[str, Any] |
     fields: dict[str, Any] = {
         "event": "request",
         "request_id": ctx.request_id,
+        **({"engine_request_id": ctx.engine_request_id} if ctx.engine_request_id else {}),
         "route": ctx.route,
         "status": ctx.status,
         "model": ctx.model,

@@ -31,24 +31,53 @@ def leading_system_count(messages: Sequence[Any], limit: int | None = None) -> i
     return count
 
 
+# A message's own fields of text an engine renders beside its content: an assistant's reasoning, which
+# vLLM hands to the chat template (Qwen3's, DeepSeek's render it) under either name.
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def part_text(part: Any) -> str | None:
+    """The text of one content part: its ``text``, else the string under the key its ``type`` names,
+    as vLLM reads ``{"type": "refusal", "refusal": ...}`` and ``{"type": "thinking", "thinking":
+    ...}`` (and renders them as text); None for a part that is not text (an image, audio)."""
+    if not isinstance(part, dict):
+        return None
+    text = part.get("text")
+    if isinstance(text, str):
+        return text
+    kind = part.get("type")
+    named = part.get(kind) if isinstance(kind, str) and kind != "type" else None
+    return named if isinstance(named, str) else None
+
+
 def message_text(message: Mapping[str, Any]) -> str:
-    """All text a chat template would render for one message, concatenated."""
+    """All text a chat template would render for one message, concatenated: its content (every
+    text-bearing part), its reasoning and its tool calls."""
     content = message.get("content")
-    if isinstance(content, str) and not message.get("tool_calls"):
+    if isinstance(content, str) and not message.get("tool_calls") and not _reasons(message):
         return content
     parts: list[str] = []
     if isinstance(content, str):
         parts.append(content)
     elif isinstance(content, list):
         for part in content:
-            if isinstance(part, dict) and isinstance(part.get("text"), str):
-                parts.append(part["text"])
+            text = part_text(part)
+            if text is not None:
+                parts.append(text)
+    for field in REASONING_FIELDS:
+        reasoning = message.get(field)
+        if isinstance(reasoning, str):
+            parts.append(reasoning)
     for call in message.get("tool_calls") or ():
         if isinstance(call, dict):
             fn = call.get("function") or {}
             parts.append(str(fn.get("name", "")))
             parts.append(str(fn.get("arguments", "")))
     return "\n".join(parts)
+
+
+def _reasons(message: Mapping[str, Any]) -> bool:
+    return "reasoning_content" in message or "reasoning" in message
 
 
 def is_text_parts(content: Any) -> TypeGuard[list[dict[str, Any]]]:

@@ -15,6 +15,7 @@ from starlette.responses import Response
 from proxy.app_state import ProxyState, get_state
 from proxy.backends import Redactor, key_forms, upstream_error_kind
 from proxy.http import OPENAI, ErrorDialect, ProxyError, RequestContext, UpstreamError, json_bytes, overhead_header
+from proxy.ids import unique_id
 from proxy.observability import log_request
 from proxy.openai import Usage
 from proxy.tenants import Tenant
@@ -28,8 +29,19 @@ def new_context(request: Request, route: str) -> RequestContext:
     # Sent upstream as a header again: printable ASCII only (a header may carry any byte, which
     # httpx would refuse to send).
     if incoming and len(incoming) <= 128 and incoming.isascii() and incoming.isprintable():
-        ctx.request_id = incoming
+        ctx.request_id, ctx.client_named = incoming, True
     return ctx
+
+
+def engine_request_id(state: ProxyState, ctx: RequestContext) -> str:
+    """The ``X-Request-Id`` sent upstream: the client's own where the proxy is open (a drop-in), the
+    proxy's where tenants share the engine (vLLM runs a request under that id, and takes the body's
+    ``request_id`` for it, which tenants may not set either: :data:`proxy.tenants.DEPLOYMENT_FIELDS`)."""
+    if state.tenants.open or not ctx.client_named:
+        return ctx.request_id
+    if ctx.engine_request_id is None:
+        ctx.engine_request_id = unique_id()  # the access log records it beside the client's
+    return ctx.engine_request_id
 
 
 def client_authorization(request: Request) -> str | None:
@@ -80,7 +92,7 @@ def upstream_headers(state: ProxyState, request: Request, ctx: RequestContext) -
     passed_on = client_authorization(request) if state.tenants.open else None
     headers = {
         "content-type": "application/json",
-        REQUEST_ID_HEADER: ctx.request_id,
+        REQUEST_ID_HEADER: engine_request_id(state, ctx),
         **state.backends.credentials(ctx.upstream_api_key, passed_on),
     }
     if state.tracing is not None:

@@ -46,7 +46,7 @@ from proxy.http import (
     overhead_header,
     parsed_by_engines,
 )
-from proxy.openai import MAX_DEPTH, TooDeep, loads
+from proxy.openai import MAX_DEPTH, TooDeep, dumps, loads
 from proxy.routes.admin import require_admin
 from proxy.routes.exchange import upstream_error, within_deadline
 from proxy.routes.forward import (
@@ -194,7 +194,7 @@ async def forward_raw(
 ) -> Response:
     """Forward ``request`` to ``path`` (``/v1/...`` under the API base, anything else at the server
     root), its body streamed or (JSON) read for its model, the answer streamed back."""
-    body, replayable, upload = await _request_body(state, request, ctx)
+    body, replayable, upload = await _request_body(state, request, ctx, admin=admin)
     headers = (
         {REQUEST_ID_HEADER: ctx.request_id, **state.backends.credentials(None)}
         if admin
@@ -265,9 +265,10 @@ class _Upload:
 
 
 async def _request_body(
-    state: ProxyState, request: Request, ctx: RequestContext
+    state: ProxyState, request: Request, ctx: RequestContext, *, admin: bool = False
 ) -> tuple[bytes | _Upload | None, bool, _Upload | None]:
-    """(body, replayable, upload): a JSON body read (for its model), anything else streamed."""
+    """(body, replayable, upload): a JSON body read (for its model; a tenant's without the fields
+    that are the deployment's), anything else streamed."""
     limit = state.settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -299,6 +300,8 @@ async def _request_body(
     model = parsed.get("model") if isinstance(parsed, dict) else None
     if isinstance(model, str) and model and len(model) <= MAX_MODEL_CHARS and is_text(model):
         ctx.model = model
+    if not admin and (kept := state.tenants.without_deployment_fields(parsed)) is not parsed:
+        raw = dumps(kept)
     return raw, True, None
 
 

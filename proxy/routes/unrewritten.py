@@ -11,7 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
-from proxy.backends import LLAMA_SERVER, OLLAMA
+from proxy.backends import LLAMA_SERVER, OLLAMA, limit_fields
 from proxy.chat import (
     budget_for,
     budget_refused,
@@ -100,8 +100,10 @@ class CompletionBudget:
         # llama-server's (and Ollama's) to the end of the context (n_predict -1), as vLLM's do with
         # an explicit null.
         context = await state.models.max_model_len(model)
-        default = VLLM_COMPLETIONS_MAX_TOKENS if state.models.engine(model) not in UNBOUNDED_ENGINES else None
-        completion = completion_allowance(body, budget, context, engine_default=default) * prompts
+        engine = state.models.engine(model)
+        default = VLLM_COMPLETIONS_MAX_TOKENS if engine not in UNBOUNDED_ENGINES else None
+        fields = limit_fields(engine)
+        completion = completion_allowance(body, budget, context, engine_default=default, fields=fields) * prompts
         admitted = cls(state, tenant.name, budget, limits, ceiling, ceiling + completion)
         admitted._tokens_per_event = tokens_per_event(body)
         return admitted
@@ -169,8 +171,10 @@ class CompletionBudget:
 
 async def embeddings(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
     raw = await read_body(request, state.settings.max_body_bytes)
-    ctx.model = require_model(parse_json_object(raw))
-    return await send_json(state, request, ctx, EMBEDDINGS, raw)
+    body = parse_json_object(raw)
+    ctx.model = require_model(body)
+    kept = state.tenants.without_deployment_fields(body)
+    return await send_json(state, request, ctx, EMBEDDINGS, raw if kept is body else dumps(kept))
 
 
 async def models(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
