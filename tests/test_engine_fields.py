@@ -91,6 +91,18 @@ class Capture:
             self.bodies.append((request.url.path, body, dict(request.headers)))
             return JSONResponse({"object": "list", "data": [], "usage": {"prompt_tokens": 1, "total_tokens": 1}})
 
+        async def completion(request: Request) -> JSONResponse:
+            self.bodies.append((request.url.path, json.loads(await request.body()), dict(request.headers)))
+            return JSONResponse(
+                {
+                    "id": "cmpl-1",
+                    "object": "text_completion",
+                    "model": MODEL,
+                    "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+                }
+            )
+
         async def show(_: Request) -> JSONResponse:
             return JSONResponse({})
 
@@ -100,7 +112,8 @@ class Capture:
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/responses", responses, methods=["POST"]),
                 Route("/v1/responses/{rid}", get_response, methods=["GET"]),
-                Route("/v1/embeddings", passthrough, methods=["POST"]),
+                Route("/v1/completions", completion, methods=["POST"]),
+            Route("/v1/embeddings", passthrough, methods=["POST"]),
                 Route("/pooling", passthrough, methods=["POST"]),
                 Route("/api/show", show, methods=["POST"]),
             ]
@@ -228,3 +241,13 @@ def test_deployment_fields_dropped_on_pooling_routes(vllm: tuple[LiveServer, Cap
     sent = upstream.bodies[-1][1]
     assert "priority" not in sent and "kv_transfer_params" not in sent, sent
     assert sent["input"] == "x"
+
+
+def test_prompt_embeds_count_toward_the_prompt(vllm: tuple[LiveServer, Capture]) -> None:
+    """vLLM (``--enable-prompt-embeds``) runs a completion on embeddings sent as base64 tensors: a
+    row of hidden-size numbers a token, so the field's size bounds its tokens as a prompt's does."""
+    proxy, _ = vllm
+    embeds = "QUJD" * 2000  # 8 KB of base64: past what the 3,000-token budget leaves for it
+    body = {"model": MODEL, "prompt": "", "prompt_embeds": embeds, "max_tokens": 1}
+    assert _post(proxy, "/v1/completions", body).status_code == 429
+    assert _post(proxy, "/v1/completions", {**body, "prompt_embeds": "QUJD"}).status_code == 200

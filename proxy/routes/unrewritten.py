@@ -94,8 +94,10 @@ class CompletionBudget:
             return cls(state, tenant.name, budget, limits, 0, 0)  # no budget: nothing to size
         prompt = body.get("prompt")
         prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
-        # The prompt as JSON: at least one byte per token for text, and for token ids alike.
-        ceiling = prompt_ceiling(len(dumps(prompt)) if prompt is not None else 0, prompts)
+        # The prompt as JSON: at least one byte per token for text, and for token ids alike; vLLM's
+        # prompt_embeds (--enable-prompt-embeds) too, a token being a row of hidden-size numbers.
+        size = sum(len(dumps(part)) for part in (prompt, body.get("prompt_embeds")) if part is not None)
+        ceiling = prompt_ceiling(size, prompts)
         # Without max_tokens vLLM's completions generate 16 tokens (its CompletionRequest's default);
         # llama-server's (and Ollama's) to the end of the context (n_predict -1), as vLLM's do with
         # an explicit null.
