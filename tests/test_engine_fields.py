@@ -113,7 +113,7 @@ class Capture:
                 Route("/v1/responses", responses, methods=["POST"]),
                 Route("/v1/responses/{rid}", get_response, methods=["GET"]),
                 Route("/v1/completions", completion, methods=["POST"]),
-            Route("/v1/embeddings", passthrough, methods=["POST"]),
+                Route("/v1/embeddings", passthrough, methods=["POST"]),
                 Route("/pooling", passthrough, methods=["POST"]),
                 Route("/api/show", show, methods=["POST"]),
             ]
@@ -251,3 +251,15 @@ def test_prompt_embeds_count_toward_the_prompt(vllm: tuple[LiveServer, Capture])
     body = {"model": MODEL, "prompt": "", "prompt_embeds": embeds, "max_tokens": 1}
     assert _post(proxy, "/v1/completions", body).status_code == 429
     assert _post(proxy, "/v1/completions", {**body, "prompt_embeds": "QUJD"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "field",
+    [{"chat_template_kwargs": {"persona": "word " * 6000}}, {"documents": [{"title": "t", "text": "word " * 6000}]}],
+)
+def test_template_fields_count_toward_the_prompt(vllm: tuple[LiveServer, Capture], field: dict[str, Any]) -> None:
+    """vLLM hands chat_template_kwargs and documents to the chat template, which may render them."""
+    proxy, upstream = vllm
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], **field}
+    assert _post(proxy, "/v1/chat/completions", body).status_code == 429
+    assert upstream.bodies == []

@@ -38,6 +38,10 @@ SLOT_SEARCH_S = 1.0
 HELPER_TIMEOUT_S = 5.0
 
 
+# A chat request's fields that change how vLLM renders its prompt, which its ``/tokenize`` takes too.
+RENDERING_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents")
+
+
 class ModelCatalog:
     def __init__(
         self, upstream: BackendPool, ttl_s: float = 300.0, retry_s: float = 10.0, *, ollama_num_ctx: int = 4096
@@ -69,6 +73,9 @@ class ModelCatalog:
         request: dict[str, Any] = {"model": body.get("model"), "messages": body.get("messages")}
         if body.get("tools"):
             request["tools"] = body["tools"]
+        for field in RENDERING_FIELDS:
+            if field in body:
+                request[field] = body[field]  # the prompt rendered as the request will have it
         try:
             if self.engine(str(request["model"])) == LLAMA_SERVER:
                 rendered = await self._post("/apply-template", request, headers)

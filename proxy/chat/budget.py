@@ -30,7 +30,7 @@ from typing import Any
 
 from proxy.backends import OPENAI_LIMIT_FIELDS
 from proxy.config import BudgetOverrides, BudgetSettings, Settings
-from proxy.openai import Continuations, message_text, shared_dumps, utf8_size
+from proxy.openai import Continuations, dumps, message_text, shared_dumps, utf8_size
 from proxy.sessions import UsageLimit, slot_tag
 from proxy.tokenization import CAUTIOUS_TOKENS_PER_BYTE, TokenCounter
 
@@ -128,7 +128,17 @@ def request_bytes(body: dict[str, Any], sizes: RequestSizes | None = None, tenan
     tools = body.get("tools") or body.get("functions")
     if tools:
         size += len(shared_dumps(tools))  # not orjson.dumps: it refuses lone surrogates, which clients may send
+    for field in TEMPLATE_FIELDS:
+        value = body.get(field)
+        if value:
+            size += len(dumps(value))
     return size
+
+
+# Request fields a chat template may render besides the messages and tools: vLLM hands
+# ``chat_template_kwargs`` (any variable a template reads) and ``documents`` (Command R's and
+# Granite's templates render retrieved documents) to the template. Their JSON bounds what they add.
+TEMPLATE_FIELDS = ("chat_template_kwargs", "documents")
 
 
 def message_ends(messages: list[Any], resumed: array[int] | None = None, shared: int = 0) -> array[int]:
