@@ -244,7 +244,7 @@ def create_app(
             upstream,
             tenants,
             metrics,
-            UsageAdmission(settings, sessions, metrics),
+            UsageAdmission(lambda: state.settings, sessions, metrics),  # the settings in force (a reload)
             models=models,
         ),
     )

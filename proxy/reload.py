@@ -15,6 +15,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from proxy.app_state import ProxyState
 from proxy.config import Settings
@@ -22,6 +23,22 @@ from proxy.config_sources import ConfigError
 
 # What a reload applies; everything else needs a restart.
 LIVE_SETTINGS = ("tenants", "canon", "budget", "model_budgets", "log_level", "readiness")
+# Keys of a live section that size or switch what is built once, at start (the canonicalizer's
+# memories, the rewrite shadow): a change to one of them needs a restart, the rest applies.
+RESTART_KEYS: dict[str, frozenset[str]] = {
+    "canon": frozenset(
+        {
+            "move_only_varying",
+            "remember_layouts",
+            "layout_memory_entries",
+            "learn_volatility",
+            "learned_apps_max",
+            "learned_history",
+            "text_memory_lines",
+            "shadow",
+        }
+    ),
+}
 
 logger = logging.getLogger("prefix_proxy.reload")
 
@@ -34,22 +51,43 @@ def reload_settings(state: ProxyState, load: Callable[[], Settings]) -> list[str
         for problem in error.problems:
             logger.error("reload refused, the configuration is unchanged: %s", problem)
         return []
+    except Exception as error:  # never terminates, never a traceback: one line
+        logger.error("reload refused, the configuration is unchanged: %s: %s", type(error).__name__, error)
+        return []
     old = state.settings
     changed = [name for name in type(old).model_fields if getattr(old, name) != getattr(new, name)]
-    applied = [name for name in changed if name in LIVE_SETTINGS]
     needs_restart = [name for name in changed if name not in LIVE_SETTINGS]
-    if "tenants" in applied:
-        state.tenants.replace(new.tenants)
-    if "canon" in applied:
-        state.canonicalizer.configure(new.canon)
-    if "log_level" in applied:
-        logging.getLogger("prefix_proxy").setLevel(new.log_level.upper())
-    state.settings = old.model_copy(update={name: getattr(new, name) for name in applied})
+    updates = {}
+    for name in (name for name in changed if name in LIVE_SETTINGS):
+        value, held = _live_part(name, getattr(old, name), getattr(new, name))
+        needs_restart += held
+        if value != getattr(old, name):
+            updates[name] = value
+    applied = list(updates)
+    if "tenants" in updates:
+        state.tenants.replace(updates["tenants"])
+    if "canon" in updates:
+        state.canonicalizer.configure(updates["canon"])
+    if "log_level" in updates:
+        logging.getLogger("prefix_proxy").setLevel(updates["log_level"].upper())
+    state.settings = old.model_copy(update=updates)
     logger.info(
         "reloaded",
         extra={"fields": {"event": "reloaded", "applied": applied, "needs_restart": needs_restart}},
     )
     return applied
+
+
+def _live_part(name: str, old: Any, new: Any) -> tuple[Any, list[str]]:
+    """What of section ``name``'s new value applies live (its restart keys kept as they are), and
+    the restart keys that changed, named ``section.key``."""
+    keys = RESTART_KEYS.get(name)
+    if not keys:
+        return new, []
+    held = sorted(key for key in keys if getattr(old, key) != getattr(new, key))
+    if not held:
+        return new, []
+    return new.model_copy(update={key: getattr(old, key) for key in held}), [f"{name}.{key}" for key in held]
 
 
 def on_sighup(state: ProxyState, load: Callable[[], Settings]) -> Callable[[], object] | None:

@@ -9,6 +9,7 @@ a session on its own. On a spent budget none of them reaches the backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proxy.chat.budget import budget_for, usage_limits
@@ -54,7 +55,8 @@ class Admitted:
 class UsageAdmission:
     """Reserves a request's most before it is sent (429 when a limit has no room for it)."""
 
-    def __init__(self, settings: Settings, sessions: SessionService, metrics: Metrics) -> None:
+    def __init__(self, settings: Callable[[], Settings], sessions: SessionService, metrics: Metrics) -> None:
+        # The settings in force, read on every admission: budgets change on a reload.
         self._settings = settings
         self._sessions = sessions
         self._metrics = metrics
@@ -62,7 +64,7 @@ class UsageAdmission:
     async def admit(self, tenant: Tenant, model: str, session_id: str | None, amount: int) -> Admitted:
         """Admit ``amount`` tokens for ``tenant`` (and its session); :class:`BudgetExceeded` when they
         do not fit. The store down: admitted, charged when settled (never an outage)."""
-        budget = budget_for(self._settings, model, tenant.budget)
+        budget = budget_for(self._settings(), model, tenant.budget)
         limits = usage_limits(budget, tenant.name, session_id)
         admitted = Admitted(self._sessions, limits, budget)
         if not limits:
