@@ -6,6 +6,7 @@ command exits 2."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,10 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if hasattr(signal, "SIGHUP"):
+        # Until the server's own handler is in place (its lifespan), a SIGHUP (a config reload sent
+        # early) must not end the process: SIGHUP's default action terminates.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from proxy.observability import configure_logging
     from proxy.preflight import load_settings
     from proxy.serve import serve

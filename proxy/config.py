@@ -526,10 +526,21 @@ class SessionSettings(Section):
         """``header: NAME`` (one header, the earlier setting) goes first in ``headers``."""
         if isinstance(data, dict) and data.get("header"):
             data = dict(data)
-            first = str(data.pop("header"))
+            first = data.pop("header")
+            if not isinstance(first, str):
+                raise ValueError("header: one header name, e.g. x-session-id (several go in headers, a list)")
             rest = _string_list(data.get("headers")) if data.get("headers") is not None else list(SESSION_HEADERS)
-            data["headers"] = [first, *(h for h in rest if h.lower() != first.lower())]
+            if isinstance(rest, list):
+                data["headers"] = [first, *(h for h in rest if h.lower() != first.lower())]
         return data
+
+    @field_validator("headers")
+    @classmethod
+    def _header_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not _HEADER_TOKEN.fullmatch(name):
+                raise ValueError(f"{name!r} is not a header name (letters, digits and !#$%&'*+-.^_`|~ only)")
+        return value
 
 
 WindowRepair = Literal["off", "named", "inferred"]
@@ -824,6 +835,27 @@ class TracingSettings(Section):
     service_name: str = "prefix-proxy"
     # The share of traces recorded (by trace id); a client's traceparent decides for its trace.
     sample_ratio: float = Field(1.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _collector(self) -> TracingSettings:
+        """The collector's URL as the exporter takes it: http(s) with a host and a port a server can
+        listen on (gRPC's exporter also takes HOST:PORT)."""
+        if self.endpoint is None or self.exporter == "console":
+            return self
+        text = self.endpoint.strip()
+        grpc = self.exporter == "otlp-grpc"
+        example = "http://collector:4317" if grpc else "http://collector:4318"
+        try:
+            parts = urlsplit(text if "://" in text or not grpc else f"http://{text}")
+            port = parts.port
+        except ValueError:
+            why = f"not a collector URL (a bracket or the port): write e.g. {example}"
+            raise conflict(("endpoint",), why) from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise conflict(("endpoint",), f"a collector is an http(s) URL with a host: write e.g. {example}")
+        if port is not None and not 1 <= port <= 65535:
+            raise conflict(("endpoint",), "the port of the collector's URL must be a number from 1 to 65535")
+        return self
 
     @model_validator(mode="after")
     def _installed(self) -> TracingSettings:

@@ -63,7 +63,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
             raise ConfigError([f"{path}: not valid TOML: {error}"]) from None
     else:
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
             where = f" line {mark.line + 1} column {mark.column + 1}:" if mark is not None else ""
@@ -78,6 +78,28 @@ def read_config_file(path: Path) -> dict[str, Any]:
         # YAML reads ``1:``, ``true:`` and ``null:`` as a number, a boolean and nothing: no setting's name.
         raise ConfigError([f"{path}: {keys[0]!r}: not a setting's name (a setting is named by a word): remove it"])
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: YAML keeps the last and drops
+    the first without a word, which would be a setting silently not applied."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # merged keys (``<<: *anchor``) are the mapping's to override
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                repeated = key in seen
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            if repeated:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice in one mapping: keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 @dataclass(frozen=True)
@@ -158,6 +180,32 @@ class Sources:
             match = match or difflib.get_close_matches(rest, names, n=1)
             hint = f" (did you mean {self.prefix}{match[0].upper()}?)" if match else ""
             problems.append(f"{name}: unknown setting{hint}")
+        problems.extend(self._keyed_variables(model))
+        return problems
+
+    def _keyed_variables(self, model: type[BaseModel]) -> list[str]:
+        """Variables that give one key of a mapping setting (``PREFIX_PROXY_MODEL_BUDGETS__Qwen/...``):
+        the environment's names are read in lower case, so a key written that way (a model's name)
+        would silently never match. Named, with the form that keeps it (the mapping as JSON)."""
+        problems = []
+        for name in sorted(self.environment):
+            parts = name[len(self.prefix) :].lower().split("__")
+            section: type[BaseModel] = model
+            for depth, part in enumerate(parts[:-1]):
+                field_info = section.model_fields.get(part)
+                if field_info is None:
+                    break
+                inner = _unwrapped(field_info.annotation)
+                if typing.get_origin(inner) is dict:
+                    whole = self.prefix + "__".join(parts[: depth + 1]).upper()
+                    problems.append(
+                        f"{name}: a mapping's key cannot be given in a variable's name (names are read in lower "
+                        f"case): give the whole mapping as JSON, {whole}='{{\"Key\": ...}}'"
+                    )
+                    break
+                if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+                    break
+                section = inner
         return problems
 
     def _variable(self, loc: Location) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 from proxy.capacity import DTYPE_BYTES, PRESETS, shape_from_hf_config
 from proxy.config import Settings, load_with_sources, notes
 from proxy.config_sources import ConfigError, Sources, effective, problem_line
+from proxy.sessions import client_problem
 
 
 def load_settings(config_file: str | None = None, **overrides: Any) -> Settings:
@@ -55,6 +56,12 @@ def problems(settings: Settings, sources: Sources) -> list[str]:
     if settings.kv_dtype.lower() not in DTYPE_BYTES:
         message = f"not a KV cache dtype: one of {', '.join(DTYPE_BYTES)}"
         found.append(problem_line(sources, ("kv_dtype",), message, settings.kv_dtype))
+    sessions = settings.sessions
+    if sessions.store == "redis" or settings.replicas.share_memories:
+        why = client_problem(sessions)
+        if why:
+            message = f"redis-py refuses it: {why}; fix the URL (or redis_cluster / redis_sentinels)"
+            found.append(problem_line(sources, ("sessions", "redis_url"), message, sessions.redis_url))
     return found
 
 

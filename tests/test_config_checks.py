@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -429,3 +430,90 @@ def test_a_port_this_process_cannot_bind_is_named(tmp_path: Path, monkeypatch: p
     assert problems(port=8080) == []
     status.write_text("Name:\tprefix-proxy\nCapEff:\t0000000000000400\n")  # CAP_NET_BIND_SERVICE
     assert problems(port=80) == []
+
+
+# -- a review of configs that passed check-config and then failed serve (session 30) ----------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "start"),
+    [
+        ("sessions: {header: x-a, headers: {1: b}}\n", "sessions.headers: "),  # was an AttributeError traceback
+        ("sessions: {header: [x-a]}\n", "sessions: header: one header name"),  # was the header "['x-a']"
+        ("sessions: {headers: ['x a']}\n", "sessions.headers: 'x a' is not a header name"),
+    ],
+)
+def test_session_header_settings_are_one_line(tmp_path: Path, text: str, start: str) -> None:
+    found = problems(text, tmp_path)
+    assert len(found) == 1 and found[0].startswith(start), found
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("redis://127.0.0.1:6379/3", "Argument 'db' must be 0 or None in cluster mode"),
+        ("unix:///tmp/redis.sock", "Unix domain socket is not supported in cluster mode"),
+    ],
+)
+def test_a_redis_cluster_url_serve_cannot_use_is_named(tmp_path: Path, url: str, why: str) -> None:
+    """serve made the cluster client and exited on redis-py's exception (a Helm value could do it):
+    check-config makes the client as serve does, without connecting."""
+    found = problems(f"sessions: {{store: redis, redis_cluster: true, redis_url: '{url}'}}\n", tmp_path)
+    assert len(found) == 1 and found[0].startswith("sessions.redis_url: redis-py refuses it: " + why), found
+    assert problems(f"sessions: {{store: redis, redis_url: '{url}'}}\n", tmp_path) == []
+
+
+def test_a_redis_protocol_version_redis_py_refuses_is_named(tmp_path: Path) -> None:
+    """?protocol=4 passed both and the store was then down forever, said to be not answering."""
+    found = problems("sessions: {store: redis, redis_url: 'redis://127.0.0.1:6379/0?protocol=4'}\n", tmp_path)
+    assert len(found) == 1 and "protocol must be either 2 or 3" in found[0], found
+
+
+@pytest.mark.parametrize("endpoint", ["http://[::1", "collector:4318", "http://c:99999", "ftp://c:4318"])
+def test_a_collector_url_the_exporter_cannot_use_is_named(tmp_path: Path, endpoint: str) -> None:
+    found = problems(f'tracing: {{enabled: true, endpoint: "{endpoint}"}}\n', tmp_path)
+    assert len(found) == 1 and found[0].startswith("tracing.endpoint: "), found
+
+
+def test_a_collector_url_as_the_exporters_take_it_passes(tmp_path: Path) -> None:
+    assert problems('tracing: {enabled: true, endpoint: "http://collector:4318"}\n', tmp_path) == []
+    assert problems('tracing: {enabled: true, exporter: otlp-grpc, endpoint: "collector:4317"}\n', tmp_path) == []
+
+
+def test_a_mapping_key_in_a_variables_name_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment's names are read in lower case: a model's name given in one never matched the
+    model (``Qwen/...`` became ``qwen/...``) and check-config said OK."""
+    monkeypatch.setenv("PREFIX_PROXY_MODEL_BUDGETS__Qwen/Qwen2.5-7B-Instruct__SOFT_RATIO", "0.5")
+    monkeypatch.setenv("PREFIX_PROXY_CANON__MODEL_MODES__MyModel", "safe")
+    found = problems()
+    assert len(found) == 2, found
+    assert all("give the whole mapping as JSON" in line for line in found), found
+    monkeypatch.delenv("PREFIX_PROXY_MODEL_BUDGETS__Qwen/Qwen2.5-7B-Instruct__SOFT_RATIO")
+    monkeypatch.delenv("PREFIX_PROXY_CANON__MODEL_MODES__MyModel")
+    monkeypatch.setenv("PREFIX_PROXY_CANON__MODEL_MODES", '{"MyModel": "safe"}')
+    assert problems() == []
+    assert load_settings().canon.model_modes == {"MyModel": "safe"}
+
+
+def test_a_key_given_twice_is_named(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys: the first section was silently not applied."""
+    found = problems("canon:\n  mode: safe\ncanon:\n  relocate_target: system_end\n", tmp_path)
+    assert len(found) == 1 and "'canon' is given twice in one mapping" in found[0] and "line 3" in found[0], found
+    # Merged keys (anchors) are the mapping's to override.
+    text = "canon: {<<: {mode: safe, relocate_target: system_end}, mode: relocate}\n"
+    assert problems(text, tmp_path) == []
+
+
+def test_the_docs_name_only_variables_the_proxy_reads() -> None:
+    """A variable the docs tell users to export must not be one the proxy refuses at start (the
+    Codex recipe named PREFIX_PROXY_API_KEY for the client's key)."""
+    from proxy.config import CONFIG_FILE_ENV
+    from proxy.config_sources import variable_names
+
+    known = {f"PREFIX_PROXY_{name.upper()}" for name in variable_names(Settings)} | {CONFIG_FILE_ENV}
+    root = Path(__file__).resolve().parent.parent
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            for name in re.findall(r"PREFIX_PROXY_[A-Z0-9_]*[A-Z0-9]", line):
+                if name not in known and "did you mean" not in line and "__0__" not in name:
+                    raise AssertionError(f"{path.name}: {name} is no setting: {line.strip()[:160]}")

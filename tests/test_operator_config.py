@@ -364,3 +364,25 @@ def test_a_summarizer_model_the_backends_do_not_serve_is_named_at_start(fake_bac
         assert "fake-model" in warning["message"]
     finally:
         served.stop()
+
+
+def test_a_sighup_before_the_server_listens_does_not_end_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGHUP's default action ends a process: one sent while serve loaded its settings and built the
+    app (before the server's own handler, which reloads) ended serve with 129 (a review)."""
+    import proxy.cli as cli
+    import proxy.serve as serving
+
+    reached: list[str] = []
+
+    def serve(settings: Any, reload: Any) -> None:
+        os.kill(os.getpid(), signal.SIGHUP)  # where the server is not listening yet
+        time.sleep(0.05)
+        reached.append("after the signal")
+
+    monkeypatch.setattr(serving, "serve", serve)
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        assert cli.main(["serve", "--upstream", "http://127.0.0.1:9/v1"]) in (0, None)
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert reached == ["after the signal"]

@@ -37,9 +37,19 @@ CHART_OWNED_SETTINGS = frozenset(
         "readiness",  # readiness.requireStore in the values
     }
 )
-# The session store and its Redis topology: sessionStore and redis.* in the values.
+# The session store and its Redis topology: sessionStore and redis.* in the values; and the earlier
+# name of readiness.require_store (readiness.requireStore in the values), which the chart always
+# writes: given too, the two would contradict each other.
 CHART_OWNED_SESSION_SETTINGS = frozenset(
-    {"store", "redis_url", "redis_sentinels", "redis_sentinel_service", "redis_sentinel_password", "redis_cluster"}
+    {
+        "store",
+        "redis_url",
+        "redis_sentinels",
+        "redis_sentinel_service",
+        "redis_sentinel_password",
+        "redis_cluster",
+        "ready_when_store_down",
+    }
 )
 # Keys the proxy reads besides its fields (SessionSettings turns `header` into `headers`).
 LEGACY_SETTINGS: dict[str, frozenset[str]] = {"sessions": frozenset({"header"})}

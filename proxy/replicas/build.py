@@ -7,7 +7,7 @@ from prometheus_client import Counter
 from proxy.config import Settings
 from proxy.replicas.feed import RedisFeed
 from proxy.replicas.memories import Journal, SharedCanonicalizer
-from proxy.sessions import RedisClient, RedisSessionStore, redis_client
+from proxy.sessions import RedisClient, RedisSessionStore, configured_client
 
 BLOCK_MS = 1000
 
@@ -22,16 +22,7 @@ def build_shared(
     canonicalizer = SharedCanonicalizer(settings.canon, journal)
 
     def client(timeout_s: float) -> RedisClient:
-        return redis_client(
-            sessions.redis_url,
-            timeout_s,
-            sentinels=sessions.redis_sentinels,
-            service=sessions.redis_sentinel_service,
-            sentinel_password=(
-                sessions.redis_sentinel_password.get_secret_value() if sessions.redis_sentinel_password else None
-            ),
-            cluster=sessions.redis_cluster,
-        )
+        return configured_client(sessions, timeout_s)
 
     # Clients of its own: the feed drops its connections after a failure, and doing that to the
     # session store's client would break the store's commands in flight (a burst that timed out

@@ -1,6 +1,6 @@
 """Sessions: which conversation a request belongs to, and its record in the store (memory or Redis)."""
 
-from proxy.sessions.connect import RedisClient, drop_connections, redis_client
+from proxy.sessions.connect import RedisClient, client_problem, configured_client, drop_connections, redis_client
 from proxy.sessions.identity import conversation_root
 from proxy.sessions.keys import slot_tag
 from proxy.sessions.memory import MemorySessionStore
@@ -20,6 +20,8 @@ __all__ = [
     "SessionView",
     "StoreUnavailable",
     "UsageLimit",
+    "client_problem",
+    "configured_client",
     "conversation_root",
     "drop_connections",
     "redis_client",

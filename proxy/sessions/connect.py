@@ -19,7 +19,7 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from proxy.config import sentinel_address
+from proxy.config import SessionSettings, sentinel_address
 
 # Pooled connections per server at most. redis-py 8 caps a pool at 100 by default and fails the
 # 101st concurrent command at once (MaxConnectionsError), which the proxy would take for an outage:
@@ -29,6 +29,34 @@ MAX_CONNECTIONS = 10_000
 
 # What every topology's client answers to (the commands the proxy uses exist on both).
 RedisClient = aioredis.Redis | RedisCluster
+
+
+def configured_client(sessions: SessionSettings, timeout_s: float) -> RedisClient:
+    """:func:`redis_client` for the store ``sessions`` configures (what the session store and the
+    replicas' shared memories connect to)."""
+    password = sessions.redis_sentinel_password
+    return redis_client(
+        sessions.redis_url,
+        timeout_s,
+        sentinels=sessions.redis_sentinels,
+        service=sessions.redis_sentinel_service,
+        sentinel_password=password.get_secret_value() if password else None,
+        cluster=sessions.redis_cluster,
+    )
+
+
+def client_problem(sessions: SessionSettings) -> str | None:
+    """Why the client ``sessions`` configures could not be made (redis-py's own reason), without
+    opening a connection: the client as ``serve`` makes it, and one of its connections made, not
+    opened, which reads the URL's options (a Redis Cluster's database, a protocol version)."""
+    try:
+        client = configured_client(sessions, 1.0)
+        pool = getattr(client, "connection_pool", None)
+        if pool is not None and not sessions.redis_sentinels:
+            pool.make_connection()
+    except Exception as error:  # whatever redis-py raises (RedisClusterException is no RedisError)
+        return str(error).rstrip(".") or type(error).__name__
+    return None
 
 
 def redis_client(
