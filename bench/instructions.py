@@ -62,7 +62,7 @@ def count(
     command = [python, "-m", "bench.inprocess", "--rounds", "1", "--requests", str(requests)]
     command += ["--shape", args.shape, "--settings", args.settings]
     if args.history:
-        command += ["--history", str(args.history), "--style", args.style]
+        command += ["--history", str(args.history), "--style", args.style, "--protocol", args.protocol]
         command += (["--session"] if args.session else []) + (["--summary"] if args.summary else [])
     command += (["--bare"] if args.bare else []) + (["--json"] if args.json else [])
     command += ["--bodies-only"] if bodies_only else []
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--patch", type=Path, help="a prototype run before the app is built (this checkout only)")
     parser.add_argument("--history", type=int, default=0, metavar="TURNS", help="bench.inprocess --history TURNS")
     parser.add_argument("--style", choices=("dify", "agent"), default="dify", help="with --history")
+    parser.add_argument("--protocol", choices=("chat", "messages"), default="chat", help="with --history")
     parser.add_argument("--session", action="store_true", help="with --history: an x-session-id header")
     parser.add_argument("--summary", action="store_true", help="with --history: a summary in place")
     args = parser.parse_args(argv)
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     name = args.shape
     if args.history:
         extras = "".join(f", {flag}" for flag in ("session", "summary") if getattr(args, flag))
-        name = f"{args.style}, {args.history} turns{extras}"
+        on = " on /v1/messages" if args.protocol == "messages" else ""
+        name = f"{args.style}{on}, {args.history} turns{extras}"
     line = f"{name}{stack}: {after / 1e6:.3f} M {unit} per request"
     if args.before is not None:
         before = proxy_per_request(args.before.resolve(), args, here)
