@@ -47,7 +47,14 @@ from proxy.http.errors import (
 )
 from proxy.http.inbound import InboundLimits, ReadDeadline, deadline_protocol
 from proxy.http.paths import PATH_SAFE, InvalidPath, canonical_path, canonicalize_scope, invalid_path
-from proxy.http.relay import PROTOCOL_FAILURES, EventData, SSERelay, event_data, with_data_fields
+from proxy.http.relay import (
+    PROTOCOL_FAILURES,
+    EventData,
+    SSERelay,
+    event_data,
+    final_event,
+    with_data_fields,
+)
 from proxy.http.streaming import RelayResponse, StreamEnd
 
 __all__ = [
@@ -96,6 +103,7 @@ __all__ = [
     "deadline_protocol",
     "error_body",
     "event_data",
+    "final_event",
     "invalid_path",
     "is_text",
     "json_bytes",

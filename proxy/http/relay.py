@@ -33,12 +33,11 @@ from proxy.openai import AssistantRecorder, Usage, dumps, loads
 logger = logging.getLogger("prefix_proxy.relay")
 
 _EVENT_END = b"\n\n"
-_DONE = b"data: [DONE]"
+_DONE_DATA = b"[DONE]"
 _USAGE_MARK = b'"usage":'
 _TOOL_MARK = b'"tool_calls"'
-# In every error event of every protocol ({"error": ...}, {"type": "error"}), rarely anywhere else
-# (JSON escapes a quote inside a string).
-_ERROR_MARK = b'"error"'
+# In every error event of every protocol ({"error": ...}, {"type": "error"}, "event: error").
+_ERROR_MARK = b"error"
 _CLOSE_BRACE = ord("}")
 # A line no protocol the relay serves sends: data that is neither a JSON object nor [DONE], or
 # no SSE field at all (blank lines aside).
@@ -73,18 +72,88 @@ def well_formed(events: bytes) -> bool:
     return _FOREIGN_LINE.search(events) is None
 
 
+class Fields(NamedTuple):
+    """An SSE event's ``event`` and ``data`` fields."""
+
+    name: bytes | None
+    data: bytes | None
+
+    def json(self) -> Any:
+        """The data as JSON; None where it is none."""
+        if self.data is None:
+            return None
+        try:
+            return loads(self.data)
+        except ValueError:
+            return None
+
+
+def fields(event: bytes) -> Fields:
+    """One event's fields as an SSE client reads them (WHATWG's event stream interpretation): each
+    line a field, one space after its colon optional, ``data`` lines joined by newlines, comments
+    (``:``) and other fields passed over. What the proxy decides about an event (its end, an error)
+    reads these, never a search of its bytes, which would find the same words in the model's text."""
+    name: bytes | None = None
+    data: list[bytes] = []
+    for line in event.split(b"\n"):
+        if not line or line.startswith(b":"):
+            continue
+        field, _, value = line.partition(b":")
+        if value.startswith(b" "):
+            value = value[1:]
+        if field == b"data":
+            data.append(value)
+        elif field == b"event":
+            name = value
+    return Fields(name, b"\n".join(data) if data else None)
+
+
+def events_of(block: bytes) -> list[bytes]:
+    """The events of a block of complete events (each ends in a blank line), blank ones left out."""
+    return [event for event in block.split(_EVENT_END) if event]
+
+
+def final_event(block: bytes, names: frozenset[bytes]) -> bool:
+    """Whether an event of ``block`` is named one of ``names`` (its ``event:`` field, else the
+    ``type`` of its JSON data, as Anthropic's and Responses' events carry both). Only an event that
+    holds one of the names is read (looked for in C first: most blocks hold none)."""
+    if not any(name in block for name in names):
+        return False
+    for event in events_of(block):
+        if not any(name in event for name in names):
+            continue
+        read = fields(event)
+        if read.name is not None:
+            if read.name in names:
+                return True
+            continue
+        payload = read.json()
+        kind = payload.get("type") if isinstance(payload, dict) else None
+        if isinstance(kind, str) and kind.encode() in names:
+            return True
+    return False
+
+
 def is_error_event(event: bytes) -> bool:
-    """An event that reports an error in any protocol's shape (OpenAI's, vLLM's, Anthropic's, Responses')."""
-    start = event.find(b"data: {")
-    if start < 0:
-        return False
-    try:
-        payload: Any = loads(event[start + 6 :].split(b"\n", 1)[0])
-    except ValueError:
-        return False
+    """An event that reports an error in any protocol's shape (OpenAI's, vLLM's, Anthropic's,
+    Responses', llama-server's ``event: error`` whatever its data)."""
+    read = fields(event)
+    if read.name == b"error":
+        return True
+    payload = read.json()
     if not isinstance(payload, dict):
         return False
     return isinstance(payload.get("error"), dict) or payload.get("type") == "error" or payload.get("object") == "error"
+
+
+# A field line written without the space after its colon (``data:{...}``), which SSE allows.
+_UNSPACED_FIELD = re.compile(rb"^(data|event):(?! )", re.MULTILINE)
+
+
+def spaced(block: bytes) -> bytes:
+    """``block`` with a space after every ``data:`` and ``event:`` field's colon: the same events to
+    any SSE client, in the one form every check of the relay reads (``data: {``)."""
+    return _UNSPACED_FIELD.sub(rb"\1: ", block) if _UNSPACED_FIELD.search(block) else block
 
 
 class EventData(NamedTuple):
@@ -212,7 +281,7 @@ class SSERelay:
         first = True
         reads = 0
         try:
-            async for raw in self._response.aiter_raw():
+            async for raw in self._body():
                 # CRLF line ends become LF; a CR at the end of a read waits for the next one, which
                 # may begin with the LF that completes it.
                 if held_cr:
@@ -284,6 +353,12 @@ class SSERelay:
         finally:
             await self._response.aclose()
 
+    def _body(self) -> AsyncIterator[bytes]:
+        """The upstream's body as it comes, decoded where it came encoded (the proxy asks for it as it
+        is; an intermediary may compress text/* anyway): the events are read, and relayed as text."""
+        encoding = self._response.headers.get("content-encoding", "").strip().lower()
+        return self._response.aiter_bytes() if encoding not in ("", "identity") else self._response.aiter_raw()
+
     async def _tell_last_event(self) -> None:
         if self.completed and not self._last_event_told:
             self._last_event_told = True
@@ -296,10 +371,11 @@ class SSERelay:
     def _relay(self, complete: bytes) -> bytes:
         """What to relay of these complete events (setting ``failure`` at the first that is not the
         protocol: the ones before it are relayed, the rest never)."""
+        complete = spaced(complete)
         if _ERROR_MARK in complete:
             if self._scrub is not None:
                 complete = self._scrub(complete)
-            if any(is_error_event(event) for event in complete.split(_EVENT_END) if _ERROR_MARK in event):
+            if any(is_error_event(event) for event in events_of(complete) if _ERROR_MARK in event):
                 self.upstream_error = True
         foreign = not well_formed(complete)
         if foreign:
@@ -309,9 +385,10 @@ class SSERelay:
         if self._answer_fields is not None:
             complete = self._annotate(complete)
         self.events += complete.count(_EVENT_END)
-        if self._is_final(complete):
+        if self._is_final(complete) and not self.upstream_error:
             # The answer is whole once [DONE] is relayed: a client that hangs up at once must not
-            # race the upstream's end of body into an "incomplete" stream.
+            # race the upstream's end of body into an "incomplete" stream. Not after an error event
+            # of the upstream's own (vLLM sends [DONE] after one): that answer is not whole.
             self.completed = True
         if foreign:
             logger.warning("upstream sent an SSE event that is not the protocol's; stream ended")
@@ -354,8 +431,8 @@ class SSERelay:
         return self._record_content or _USAGE_MARK in complete or _TOOL_MARK in complete
 
     def _is_final(self, complete: bytes) -> bool:
-        """The answer is whole once these events are relayed."""
-        return _DONE in complete
+        """The answer is whole once these events are relayed: an event whose data is ``[DONE]``."""
+        return _DONE_DATA in complete and any(fields(event).data == _DONE_DATA for event in events_of(complete))
 
     def _inspect(self, block: bytes) -> bytes:
         out: list[bytes] = []

@@ -30,6 +30,7 @@ from proxy.http import (
     CHECKED_MESSAGES,
     InvalidRequest,
     SSERelay,
+    final_event,
     is_text,
     reading,
     require_model,
@@ -729,6 +730,9 @@ def reply_message(answer: Any) -> AssistantRecorder | None:
 _MARKS = (b'"message_start"', b'"message_delta"', b'"content_block_start"', b'"input_json_delta"')
 
 
+_STOP = frozenset({b"message_stop"})
+
+
 class AnthropicRelay(SSERelay):
     """Relays Anthropic SSE events unchanged, reading usage (``message_start``, ``message_delta``),
     tool calls and (when recording) text as they pass."""
@@ -752,7 +756,7 @@ class AnthropicRelay(SSERelay):
             self.usage = usage
 
     def _is_final(self, complete: bytes) -> bool:
-        return b"event: message_stop" in complete or b'"type":"message_stop"' in complete
+        return final_event(complete, _STOP)
 
     def _inspect(self, block: bytes) -> bytes:
         for payload in event_payloads(block):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.canon import ToolOrders, canonicalize_tool_fields
-from proxy.http import InvalidRequest, SSERelay, is_text, reading, require_model, with_data_fields
+from proxy.http import InvalidRequest, SSERelay, final_event, is_text, reading, require_model, with_data_fields
 from proxy.openai import (
     STABLE_ROLES,
     AssistantRecorder,
@@ -545,7 +545,8 @@ def _record_item(recorder: AssistantRecorder, item: Any) -> None:
         )
 
 
-_FINAL = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
+# The events that end a response.
+_FINAL = frozenset({b"response.completed", b"response.incomplete", b"response.failed"})
 _MARKS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b'"response.created"')
 
 
@@ -560,7 +561,7 @@ class ResponsesRelay(SSERelay):
         return any(mark in complete for mark in _MARKS)
 
     def _is_final(self, complete: bytes) -> bool:
-        return any(mark in complete for mark in _FINAL)
+        return final_event(complete, _FINAL)
 
     def _annotate(self, block: bytes) -> bytes:
         """The answer fields go on each Response object the stream carries (created, in progress,

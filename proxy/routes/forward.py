@@ -92,6 +92,9 @@ def upstream_headers(state: ProxyState, request: Request, ctx: RequestContext) -
     passed_on = client_authorization(request) if state.tenants.open else None
     headers = {
         "content-type": "application/json",
+        # Answers are relayed as they come, read on the way (a stream's events, its usage): an encoded
+        # one (an intermediary compressing text/*) would be neither read nor decodable by the relay.
+        "accept-encoding": "identity",
         REQUEST_ID_HEADER: engine_request_id(state, ctx),
         **state.backends.credentials(ctx.upstream_api_key, passed_on),
     }
