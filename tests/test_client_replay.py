@@ -30,6 +30,14 @@ turn, so the environment the clients report changes mid-session), saved by ``ben
   with an ``<environment_details>`` block; and mistral-vibe (``mistral-vibe`` 3.0.2, ``vibe -p`` then
   ``-c``), whose prompt holds the date, the absolute path and a ``gitContext:`` line heading the git
   lines, and whose tool schemas come in another key order in each new process;
+- three clients first run after session 29 (``python -m bench.clients --clients pi,agno,gptme --scenarios edits``):
+  pi (``@mariozechner/pi-coding-agent`` 0.73.1, ``pi -p`` then ``-c``), whose system prompt ends with a
+  ``Pi documentation (...):`` list of its install paths then ``Current date:`` and ``Current working
+  directory:``; an agno agent (``agno`` 3.1.10, bench/clients/agno_agent.py) whose system message holds
+  agno's ``<additional_information>`` clock (``add_datetime_to_context``) and our working directory and
+  ``Git status:``, the history kept by agno's ``SqliteDb``; and gptme (``gptme`` 0.35.1, ``gptme -n
+  --name``), three system messages (its 24k-token tool prompt, a cache-boundary note, then system
+  information, the date and ``## Git Status``) kept as logged at the session's start;
 - and each agent again recorded with the fake's tool-calling replies (``--policy-replies``: a tool call then
   text every turn, so two requests a turn; replayed with text replies like every recording, the tool calls
   in the history are the client's text).
@@ -69,10 +77,14 @@ SESSIONS = (
     "llamaindex-edits",
     "kilo-code-edits",
     "mistral-vibe-edits",
+    "pi-edits",
+    "agno-edits",
+    "gptme-edits",
 )
 # Nothing in the system prompt smolagents builds varies (no clock, no directory, no status): the proxy
-# forwards its requests' system text as sent.
-NOTHING_TO_MOVE = {"smolagents-edits", "smolagents-tools"}
+# forwards its requests' system text as sent. gptme writes its date, directory and git status once, at the
+# session's start, and re-sends them as logged (its Markdown-bold keys read as no environment facts).
+NOTHING_TO_MOVE = {"smolagents-edits", "smolagents-tools", "gptme-edits"}
 # Continue CLI with nothing changing between turns: the environment block moves at the first request
 # (an environment span moves at first sight) into a system message of its own, whose role framing
 # adds 5 prompt tokens to every request; nothing in the session varies, so nothing pays it back.
@@ -100,6 +112,11 @@ PREFILL_CASES = [
     # Its <env> element moves at first sight like Continue's: 12,683 against 12,663 (5 tokens a request).
     pytest.param("kilo-code-edits", marks=FRAMING_COSTS_MORE),
     "mistral-vibe-edits",
+    # Its date and working directory (and two install paths of its docs list, read as environment facts)
+    # move at first sight into a system message of their own: 1,540 against 1,524 (4 tokens a request).
+    pytest.param("pi-edits", marks=FRAMING_COSTS_MORE),
+    "agno-edits",
+    "gptme-edits",
 ]
 
 

@@ -16,6 +16,7 @@ from types import ModuleType
 
 from bench.clients import (
     agent_turn,
+    agno_agent,
     dify,
     install,
     langgraph_agent,
@@ -441,6 +442,65 @@ class OpenInterpreter(Client):
         return ["sh", "-c", 'printf "%s\\n" "$0" | "$@"', prompt, *command]
 
 
+class PiCodingAgent(Client):
+    """pi (``@mariozechner/pi-coding-agent``, ``pi -p``, print mode) on a ``~/.pi/agent/models.json``
+    naming an ``openai-completions`` provider at the base URL (``supportsDeveloperRole`` false, as its
+    docs say for vLLM); later turns ``-c`` (the most recent session). Its system prompt ends with
+    ``Current date:`` and ``Current working directory:``."""
+
+    name = "pi"
+    protocol = "chat"
+
+    def install(self) -> Path:
+        return install.npm_package(self.name, "@mariozechner/pi-coding-agent@0.73.1", "pi")
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        agent_dir = ws.home / ".pi" / "agent"
+        agent_dir.mkdir(parents=True, exist_ok=True)
+        models = {
+            "providers": {
+                "bench": {
+                    "baseUrl": ws.openai_base,
+                    "api": "openai-completions",
+                    "apiKey": DUMMY_KEY,
+                    "compat": {"supportsDeveloperRole": False, "supportsReasoningEffort": False},
+                    "models": [{"id": ws.model, "name": ws.model, "reasoning": False}],
+                }
+            }
+        }
+        (agent_dir / "models.json").write_text(json.dumps(models, indent=2))
+        return {"PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1"}
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        more = [] if index == 0 else ["-c"]
+        return [str(binary), "--offline", "--provider", "bench", "--model", ws.model, *more, "-p", prompt]
+
+
+class Gptme(Client):
+    """gptme (``gptme -n``, non-interactive) on its ``local`` provider (``OPENAI_BASE_URL``); every turn
+    names the same conversation (``--name``: the first starts it, later ones resume it). Its system
+    messages hold the working directory, the date, the project's tree and ``## Git Status``."""
+
+    name = "gptme"
+    protocol = "chat"
+
+    def install(self) -> Path:
+        return install.pip_package(self.name, "gptme==0.35.1", "gptme", timeout=1200.0)
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        return {
+            "OPENAI_BASE_URL": ws.openai_base,
+            "OPENAI_API_KEY": DUMMY_KEY,
+            "GPTME_TELEMETRY_ENABLED": "false",
+            # tiktoken's encodings are downloaded (unreachable here): the approximation gptme falls back
+            # to, without the 5-second try each time it counts.
+            "GPTME_TIKTOKEN_TIMEOUT": "0",
+        }
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        return [str(binary), "-n", "--name", "bench-session", "-m", f"local/{ws.model}", "--no-stream", prompt]
+
+
 class PythonAgent(Client):
     """An agent framework from PyPI driven by a small script of ours (``python -m <driver> turn STATE PROMPT``,
     one process per turn, with the framework venv's interpreter), the conversation kept in ``STATE``."""
@@ -525,6 +585,17 @@ class LlamaIndexChat(PythonAgent):
     distribution = "llama-index-core"
 
 
+class AgnoAgent(PythonAgent):
+    """An agno ``Agent`` on ``OpenAILike`` at the base URL with three tools, ``add_datetime_to_context``,
+    ``additional_context`` (working directory, git status) and its history kept in agno's ``SqliteDb``
+    across processes (see agno_agent.py), the real ``agno`` from PyPI."""
+
+    name = "agno"
+    protocol = "chat"
+    driver = agno_agent
+    distribution = "agno"
+
+
 CLIENTS: dict[str, type[Client]] = {
     c.name: c
     for c in (
@@ -540,10 +611,13 @@ CLIENTS: dict[str, type[Client]] = {
         ClineCLI,
         MistralVibe,
         OpenInterpreter,
+        PiCodingAgent,
+        Gptme,
         PydanticAIAgent,
         OpenAIAgentsSDK,
         LangGraphAgent,
         SmolagentsAgent,
         LlamaIndexChat,
+        AgnoAgent,
     )
 }
