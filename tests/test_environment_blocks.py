@@ -122,6 +122,25 @@ def test_instructions_are_not_environment() -> None:
     assert spans(rules) == []
 
 
+def test_a_list_of_install_paths_is_not_environment() -> None:
+    """pi's system prompt lists its documentation's install paths (``- Main documentation: /...``)
+    right above its date and working directory: two path-valued items made a run of facts, moved at
+    first sight out of their labelled list (a helper's trial). A run must name something about the
+    environment; paths beside such facts still go with them."""
+    prompt = (
+        "Pi documentation (read only when the user asks about pi itself):\n"
+        "- Main documentation: /usr/lib/node_modules/pi/README.md\n"
+        "- Additional docs: /usr/lib/node_modules/pi/docs\n"
+        "- Examples: /usr/lib/node_modules/pi/examples (extensions, custom tools)\n"
+        "Current date: 2026-12-05\n"
+        "Current working directory: /tmp/repo"
+    )
+    assert spans(prompt) == ["Current date: 2026-12-05\nCurrent working directory: /tmp/repo"]
+    assert spans("Links:\n- Docs: /usr/share/doc/x\n- Man page: /usr/share/man/x.1") == []
+    beside = "Working directory: /tmp/repo\nProject root: /tmp/repo/app"
+    assert spans(beside) == [beside]
+
+
 def chat(system: str, turns: list[str], replies: list[str]) -> dict[str, Any]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
     for number, turn in enumerate(turns):

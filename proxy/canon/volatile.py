@@ -183,6 +183,11 @@ _ENV_BLOCK_SHARE = 0.6
 _MAX_BLOCK_LINES = 400
 
 _FACT, _PATH, _HEADER, _BLANK, _OTHER, _LISTED = range(6)
+# A ``key: /absolute/path`` line whose key names nothing about the environment: a fact beside others
+# (a project's root among the working directory and the branch), never one alone, since a list of a
+# tool's install paths or of documents (``- Main documentation: /usr/lib/...``) reads the same.
+_PATH_FACT = 6
+_FACTS = (_FACT, _PATH_FACT)
 # Kinds a run of facts takes in under a header (a file listing, a list of commits).
 _UNDER_HEADER = (_PATH, _LISTED)
 
@@ -196,11 +201,13 @@ def _line_kind(line: str) -> int:
     keyed = ":" in line or "=" in line
     path_like = "." in line or "/" in line or "\\" in line
     if (
-        (keyed and (_ENV_KEY.match(line) or _PATH_VALUE.match(line)))
+        (keyed and _ENV_KEY.match(line))
         or (_ASCII_DIGIT.search(line) and _COMMIT.match(line))
         or (path_like and _PORCELAIN.match(line))
     ):
         return _FACT
+    if keyed and _PATH_VALUE.match(line):
+        return _PATH_FACT
     if (path_like and _FILE_PATH.match(line)) or ("(" in line and _PARENTHESIZED.match(line)):
         return _PATH
     if (stripped[0].isdigit() or stripped[0] in "-*•") and _NUMBERED_COMMIT.match(line):
@@ -211,28 +218,31 @@ def _line_kind(line: str) -> int:
 
 
 def _environment_runs(lines: list[str], kinds: list[int]) -> list[tuple[int, int]]:
-    """Runs of facts (at least two different ones: one line repeated describes nothing more), with the
-    headers, blank lines and (under a header) paths between them; as (first line, last line)."""
+    """Runs of facts (at least two different ones: one line repeated describes nothing more; and one
+    that names something about the environment, not only paths), with the headers, blank lines and
+    (under a header) paths between them; as (first line, last line)."""
     found: list[tuple[int, int]] = []
     index = 0
     while index < len(kinds):
-        if kinds[index] != _FACT:
+        if kinds[index] not in _FACTS:
             index += 1
             continue
         first = last = index
         facts = {lines[index].strip()}
+        named = kinds[index] == _FACT
         cursor = index + 1
         under_header = False
         while cursor < len(kinds):
             kind = kinds[cursor]
-            if kind == _FACT or (kind in _UNDER_HEADER and under_header):
-                if kind == _FACT:
+            if kind in _FACTS or (kind in _UNDER_HEADER and under_header):
+                if kind in _FACTS:
                     facts.add(lines[cursor].strip())
+                    named = named or kind == _FACT
                 last = cursor
             elif kind == _HEADER:
                 # A header belongs to the run only with facts or paths under it.
                 following = next((k for k in kinds[cursor + 1 :] if k != _BLANK), _OTHER)
-                if following != _FACT and following not in _UNDER_HEADER:
+                if following not in _FACTS and following not in _UNDER_HEADER:
                     break
                 under_header = True
                 facts.add(f"\x00header {cursor}")
@@ -244,7 +254,7 @@ def _environment_runs(lines: list[str], kinds: list[int]) -> list[tuple[int, int
             else:
                 break
             cursor += 1
-        if len(facts) >= 2:
+        if len(facts) >= 2 and named:
             found.append((first, last))
         index = cursor
     return found
@@ -262,7 +272,7 @@ def _environment_tags(lines: list[str], kinds: list[int]) -> list[tuple[int, int
         for end in range(index + 1, min(len(lines), index + _MAX_BLOCK_LINES)):
             if lines[end].strip() == closing:
                 inner = [k for k in kinds[index + 1 : end] if k != _BLANK]
-                facts = inner.count(_FACT)
+                facts = inner.count(_FACT) + inner.count(_PATH_FACT)
                 paths = inner.count(_PATH)
                 if inner and (facts or paths >= 3) and (facts + paths) >= _ENV_BLOCK_SHARE * len(inner):
                     found.append((index, end))
