@@ -167,6 +167,34 @@ def test_moved_at_the_first_request_and_kept_in_place_while_unchanged() -> None:
     assert texts(second.body)[: len(first.body["messages"])] == texts(first.body)
 
 
+def test_a_status_label_whose_value_became_status_lines_is_the_same_place() -> None:
+    """agno: ``Git status:`` then ``clean`` (not detected), then status lines (detected) after an
+    edit. The places around it were keyed on the detected lines alone, so the edit made the clock's
+    place look new and the clock moved a request later than without the edit (a helper's trial)."""
+
+    def system(clock: str, status: str) -> str:
+        return (
+            "You are a coding agent. Use the tools to read and edit files.\n\n"
+            f"<additional_information>\n- The current time is {clock}.\n</additional_information>\n\n"
+            f"Working directory: /tmp/repo\nGit status:\n{status}"
+        )
+
+    def clock_moves(statuses: list[str]) -> list[bool]:
+        canonicalizer = Canonicalizer(CanonSettings())
+        moved = []
+        for number, status in enumerate(statuses):
+            clock = f"2026-12-05 16:1{number}:21.012004"
+            body = chat(system(clock, status), [f"Task {number}: fix calc.py"], [])
+            result = canonicalizer.apply(body, "t")
+            moved.append(clock not in result.body["messages"][0]["content"])
+        return moved
+
+    plain = clock_moves(["clean", "clean", "clean", "clean"])
+    edited = clock_moves(["clean", " M calc.py\n?? test_calc.py", " M calc.py", " M calc.py"])
+    assert plain == edited, (plain, edited)
+    assert plain[-1]
+
+
 def test_a_new_history_begins_with_the_block_its_app_began_with() -> None:
     """After a compaction (the client's own: its history replaced by a summary) the unchanged
     block goes at the conversation's start again, where it is cached, not before the last turn."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -337,7 +337,11 @@ def _split_text(
     candidates = detected | learned_lines
     # The app is the template around the candidates: requests of two apps that share a model, and
     # text (a context prompt, an instruction), do not vary each other's places.
-    skeleton = _skeleton(lines, detected, learned_lines) if memories.varying is not None and candidates else 0
+    skeleton = (
+        _skeleton(lines, _with_their_units(text, detected), learned_lines)
+        if memories.varying is not None and candidates
+        else 0
+    )
     place_key = f"{key}\x00{skeleton:x}"
     varied = _varied_spans(text, spans, memories.varying, place_key, where)
     moving = set(_varied_learned(lines, learned_lines, memories.varying, place_key, where))
@@ -387,7 +391,11 @@ def _split_facts(text: str, facts: TextFacts, memories: Memories, key: str, wher
 
             learned_lines = facts.cached(("learned lines", unaligned), whole_regions)
     candidates = detected | learned_lines
-    skeleton = facts.skeleton(text, detected, learned_lines) if memories.varying is not None and candidates else 0
+    skeleton = (
+        facts.skeleton(text, _with_their_units(text, detected), learned_lines)
+        if memories.varying is not None and candidates
+        else 0
+    )
     place_key = f"{key}\x00{skeleton:x}"
     varied = _varied_spans(text, spans, memories.varying, place_key, where)
     moving = set(_varied_learned_facts(text, facts, learned_lines, memories.varying, place_key, where))
@@ -571,7 +579,15 @@ def _line_ids(lines: list[str], moving: set[int], part: int) -> list[tuple[int, 
     return [(part, line_hash(lines[i])) for i in sorted(moving) if lines[i].strip()]
 
 
-def _skeleton(lines: list[str], detected: set[int], learned: set[int]) -> int:
+def _with_their_units(text: str, detected: Set[int]) -> frozenset[int]:
+    """The detected lines with the whole units they belong to, as the places around them are read:
+    a label whose value was not detected on one request (``Git status:`` then ``clean``) and was on
+    the next (status lines) is the same place's text both times, and does not make the places around
+    it look new."""
+    return frozenset(whole_units(text, detected)) if detected else frozenset()
+
+
+def _skeleton(lines: list[str], detected: Set[int], learned: Set[int]) -> int:
     """The text around the candidates, each run of candidate lines standing as one mark of its kind
     (blank lines left out: a question with paragraphs is one run)."""
     digest = xxhash.xxh3_64()
