@@ -135,7 +135,8 @@ def chain_header(namespace: str, body: dict[str, Any]) -> int:
     digest.update(b"\x00")
     digest.update(str(body.get("model", "")).encode("utf-8", "surrogatepass"))
     digest.update(b"\x00")
-    digest.update(shared_dumps(body.get("tools") or body.get("functions") or []))
+    tools = body.get("tools") or body.get("functions")
+    digest.update(shared_dumps(tools) if tools else b"[]")  # no list made (and kept) per tool-less request
     return digest.intdigest()
 
 

@@ -25,7 +25,6 @@ from array import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import compress, repeat
 from operator import methodcaller
 from typing import Any
@@ -35,7 +34,14 @@ from cachetools import LRUCache
 
 from proxy.canon.actions import Action
 from proxy.canon.layout import extend
-from proxy.openai import Continuations, canonical_arguments, extend_links, message_text
+from proxy.openai import (
+    ARGUMENTS_MEMO_CHARS,
+    Continuations,
+    canonical_arguments,
+    extend_links,
+    memo_by_text,
+    message_text,
+)
 from proxy.recent import peek
 
 
@@ -384,7 +390,7 @@ def _renders_differently(generated: str, sent: Any) -> bool:
     return _rendered(generated) != _rendered(sent)
 
 
-@lru_cache(maxsize=8192)
+@memo_by_text(ARGUMENTS_MEMO_CHARS)
 def _rendered(arguments: str) -> str | None:
     # History re-sends the same argument strings on every turn: each is parsed once. None: not JSON
     # (the engine cannot render it as the generated call).

@@ -17,7 +17,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import repeat
 from operator import add
 from typing import Any
@@ -27,7 +26,17 @@ import xxhash
 from cachetools import FIFOCache
 
 from proxy.canon import leading_system_count
-from proxy.openai import LONG_TEXT_CHARS, ONE_SHOT_BYTES, ByText, dumps, extend_links, role_prefix, shared_dumps
+from proxy.openai import (
+    ARGUMENTS_MEMO_CHARS,
+    LONG_TEXT_CHARS,
+    ONE_SHOT_BYTES,
+    ByText,
+    dumps,
+    extend_links,
+    memo_by_text,
+    role_prefix,
+    shared_dumps,
+)
 
 ROLE_CODES = {"system": 1, "developer": 1, "user": 2, "assistant": 3, "tool": 4, "function": 4}
 SYSTEM, USER, ASSISTANT = 1, 2, 3
@@ -66,7 +75,7 @@ def _arguments(arguments: Any) -> bytes:
         return dumps(arguments)
 
 
-@lru_cache(maxsize=8192)
+@memo_by_text(ARGUMENTS_MEMO_CHARS)
 def _argument_string(arguments: str) -> bytes:
     # History re-sends the same argument strings on every turn: each is parsed once.
     try:

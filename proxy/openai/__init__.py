@@ -19,6 +19,7 @@ from proxy.openai.jsonio import (
 from proxy.openai.jsonio import (
     expire_idle as expire_idle_lists,
 )
+from proxy.openai.memo import ARGUMENTS_MEMO_CHARS, TextMemo, memo_by_text
 from proxy.openai.messages import (
     LONG_TEXT_CHARS,
     ONE_SHOT_BYTES,
@@ -37,6 +38,7 @@ from proxy.openai.resumedjson import dumps_body, resumed_loads
 from proxy.openai.usage import Usage, token_count
 
 __all__ = [
+    "ARGUMENTS_MEMO_CHARS",
     "LONG_TEXT_CHARS",
     "MAX_DEPTH",
     "ONE_SHOT_BYTES",
@@ -45,6 +47,7 @@ __all__ = [
     "ByText",
     "Continuations",
     "Resumption",
+    "TextMemo",
     "TooDeep",
     "ToolCall",
     "Usage",
@@ -60,6 +63,7 @@ __all__ = [
     "leading_system_count",
     "link_hash",
     "loads",
+    "memo_by_text",
     "message_fingerprint",
     "message_text",
     "resumed_loads",

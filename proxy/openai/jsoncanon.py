@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from types import ModuleType
 from typing import Any
+
+from proxy.openai.memo import ARGUMENTS_MEMO_CHARS, memo_by_text
 
 _orjson: ModuleType | None
 try:
@@ -50,7 +51,7 @@ def canonical_arguments(arguments: Any) -> str:
     return canonical_dumps(arguments)
 
 
-@lru_cache(maxsize=65536)
+@memo_by_text(ARGUMENTS_MEMO_CHARS)
 def _canonical_argument_string(arguments: str) -> str:
     # History re-sends the same argument strings on every turn: parse each one once.
     try:

@@ -131,6 +131,8 @@ def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
 # Only the requests in flight need theirs: bounded by what the entries hold (a parsed list about
 # four times its JSON, and the JSON), released once idle (SHARED_IDLE_S without a request's use).
 SHARED_BYTES = 16 * 1024 * 1024
+# The least memory a bytes object orjson returns holds (its writing buffer), whatever its length.
+ORJSON_BUFFER_BYTES = 4096
 SHARED_IDLE_S = 60.0
 _SHARED: TTLCache[int, tuple[list[Any], tuple[Any, ...], bytes | None]] = TTLCache(
     SHARED_BYTES, SHARED_IDLE_S, getsizeof=lambda entry: 5 * len(entry[2] or b"") + 64 * len(entry[1]) + 256
@@ -151,6 +153,10 @@ def shared_json(value: list[Any]) -> bytes | None:
         raw: bytes | None = orjson.dumps(value)
     except TypeError:
         raw = None
+    if raw is not None and len(raw) < ORJSON_BUFFER_BYTES:
+        # orjson's output holds the buffer it was written in (4 KiB at least) however short it is:
+        # kept, a short one is copied to its own size (a tool-less request's "[]" held 4 KiB).
+        raw = bytes(memoryview(raw))
     entry = (value, tuple(value), raw)
     if _SHARED.getsizeof(entry) <= SHARED_BYTES:
         _SHARED[id(value)] = entry

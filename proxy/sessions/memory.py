@@ -63,6 +63,9 @@ class MemorySessionStore:
         # OrderedDict, not a cachetools cache: stats and list_sessions read it newest first, in order.
         self._sessions: OrderedDict[SessionKey, bytes] = OrderedDict()
         self._summaries: dict[SessionKey, dict[str, Any]] = {}
+        # Per tenant, its sessions' ids in the order above: a tenant's newest are listed without a
+        # pass over every tenant's sessions (the operator page lists each tenant's).
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}
         # Pair fingerprint (folded with the tenant) -> session id, oldest first. One int key and the
         # record's own id string per pair: 100,000 sessions of a few pairs each cost ~30 MiB, not ~60.
         # A pair is live while its session is (the record's last_seen and the TTL decide).
@@ -103,7 +106,15 @@ class MemorySessionStore:
 
     def _forget(self, key: SessionKey) -> bool:
         self._summaries.pop(key, None)
+        self._unindex(key)
         return self._sessions.pop(key, None) is not None
+
+    def _unindex(self, key: SessionKey) -> None:
+        ids = self._by_tenant.get(key[0])
+        if ids is not None:
+            ids.pop(key[1], None)
+            if not ids:
+                del self._by_tenant[key[0]]
 
     def _keep_summary(self, key: SessionKey, summary: dict[str, Any] | None) -> None:
         if summary is None:
@@ -115,10 +126,14 @@ class MemorySessionStore:
         key = (record.tenant, record.session_id)
         self._sessions[key] = _pack(record)
         self._sessions.move_to_end(key)
+        ids = self._by_tenant.setdefault(record.tenant, OrderedDict())
+        ids[record.session_id] = None
+        ids.move_to_end(record.session_id)
         self._keep_summary(key, record.summary)
         while len(self._sessions) > self._max_sessions:
             oldest, _ = self._sessions.popitem(last=False)
             self._summaries.pop(oldest, None)
+            self._unindex(oldest)
 
     async def get(self, tenant: str, session_id: str) -> SessionRecord | None:
         key = (tenant, session_id)
@@ -189,11 +204,14 @@ class MemorySessionStore:
     async def list_sessions(self, tenant: str, limit: int = 100) -> list[SessionRecord]:
         now = time.time()
         records = []
-        for key, packed in reversed(self._sessions.items()):
-            if key[0] == tenant and now - _last_seen(packed) <= self._ttl:
-                records.append(self._record(key, packed))
-                if len(records) == limit:
-                    break
+        for session_id in reversed(self._by_tenant.get(tenant, {})):
+            key = (tenant, session_id)
+            packed = self._sessions[key]
+            if now - _last_seen(packed) > self._ttl:
+                continue
+            records.append(self._record(key, packed))
+            if len(records) == limit:
+                break
         return records
 
     async def delete(self, tenant: str, session_id: str) -> bool:

@@ -191,8 +191,12 @@ class RedisSessionStore:
             await pipe.execute()
 
     def _queue_index(self, pipe: Any, tenant: str, session_id: str, turn: TurnRecord, now: float) -> None:
-        pipe.zadd(f"{self._prefix}idx:{tenant}", {session_id: now})
-        pipe.expire(f"{self._prefix}idx:{tenant}", self._ttl)
+        index = f"{self._prefix}idx:{tenant}"
+        pipe.zadd(index, {session_id: now})
+        # The sessions it lists live ttl_s after their last turn: the ones older are gone (their
+        # records expired), and would otherwise stay while the tenant keeps sending.
+        pipe.zremrangebyscore(index, "-inf", f"({now - self._ttl}")
+        pipe.expire(index, self._ttl)
         pipe.zadd(f"{self._prefix}active", {f"{tenant}\x00{session_id}": now})
         for fingerprint in turn.new_fingerprints:
             pipe.set(self._fp_key(tenant, fingerprint), session_id, ex=self._ttl)
