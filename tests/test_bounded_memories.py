@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 import tracemalloc
+from typing import Any
 
 import redis
 
@@ -83,3 +84,22 @@ def test_a_tenants_session_index_forgets_expired_sessions(redis_prefix: str) -> 
         return held
 
     assert asyncio.run(run()) <= 3
+
+
+def test_the_active_sessions_gauge_counts_past_its_sample(redis_prefix: str, monkeypatch: Any) -> None:
+    """Redis: the gauges' refresh read every active session (10,000 HGETs in one burst) and stopped
+    counting there; it counts them all and reads the context of a sample."""
+    from proxy.sessions import redis_store
+
+    monkeypatch.setattr(redis_store, "STATS_SAMPLE", 10)
+
+    async def run() -> tuple[int, int]:
+        store = RedisSessionStore(SHARED_URL, prefix=redis_prefix, ttl_s=600)
+        now = time.time()
+        for number in range(40):
+            await store.record_turn("t", f"s{number}", TurnRecord(100, 0, 0, 4.0), now)
+        return await store.stats(now - 60)
+
+    active, context = asyncio.run(run())
+    assert active == 40
+    assert context == 40 * 100

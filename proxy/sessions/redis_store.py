@@ -86,6 +86,10 @@ _INT_FIELDS = (
 )
 
 
+# The active sessions whose context the gauges' refresh reads (the rest scaled from them).
+STATS_SAMPLE = 1000
+
+
 class RedisSessionStore:
     in_process = False
 
@@ -294,15 +298,22 @@ class RedisSessionStore:
     async def stats(self, since: float) -> tuple[int, int]:
         active_key = f"{self._prefix}active"
         await self._redis.zremrangebyscore(active_key, "-inf", since - self._ttl)
-        members = [str(m) for m in await self._redis.zrangebyscore(active_key, since, "+inf", start=0, num=10_000)]
-        if not members:
+        active = int(await self._redis.zcount(active_key, since, "+inf"))
+        if not active:
             return 0, 0
+        # The context the active sessions hold, read from the most recent of them and scaled to all:
+        # a gauge's refresh reads a bounded sample, not every session (10,000 reads at once before,
+        # and a count that stopped there).
+        members = [
+            str(m) for m in await self._redis.zrevrangebyscore(active_key, "+inf", since, start=0, num=STATS_SAMPLE)
+        ]
         async with self._redis.pipeline(transaction=False) as pipe:
             for member in members:
                 tenant, _, session_id = member.partition("\x00")
                 pipe.hget(self._session_key(tenant, session_id), "context_tokens")
             values = await pipe.execute()
-        return len(members), sum(int(v or 0) for v in values)
+        sampled = sum(int(v or 0) for v in values)
+        return active, sampled if len(members) >= active else round(sampled * active / max(1, len(members)))
 
     async def tenant_by_digest(self, digest: str) -> str | None:
         """A tenant provisioned in Redis: JSON {name, upstream_api_key?, budget?} under its key's SHA-256."""
