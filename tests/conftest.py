@@ -101,3 +101,13 @@ def access_lines() -> Iterator[list[str]]:
     yield handler.lines
     logger.removeHandler(handler)
     logger.setLevel(previous)
+
+
+@pytest.fixture(scope="module")
+def stream_proxy() -> Iterator[LiveServer]:
+    """A proxy with budgets in front of tests.stream_upstream's scripted engine (the stream tests)."""
+    from tests.stream_upstream import budget_proxy
+
+    proxy = budget_proxy()
+    yield proxy
+    proxy.stop()

@@ -16,7 +16,6 @@ from tests.stream_upstream import (
     BUDGET,
     SCRIPTS,
     USAGE,
-    budget_proxy,
     chunk,
     data,
     ev,
@@ -30,18 +29,11 @@ from tests.stream_upstream import (
 )
 
 
-@pytest.fixture(scope="module")
-def server():
-    s = budget_proxy()
-    yield s
-    s.stop()
-
-
 def slow(events):  # one event per TCP read, as an engine writes them token by token
     return [x for e in events for x in (e, 0.02)]
 
 
-def post(server, route, model, session, **extra):
+def post(stream_proxy, route, model, session, **extra):
     msgs = [{"role": "user", "content": "hi"}]
     body = {
         "chat": {"model": model, "messages": msgs, "max_tokens": 50},
@@ -50,7 +42,7 @@ def post(server, route, model, session, **extra):
     }[route]
     path = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}[route]
     return httpx.post(
-        server.url + path, json={**body, "stream": True, **extra}, headers={"x-session-id": session}, timeout=30
+        stream_proxy.url + path, json={**body, "stream": True, **extra}, headers={"x-session-id": session}, timeout=30
     )
 
 
@@ -81,11 +73,11 @@ SCRIPTS["end-in-responses-text"] = lambda b: slow(
     ("route", "model"),
     [("chat", "end-in-chat-tool"), ("messages", "end-in-anthropic-tool"), ("responses", "end-in-responses-text")],
 )
-def test_end_marker_inside_model_output_does_not_end_the_answer(server, route, model):
+def test_end_marker_inside_model_output_does_not_end_the_answer(stream_proxy, route, model):
     s = new_session()
-    r = post(server, route, model, s)
+    r = post(stream_proxy, route, model, s)
     assert r.status_code == 200
-    state = session_state(server, r, s)
+    state = session_state(stream_proxy, r, s)
     # Every script reports 20 prompt + 3 completion tokens at its real end.
     assert state["completion_tokens"] == 3, state
     assert state["budget_left"]["session"] == BUDGET - 23, state
@@ -103,12 +95,14 @@ VLLM_ERR = {
 SCRIPTS["vllm-error-then-done"] = lambda b: [*vllm_chat(["Hel", "lo"])[:3], data(VLLM_ERR), b"data: [DONE]\n\n"]
 
 
-def test_vllm_error_then_done_is_not_an_answered_turn(server):
+def test_vllm_error_then_done_is_not_an_answered_turn(stream_proxy):
     s = new_session()
-    r = post(server, "chat", "vllm-error-then-done", s)
+    r = post(stream_proxy, "chat", "vllm-error-then-done", s)
     assert sse_events(r.text)[-2][1].startswith('{"error"')  # the client got the error (its SDK raises)
     time.sleep(0.5)
-    got = httpx.get(f"{server.url}/v1/sessions/{r.headers['x-prefix-proxy-session']}", headers={"x-session-id": s})
+    got = httpx.get(
+        f"{stream_proxy.url}/v1/sessions/{r.headers['x-prefix-proxy-session']}", headers={"x-session-id": s}
+    )
     # As for a stream that breaks (no turn recorded, charged prompt + relayed tokens), not a finished turn
     # charged its whole reservation (~588 tokens here for ~22 spent).
     assert got.status_code == 404, got.json()
@@ -118,13 +112,13 @@ def test_vllm_error_then_done_is_not_an_answered_turn(server):
 SCRIPTS["no-space"] = lambda b: [p.replace(b"data: ", b"data:") for p in vllm_chat(["Hel", "lo", "!"])]
 
 
-def test_data_without_space(server):
+def test_data_without_space(stream_proxy):
     s = new_session()
-    r = post(server, "chat", "no-space", s)
+    r = post(stream_proxy, "chat", "no-space", s)
     events = sse_events(r.text)
     assert events[-1][1] == "[DONE]", events[-1]  # was: an upstream_stream_truncated error after [DONE]
     assert not any('"usage"' in d for _, d in events)  # the client did not ask for usage
-    assert session_state(server, r, s)["budget_left"]["session"] == BUDGET - 23
+    assert session_state(stream_proxy, r, s)["budget_left"]["session"] == BUDGET - 23
 
 
 # 4. The proxy asks for gzip (aiohttp's default Accept-Encoding) but relays a stream's raw bytes.
@@ -140,8 +134,8 @@ def _gzip(body):
 SCRIPTS["gzip"] = _gzip
 
 
-def test_gzip_encoded_stream(server):
-    r = post(server, "chat", "gzip", new_session())
+def test_gzip_encoded_stream(stream_proxy):
+    r = post(stream_proxy, "chat", "gzip", new_session())
     text = "".join(
         json.loads(d)["choices"][0]["delta"].get("content") or ""
         for _, d in sse_events(r.text)
@@ -167,16 +161,16 @@ SCRIPTS["llama-anthropic-error"] = lambda b: slow(
 )
 
 
-def _invalid_responses(server):
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
+def _invalid_responses(stream_proxy):
+    for line in httpx.get(stream_proxy.url + "/metrics").text.splitlines():
         if line.startswith('prefix_proxy_upstream_errors_total{kind="invalid_response",route="messages"}'):
             return float(line.split()[-1])
     return 0.0
 
 
-def test_llama_server_anthropic_error_event_is_the_upstreams_error(server):
-    before = _invalid_responses(server)
-    r = post(server, "messages", "llama-anthropic-error", new_session())
+def test_llama_server_anthropic_error_event_is_the_upstreams_error(stream_proxy):
+    before = _invalid_responses(stream_proxy)
+    r = post(stream_proxy, "messages", "llama-anthropic-error", new_session())
     errors = [d for name, d in sse_events(r.text) if name == "error"]
     assert len(errors) == 1, errors  # was: llama's error, then the proxy's "stream ended before the answer did"
-    assert _invalid_responses(server) == before  # was: counted as a protocol failure (and answer_unusable)
+    assert _invalid_responses(stream_proxy) == before  # was: counted as a protocol failure (and answer_unusable)

@@ -18,7 +18,6 @@ from tests.stream_upstream import (
     RESET,
     SCRIPTS,
     USAGE,
-    budget_proxy,
     chunk,
     data,
     msg_stream,
@@ -31,14 +30,6 @@ from tests.stream_upstream import (
     vllm_chat,
 )
 
-
-@pytest.fixture(scope="module")
-def server():
-    s = budget_proxy()
-    yield s
-    s.stop()
-
-
 V = lambda: vllm_chat(["Hel", "lo", "!"])  # noqa: E731
 SCRIPTS["crlf"] = lambda b: [p.replace(b"\n", b"\r\n") for p in V()]
 SCRIPTS["crlf-bytes"] = lambda b: [
@@ -50,10 +41,10 @@ SCRIPTS["done-unterminated"] = lambda b: [*V()[:-1], b"data: [DONE]"]
 
 
 @pytest.mark.parametrize("model", ["crlf", "crlf-bytes", "bytes", "pings", "done-unterminated"])
-def test_framing(server, model):
+def test_framing(stream_proxy, model):
     s = new_session()
     body = {"model": model, "stream": True, "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"x-session-id": s}, timeout=30)
+    r = httpx.post(stream_proxy.url + "/v1/chat/completions", json=body, headers={"x-session-id": s}, timeout=30)
     events = sse_events(r.text)
     text = "".join(
         (json.loads(d)["choices"] or [{}])[0].get("delta", {}).get("content") or ""
@@ -62,7 +53,7 @@ def test_framing(server, model):
     )
     assert text == "Hello!" and events[-1][1] == "[DONE]"
     assert not any("usage" in d for _, d in events)
-    assert session_state(server, r, s)["budget_left"]["session"] == BUDGET - 23
+    assert session_state(stream_proxy, r, s)["budget_left"]["session"] == BUDGET - 23
 
 
 SCRIPTS["c-reset"] = lambda b: [*V()[:3], 0.05, V()[1][:20], 0.05, RESET]
@@ -74,15 +65,15 @@ SCRIPTS["r-reset"] = lambda b: (
 )
 
 
-def test_resets_raise_in_each_sdk(server):
-    oa = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+def test_resets_raise_in_each_sdk(stream_proxy):
+    oa = openai.OpenAI(base_url=stream_proxy.url + "/v1", api_key="x", max_retries=0)
     with (
         pytest.raises(openai.APIError),
         oa.chat.completions.stream(model="c-reset", messages=[{"role": "user", "content": "hi"}]) as s,
     ):
         for _ in s:
             pass
-    an = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    an = anthropic.Anthropic(base_url=stream_proxy.url, api_key="x", max_retries=0)
     with (
         pytest.raises(anthropic.APIError),
         an.messages.stream(model="m-reset", max_tokens=50, messages=[{"role": "user", "content": "hi"}]) as s,
@@ -99,10 +90,10 @@ BIG = data(chunk("x" * 60000))
 SCRIPTS["flood"] = lambda b: [BIG] * 1500 + [data(chunk(choices=[], usage=USAGE)), b"data: [DONE]\n\n"]
 
 
-def test_client_disconnect_closes_upstream_at_once(server):
+def test_client_disconnect_closes_upstream_at_once(stream_proxy):
     body = {"model": "slow-forever", "stream": True, "max_tokens": 500, "messages": [{"role": "user", "content": "hi"}]}
     EVENTS.clear()
-    with httpx.Client(timeout=30) as c, c.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+    with httpx.Client(timeout=30) as c, c.stream("POST", stream_proxy.url + "/v1/chat/completions", json=body) as r:
         n = 0
         for line in r.iter_lines():
             n += line.startswith("data:")
@@ -118,12 +109,12 @@ def _rss_mb():
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
 
 
-def test_slow_client_backpressure_no_proxy_side_queue(server):
+def test_slow_client_backpressure_no_proxy_side_queue(stream_proxy):
     """Upstream, proxy and client share this process: a proxy that queued what the client does not
     read would grow it by the ~90 MB the upstream writes."""
     body = {"model": "flood", "stream": True, "max_tokens": 500, "messages": [{"role": "user", "content": "hi"}]}
     before = _rss_mb()
-    with httpx.Client(timeout=30) as c, c.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+    with httpx.Client(timeout=30) as c, c.stream("POST", stream_proxy.url + "/v1/chat/completions", json=body) as r:
         next(r.iter_raw(65536))
         time.sleep(3)
         assert _rss_mb() - before < 40
