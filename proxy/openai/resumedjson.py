@@ -140,7 +140,9 @@ def resumed_loads(raw: bytes, namespace: str) -> Any:
     scanned = _Scanned()
     try:
         found = _resume(raw, namespace, scanned)
-    except (ValueError, IndexError, UnicodeDecodeError, _ShortHistory):
+    except (ValueError, IndexError, UnicodeDecodeError, RecursionError, _ShortHistory):
+        # Whatever the scan of a body makes of it, the full parse says what it is (and refuses it
+        # as the engine would): a scan never answers for a body it could not read.
         return loads(raw)
     if found is not None:
         return found
@@ -223,7 +225,10 @@ def _skip(raw: bytes, position: int) -> int:
     if first == _QUOTE:
         return _skip_string(raw, position)
     if first not in _OPENING:
-        return _SCALAR.match(raw, position).end()  # type: ignore[union-attr]  # a number or a literal
+        scalar = _SCALAR.match(raw, position)  # a number or a literal
+        if scalar is None:
+            raise ValueError("no JSON value here")  # a body the full parse refuses (a missing value)
+        return scalar.end()
     depth = 0
     while True:
         found = _STRUCTURE.search(raw, position)
@@ -373,7 +378,7 @@ def _same_json(a: Any, b: Any) -> bool:
     apart (and ``==`` first: NaN, which orjson writes as null, is equal to nothing)."""
     try:
         return bool(a == b) and orjson.dumps(a) == orjson.dumps(b)
-    except TypeError:
+    except (TypeError, RecursionError):  # RecursionError: nested past Python's limit (orjson's is deeper)
         return False
 
 
