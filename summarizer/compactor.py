@@ -122,5 +122,6 @@ class Compactor:
             updated=time.time(),
             tail=client_messages(messages, chunk.end, inserted) if self._options.repair else [],
         )
-        folded_bytes = sum(len(str(m.get("content") or "").encode()) for m in folded)
+        # surrogatepass: a client's lone surrogate (JSON allows one) is counted, not a 500.
+        folded_bytes = sum(len(str(m.get("content") or "").encode("utf-8", "surrogatepass")) for m in folded)
         return Compaction(new_state, len(folded), folded_bytes)

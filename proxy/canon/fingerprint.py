@@ -15,7 +15,7 @@ def stable_prefix_hash(body: dict[str, Any], stable_count: int | None = None) ->
     if stable_count is None:
         stable_count = leading_system_count(messages)
     digest = xxhash.xxh3_64()
-    digest.update(str(body.get("model", "")).encode())
+    digest.update(str(body.get("model", "")).encode("utf-8", "surrogatepass"))
     digest.update(b"\x00")
     tools = body.get("tools") or body.get("functions")
     if tools:

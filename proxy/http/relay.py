@@ -129,7 +129,7 @@ def final_event(block: bytes, names: frozenset[bytes]) -> bool:
             continue
         payload = read.json()
         kind = payload.get("type") if isinstance(payload, dict) else None
-        if isinstance(kind, str) and kind.encode() in names:
+        if isinstance(kind, str) and kind.encode("utf-8", "surrogatepass") in names:
             return True
     return False
 
