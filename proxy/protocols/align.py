@@ -14,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
+from itertools import compress, islice
+from itertools import count as count_from
+from operator import is_not
 from typing import Any
 
 import xxhash
@@ -117,11 +120,18 @@ def same_message(a: Any, b: Any) -> bool:
 
 
 def common_head(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """How many leading messages of the two lists are the same message (the very object, or equal)."""
+    """How many leading messages of the two lists are the same message (the very object, or equal).
+    Runs of the very objects (most of a history: the view's messages are the forwarded ones) are
+    passed in C; only a message that is another object is compared by value."""
+    end = min(len(a), len(b))
     count = 0
-    for x, y in zip(a, b, strict=False):
+    while count < end:
+        count = next(compress(count_from(count), map(is_not, islice(a, count, end), islice(b, count, end))), end)
+        if count == end:
+            break
+        x, y = a[count], b[count]
         # Equal as values: the same message (the pipeline changes text, never a key's order or a number's type).
-        if x is not y and not (type(x) is type(y) and x == y):
+        if not (type(x) is type(y) and x == y):
             break
         count += 1
     return count
