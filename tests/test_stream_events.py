@@ -14,6 +14,7 @@ import pytest
 
 from tests.stream_upstream import (
     BUDGET,
+    RESET,
     SCRIPTS,
     USAGE,
     chunk,
@@ -24,6 +25,7 @@ from tests.stream_upstream import (
     responses_stream,
     session_state,
     sse_events,
+    text_block,
     tool_block,
     vllm_chat,
 )
@@ -174,3 +176,20 @@ def test_llama_server_anthropic_error_event_is_the_upstreams_error(stream_proxy)
     errors = [d for name, d in sse_events(r.text) if name == "error"]
     assert len(errors) == 1, errors  # was: llama's error, then the proxy's "stream ended before the answer did"
     assert _invalid_responses(stream_proxy) == before  # was: counted as a protocol failure (and answer_unusable)
+
+
+# 6. An Anthropic stream cut short: message_start reports the prompt and no output yet (a real llama-server
+#    killed mid-answer, a review): that report was charged as the answer's whole usage, the output relayed
+#    before the cut free. Charged as a chat stream cut short is: at least what the events relayed carried.
+SCRIPTS["m-cut"] = lambda b: slow([*msg_stream(text_block(["Once", " upon", " a"]))[:5], 0.05, RESET])
+SCRIPTS["m-whole"] = lambda b: slow(msg_stream(text_block(["Hel", "lo", "!"])))
+
+
+def test_an_anthropic_stream_cut_short_is_charged_what_it_relayed(stream_proxy):
+    s = new_session()
+    cut = post(stream_proxy, "messages", "m-cut", s)
+    assert '"Once"' in cut.text
+    whole = post(stream_proxy, "messages", "m-whole", s)
+    left = session_state(stream_proxy, whole, s)["budget_left"]["session"]
+    charged_for_the_cut = BUDGET - 23 - left  # the whole answer: 20 in, 3 out
+    assert 20 + 3 <= charged_for_the_cut <= 20 + 10, charged_for_the_cut

@@ -8,6 +8,7 @@ from proxy.chat.budget import (
     context_limit,
     effective_budget,
     prompt_ceiling,
+    spent_when_cut_short,
     tokens_per_event,
     usage_limits,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "effective_budget",
     "prompt_ceiling",
     "routing_key",
+    "spent_when_cut_short",
     "tokens_per_event",
     "usage_limits",
 ]

@@ -30,7 +30,7 @@ from typing import Any
 
 from proxy.backends import OPENAI_LIMIT_FIELDS
 from proxy.config import BudgetOverrides, BudgetSettings, Settings
-from proxy.openai import Continuations, dumps, message_text, shared_dumps, utf8_size
+from proxy.openai import Continuations, Usage, dumps, message_text, shared_dumps, utf8_size
 from proxy.sessions import UsageLimit, slot_tag
 from proxy.tokenization import CAUTIOUS_TOKENS_PER_BYTE, TokenCounter
 
@@ -81,6 +81,20 @@ def requested_completion_tokens(body: dict[str, Any], fields: tuple[str, ...] = 
         if isinstance(value, int) and value >= 0 and not (value == 0 and key == "max_completion_tokens"):
             return value
     return None
+
+
+def spent_when_cut_short(usage: Usage | None, prompt_estimate: int, tokens_relayed: int, reserved: int | None) -> int:
+    """What a stream that stopped short spent. With the engine's report: at least the prompt it
+    reported and what the events relayed could carry (a report made on the way, as Anthropic's
+    ``message_start``, says no output yet), its own total where that is more. Without one: the prompt
+    estimate and the relayed tokens. Never more than was reserved unless the engine reported more."""
+    if usage is None:
+        spent = prompt_estimate + tokens_relayed
+        return min(spent, reserved) if reserved is not None else spent
+    spent = usage.prompt_tokens + max(usage.completion_tokens, tokens_relayed)
+    if reserved is not None:
+        spent = min(spent, reserved)
+    return max(spent, usage.total_tokens)
 
 
 def tokens_per_event(body: dict[str, Any]) -> int:

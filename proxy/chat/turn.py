@@ -25,6 +25,7 @@ from proxy.chat.budget import (
     prompt_ceiling,
     request_bytes,
     reservation_amount,
+    spent_when_cut_short,
     tokens_per_event,
     usage_limits,
 )
@@ -545,15 +546,10 @@ class ChatTurn:
 
     async def settle_unfinished(self, usage: Usage | None, tokens_relayed: int) -> None:
         """A stream ended early (the client left, the upstream broke off): charge what was spent and
-        give the rest of the reservation back. Without the usage chunk, the prompt and what the
-        events relayed could carry (:attr:`tokens_per_event` each), never more than was reserved."""
-        if usage is not None:
-            spent = usage.total_tokens
-        else:
-            spent = self.prompt_estimate + tokens_relayed
-            if self.reservation is not None:
-                spent = min(spent, self.reservation.amount)
-        await self._settle_early(spent)
+        give the rest of the reservation back (:func:`proxy.chat.budget.spent_when_cut_short`: the
+        events relayed count :attr:`tokens_per_event` each)."""
+        reserved = self.reservation.amount if self.reservation is not None else None
+        await self._settle_early(spent_when_cut_short(usage, self.prompt_estimate, tokens_relayed, reserved))
 
     async def _settle_early(self, spent: int) -> None:
         await self.services.sessions.settle(self.reservation, spent, self.budget.window_s)

@@ -17,6 +17,7 @@ from proxy.chat import (
     budget_refused,
     completion_allowance,
     prompt_ceiling,
+    spent_when_cut_short,
     tokens_per_event,
     usage_limits,
 )
@@ -158,10 +159,7 @@ class CompletionBudget:
     async def settle_cut_short(self, usage: Usage | None, tokens: int) -> None:
         """A stream that stopped short: what the backend reported, else the prompt and the tokens
         its events relayed could carry (``tokens_per_event`` each), never more than was reserved."""
-        if usage is not None:
-            await self._settle_to(usage.total_tokens)
-        else:
-            await self._settle_to(min(self._amount, self._prompt + tokens))
+        await self._settle_to(spent_when_cut_short(usage, self._prompt, tokens, self._amount))
 
     async def _settle_to(self, spent: int) -> None:
         reservation, self._reservation = self._reservation, None
