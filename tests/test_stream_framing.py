@@ -118,3 +118,15 @@ def test_slow_client_backpressure_no_proxy_side_queue(stream_proxy):
         next(r.iter_raw(65536))
         time.sleep(3)
         assert _rss_mb() - before < 40
+
+
+def test_a_responses_stream_broken_off_ends_with_its_error_event(stream_proxy):
+    """The Responses API's own error event (``type: error``, as a client reading events by type
+    expects), holding the ``error`` object the SDKs raise on (a real llama-server killed mid-answer
+    ended in the chat completions' error event)."""
+    body = {"model": "r-reset", "input": "hi", "stream": True}
+    text = httpx.post(stream_proxy.url + "/v1/responses", json=body, timeout=30).text
+    name, payload = sse_events(text)[-1]
+    event = json.loads(payload)
+    assert name == "error" and event["type"] == "error", (name, payload)
+    assert event["code"] == "upstream_stream_interrupted" and event["error"]["code"] == event["code"]

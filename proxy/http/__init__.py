@@ -15,7 +15,7 @@ from proxy.http.body import (
     validate_completion_request,
 )
 from proxy.http.context import PendingCacheBreak, RequestContext, overhead_header
-from proxy.http.dialect import ANTHROPIC, OPENAI, ErrorDialect
+from proxy.http.dialect import ANTHROPIC, OPENAI, RESPONSES_API, ErrorDialect
 from proxy.http.direct import DirectRoutes, serve_direct
 from proxy.http.errors import (
     BodyTooDeep,
@@ -64,6 +64,7 @@ __all__ = [
     "OPENAI",
     "PATH_SAFE",
     "PROTOCOL_FAILURES",
+    "RESPONSES_API",
     "BodyTooDeep",
     "BudgetExceeded",
     "ClientDisconnected",

@@ -33,6 +33,25 @@ class ErrorDialect:
 
 OPENAI = ErrorDialect()
 
+
+class ResponsesDialect(ErrorDialect):
+    """The Responses API: errors in OpenAI's shape; a stream ends with its ``error`` event
+    (``type``, ``code``, ``message``, ``param``), which also holds the OpenAI ``error`` object the
+    SDKs raise on: a client that reads events by ``type`` and one whose SDK raises both see it."""
+
+    def stream_event(self, message: str, code: str) -> bytes:
+        payload = {
+            "type": "error",
+            "code": code,
+            "message": message,
+            "param": None,
+            **error_body(message, "upstream_error", None, code),
+        }
+        return b"event: error\ndata: " + json.dumps(payload).encode() + _EVENT_END
+
+
+RESPONSES_API = ResponsesDialect()
+
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
 ANTHROPIC_ERROR_TYPES = {
     400: "invalid_request_error",

@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.canon import ToolOrders, canonicalize_tool_fields
-from proxy.http import InvalidRequest, SSERelay, final_event, is_text, reading, require_model, with_data_fields
+from proxy.http import (
+    RESPONSES_API,
+    InvalidRequest,
+    SSERelay,
+    final_event,
+    is_text,
+    reading,
+    require_model,
+    with_data_fields,
+)
 from proxy.openai import (
     STABLE_ROLES,
     AssistantRecorder,
@@ -637,6 +646,7 @@ class Responses(GenerationProtocol):
 
     route = "responses"
     path = "/responses"
+    dialect = RESPONSES_API
     relay_class = ResponsesRelay
     answer_list = "output"
 

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
-from proxy.http import ProxyError, RequestContext, ResponseNotFound, ServiceUnavailable
+from proxy.http import RESPONSES_API, ProxyError, RequestContext, ResponseNotFound, ServiceUnavailable
 from proxy.protocols import RESPONSES, responses
 from proxy.routes import compaction
 from proxy.routes.forward import api_endpoint, upstream_headers
@@ -150,7 +150,7 @@ async def _locate(state: ProxyState, request: Request, ctx: RequestContext, resp
 
 
 routes = [
-    Route("/v1/responses", api_endpoint(RESPONSES.route, create), methods=["POST"]),
+    Route("/v1/responses", api_endpoint(RESPONSES.route, create, RESPONSES_API), methods=["POST"]),
     Route("/v1/responses/{response_id}", api_endpoint("responses_retrieve", retrieve), methods=["GET", "DELETE"]),
     Route("/v1/responses/{response_id}/cancel", api_endpoint("responses_cancel", retrieve), methods=["POST"]),
     # Every other path under a stored response is that response's too: owned here (the ownership
