@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -84,7 +85,9 @@ def ensure_engine(cache: Path) -> Path:
         # computation). The x86-64-v3 set (AVX2, FMA, F16C) runs on every machine that has it.
         flags += ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"]
     subprocess.run(["cmake", "-S", str(root), "-B", str(build), *flags], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j"], check=True)
+    # As many jobs as cores, not make's unbounded -j (the build then takes the machine's memory).
+    jobs = str(os.cpu_count() or 1)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], check=True)
     return binary
 
 
