@@ -90,10 +90,10 @@ NOTHING_TO_MOVE = {"smolagents-edits", "smolagents-tools", "gptme-edits"}
 # adds 5 prompt tokens to every request; nothing in the session varies, so nothing pays it back.
 FRAMING_COSTS_MORE = pytest.mark.xfail(
     strict=True,
-    reason="proxy/canon/relocation.py:622 (_varied_spans) moves FIRST_SIGHT_KINDS (proxy/canon/volatile.py:65, "
-    "'environment') at a conversation's first request, into a system message of its own (+5 prompt tokens a "
-    "request); in a session where the environment never changes that costs more than direct: 1,597 against "
-    "1,588 (issue 44, defect 1's framing)",
+    reason="proxy.canon.relocation._varied_spans moves FIRST_SIGHT_KINDS (proxy.canon.volatile: 'environment') "
+    "at a conversation's first request, into a system message of its own (about 5 prompt tokens of role framing); "
+    "in a session where the environment never changes nothing pays it back (issue 44, defect 1's framing; each "
+    "case's figures beside it)",
 )
 PREFILL_CASES = [
     "continue-cli-edits",
