@@ -206,8 +206,8 @@ class MemorySessionStore:
         records = []
         for session_id in reversed(self._by_tenant.get(tenant, {})):
             key = (tenant, session_id)
-            packed = self._sessions[key]
-            if now - _last_seen(packed) > self._ttl:
+            packed = self._sessions.get(key)
+            if packed is None or now - _last_seen(packed) > self._ttl:
                 continue
             records.append(self._record(key, packed))
             if len(records) == limit:
