@@ -840,7 +840,7 @@ class TracingSettings(Section):
     def _collector(self) -> TracingSettings:
         """The collector's URL as the exporter takes it: http(s) with a host and a port a server can
         listen on (gRPC's exporter also takes HOST:PORT)."""
-        if self.endpoint is None or self.exporter == "console":
+        if not self.enabled or self.endpoint is None or self.exporter == "console":
             return self
         text = self.endpoint.strip()
         grpc = self.exporter == "otlp-grpc"
