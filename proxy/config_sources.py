@@ -15,7 +15,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -112,12 +112,15 @@ class Sources:
     # The ``prefix`` variables of the environment, names upper-cased (matching is case-insensitive).
     environment: Mapping[str, str]
     prefix: str
+    # Each of those names as the environment spells it.
+    spelled: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def gather(cls, file: Path | None, flags: Mapping[str, Any], environ: Mapping[str, str], prefix: str) -> Sources:
         data = read_config_file(file) if file is not None else {}
-        variables = {name.upper(): value for name, value in environ.items() if name.upper().startswith(prefix)}
-        return cls(file, data, dict(flags), variables, prefix)
+        names = {name.upper(): name for name in environ if name.upper().startswith(prefix)}
+        variables = {upper: environ[name] for upper, name in names.items()}
+        return cls(file, data, dict(flags), variables, prefix, names)
 
     def origin(self, loc: Location) -> str:
         """Where the value at ``loc`` came from: ``--port``, ``PREFIX_PROXY_PORT``, ``FILE: canon.mode``
@@ -184,12 +187,14 @@ class Sources:
         return problems
 
     def _keyed_variables(self, model: type[BaseModel]) -> list[str]:
-        """Variables that give one key of a mapping setting (``PREFIX_PROXY_MODEL_BUDGETS__Qwen/...``):
-        the environment's names are read in lower case, so a key written that way (a model's name)
-        would silently never match. Named, with the form that keeps it (the mapping as JSON)."""
+        """Variables that give one key of a mapping setting with capitals in it
+        (``PREFIX_PROXY_MODEL_BUDGETS__Qwen/...``): the environment's names are read in lower case, so
+        the key (a model's name) would silently never match. Named, with the form that keeps it (the
+        mapping as JSON); a key in lower case is read as written."""
         problems = []
         for name in sorted(self.environment):
-            parts = name[len(self.prefix) :].lower().split("__")
+            spelled = self.spelled.get(name, name)[len(self.prefix) :].split("__")
+            parts = [part.lower() for part in spelled]
             section: type[BaseModel] = model
             for depth, part in enumerate(parts[:-1]):
                 field_info = section.model_fields.get(part)
@@ -197,10 +202,12 @@ class Sources:
                     break
                 inner = _unwrapped(field_info.annotation)
                 if typing.get_origin(inner) is dict:
+                    if spelled[depth + 1] == parts[depth + 1]:
+                        break  # a key in lower case: read as written
                     whole = self.prefix + "__".join(parts[: depth + 1]).upper()
                     problems.append(
-                        f"{name}: a mapping's key cannot be given in a variable's name (names are read in lower "
-                        f"case): give the whole mapping as JSON, {whole}='{{\"Key\": ...}}'"
+                        f"{self.spelled.get(name, name)}: a key with capitals cannot be given in a variable's name "
+                        f"(names are read in lower case): give the whole mapping as JSON, {whole}='{{\"Key\": ...}}'"
                     )
                     break
                 if not (isinstance(inner, type) and issubclass(inner, BaseModel)):

@@ -493,6 +493,11 @@ def test_a_mapping_key_in_a_variables_name_is_named(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("PREFIX_PROXY_CANON__MODEL_MODES", '{"MyModel": "safe"}')
     assert problems() == []
     assert load_settings().canon.model_modes == {"MyModel": "safe"}
+    # A key in lower case is read as written: still given this way.
+    monkeypatch.delenv("PREFIX_PROXY_CANON__MODEL_MODES")
+    monkeypatch.setenv("PREFIX_PROXY_CANON__MODEL_MODES__llama3", "safe")
+    assert problems() == []
+    assert load_settings().canon.model_modes == {"llama3": "safe"}
 
 
 def test_a_key_given_twice_is_named(tmp_path: Path) -> None:
