@@ -22,6 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
+from pydantic.fields import FieldInfo
 
 Location = Sequence[str | int]
 
@@ -195,24 +196,19 @@ class Sources:
         for name in sorted(self.environment):
             spelled = self.spelled.get(name, name)[len(self.prefix) :].split("__")
             parts = [part.lower() for part in spelled]
-            section: type[BaseModel] = model
-            for depth, part in enumerate(parts[:-1]):
-                field_info = section.model_fields.get(part)
-                if field_info is None:
+            for depth in range(1, len(parts)):
+                found = _setting(model, parts[:depth])
+                if found is None:
                     break
-                inner = _unwrapped(field_info.annotation)
-                if typing.get_origin(inner) is dict:
-                    if spelled[depth + 1] == parts[depth + 1]:
-                        break  # a key in lower case: read as written
-                    whole = self.prefix + "__".join(parts[: depth + 1]).upper()
+                if typing.get_origin(found[0]) is not dict:
+                    continue
+                if spelled[depth] != parts[depth]:  # a key in lower case is read as written
+                    whole = self.prefix + "__".join(parts[:depth]).upper()
                     problems.append(
                         f"{self.spelled.get(name, name)}: a key with capitals cannot be given in a variable's name "
                         f"(names are read in lower case): give the whole mapping as JSON, {whole}='{{\"Key\": ...}}'"
                     )
-                    break
-                if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
-                    break
-                section = inner
+                break
         return problems
 
     def _variable(self, loc: Location) -> str | None:
@@ -257,9 +253,9 @@ def explain_settings_error(error: Exception, model: type[BaseModel], sources: So
     return [f"{where}: cannot be read: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}"]
 
 
-def _holds_json(model: type[BaseModel], parts: Sequence[str]) -> str | None:
-    """The shape ("list" or "object") of the setting a variable names (``parts``) when it is read from
-    the variable as JSON, as pydantic-settings reads a list, a mapping or a section (not ``NoDecode``)."""
+def _setting(model: type[BaseModel], parts: Sequence[str]) -> tuple[Any, FieldInfo] | None:
+    """The type (``X`` of ``X | None``) and field of the setting ``parts`` name, a section's key at a
+    time; None where they name none."""
     section: Any = model
     field_info = None
     for part in parts:
@@ -267,8 +263,16 @@ def _holds_json(model: type[BaseModel], parts: Sequence[str]) -> str | None:
             return None
         field_info = section.model_fields[part]
         section = _unwrapped(field_info.annotation)
-    if field_info is None or any(type(item).__name__ == "NoDecode" for item in field_info.metadata):
+    return (section, field_info) if field_info is not None else None
+
+
+def _holds_json(model: type[BaseModel], parts: Sequence[str]) -> str | None:
+    """The shape ("list" or "object") of the setting a variable names (``parts``) when it is read from
+    the variable as JSON, as pydantic-settings reads a list, a mapping or a section (not ``NoDecode``)."""
+    found = _setting(model, parts)
+    if found is None or any(type(item).__name__ == "NoDecode" for item in found[1].metadata):
         return None
+    section = found[0]
     origin = typing.get_origin(section)
     if origin in (list, tuple, set, frozenset):
         return "list"
