@@ -68,11 +68,7 @@ def effective_budget(
     return budget
 
 
-# The fields a completion's limit is read from, the first present winning (vLLM's and OpenAI's).
-DEFAULT_LIMIT_FIELDS = OPENAI_LIMIT_FIELDS
-
-
-def requested_completion_tokens(body: dict[str, Any], fields: tuple[str, ...] = DEFAULT_LIMIT_FIELDS) -> int | None:
+def requested_completion_tokens(body: dict[str, Any], fields: tuple[str, ...] = OPENAI_LIMIT_FIELDS) -> int | None:
     """The completion limit: the first of ``fields`` (the engine's: ``max_completion_tokens``, else
     ``max_tokens``) the body sets. A 0 in ``max_completion_tokens`` is passed over: vLLM refuses it,
     and an engine that reads ``max_completion_tokens or max_tokens`` generates ``max_tokens`` then."""
@@ -134,6 +130,12 @@ def context_limit(
 EXACT_COUNT_MARGIN = 0.85
 
 
+# Request fields a chat template may render besides the messages and tools: vLLM hands
+# ``chat_template_kwargs`` (any variable a template reads) and ``documents`` (Command R's and
+# Granite's templates render retrieved documents) to the template. Their JSON bounds what they add.
+TEMPLATE_FIELDS = ("chat_template_kwargs", "documents")
+
+
 def request_bytes(body: dict[str, Any], sizes: RequestSizes | None = None, tenant: str = "") -> int:
     """UTF-8 size of everything a chat template renders from the request (text and tools).
     ``sizes``: the messages' sizes kept per conversation, where the request's are looked up."""
@@ -147,12 +149,6 @@ def request_bytes(body: dict[str, Any], sizes: RequestSizes | None = None, tenan
         if value:
             size += len(dumps(value))
     return size
-
-
-# Request fields a chat template may render besides the messages and tools: vLLM hands
-# ``chat_template_kwargs`` (any variable a template reads) and ``documents`` (Command R's and
-# Granite's templates render retrieved documents) to the template. Their JSON bounds what they add.
-TEMPLATE_FIELDS = ("chat_template_kwargs", "documents")
 
 
 def message_ends(messages: list[Any], resumed: array[int] | None = None, shared: int = 0) -> array[int]:
@@ -278,7 +274,7 @@ def completion_allowance(
     engine_context: int | None = None,
     *,
     engine_default: int | None = None,
-    fields: tuple[str, ...] = DEFAULT_LIMIT_FIELDS,
+    fields: tuple[str, ...] = OPENAI_LIMIT_FIELDS,
 ) -> int:
     """Completion tokens a reservation holds: per completion, ``max_tokens`` (or llama.cpp's
     ``n_predict``, where larger); without it what the engine generates then: ``engine_default``
@@ -315,7 +311,7 @@ def reservation_amount(
     body: dict[str, Any],
     budget: BudgetSettings,
     engine_context: int | None = None,
-    fields: tuple[str, ...] = DEFAULT_LIMIT_FIELDS,
+    fields: tuple[str, ...] = OPENAI_LIMIT_FIELDS,
 ) -> int:
     """The most a request can spend: its prompt and every completion's allowance (its limit read
     from ``fields``); with the engine's context known, at most the context per completion (a

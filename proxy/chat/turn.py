@@ -8,11 +8,17 @@ from typing import Any
 
 from cachetools import LRUCache
 
-from proxy.backends import LLAMA_SERVER, BackendPool, ModelCatalog, limit_fields, refuses_answer_room
+from proxy.backends import (
+    LLAMA_SERVER,
+    OPENAI_LIMIT_FIELDS,
+    BackendPool,
+    ModelCatalog,
+    limit_fields,
+    refuses_answer_room,
+)
 from proxy.canon import Canonicalizer, CanonResult
 from proxy.chat.admission import budget_refused
 from proxy.chat.budget import (
-    DEFAULT_LIMIT_FIELDS,
     EXACT_COUNT_SLACK,
     ContextCheck,
     RequestSizes,
@@ -108,7 +114,7 @@ class ChatTurn:
     # max_tokens may generate up to.
     engine_context: int | None = None
     # The fields the engine reads for a completion's limit (``proxy.backends.limit_fields``).
-    limit_fields: tuple[str, ...] = DEFAULT_LIMIT_FIELDS
+    limit_fields: tuple[str, ...] = OPENAI_LIMIT_FIELDS
     request_bytes: int = 0
     reservation: Reservation | None = None
     # The usage limits of a request admitted without a reservation (the store was down).
