@@ -48,6 +48,7 @@ from proxy.config_sources import (
     explain,
     explain_settings_error,
     read_config_file,
+    service_links,
 )
 
 ENV_PREFIX = "PREFIX_PROXY_"
@@ -1162,9 +1163,13 @@ class Settings(BaseSettings):
             data = read_config_file(Path(os.environ[CONFIG_FILE_ENV]))
         if data is not None:
             sources.append(InitSettingsSource(settings_cls, data))
-        if cls.replaced_by_flags and isinstance(env_settings, EnvSettingsSource):
-            replaced = {f"{ENV_PREFIX}{name}".lower() for name in cls.replaced_by_flags}
-            env_settings.env_vars = {k: v for k, v in env_settings.env_vars.items() if k.lower() not in replaced}
+        if isinstance(env_settings, EnvSettingsSource):
+            # Neither a setting a flag replaced nor a Kubernetes service link is read as a setting.
+            ignored = {f"{ENV_PREFIX}{name}".lower() for name in cls.replaced_by_flags}
+            present = {k: v for k, v in env_settings.env_vars.items() if v is not None}
+            ignored |= {name.lower() for name in service_links(present)}
+            if ignored:
+                env_settings.env_vars = {k: v for k, v in env_settings.env_vars.items() if k.lower() not in ignored}
         return tuple(sources)
 
 
@@ -1257,6 +1262,11 @@ def notes(sources: Sources) -> list[str]:
     """What check-config notes about settings that load: each set one of :data:`NO_EFFECT`, and
     backends that ``--upstream`` replaced."""
     found = [f"{sources.where(loc)}: {why}" for loc, why in NO_EFFECT.items() if sources.origin(loc) != "default"]
+    if sources.links:
+        found.append(
+            f"{', '.join(sorted(sources.links))}: not read: Kubernetes sets these for a Service in the pod's namespace "
+            "(service links; set enableServiceLinks: false in the pod spec to leave them out)"
+        )
     if sources.flags.keys() & BACKEND_FLAGS:
         for name in sorted(BACKEND_FLAGS - sources.flags.keys()):
             origin = sources.origin((name,))

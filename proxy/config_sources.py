@@ -103,6 +103,40 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# What Kubernetes puts in the environment of every pod for each Service of its namespace (service
+# links, on unless the pod sets enableServiceLinks: false). For a Service named prefix-proxy:
+# PREFIX_PROXY_SERVICE_HOST, PREFIX_PROXY_SERVICE_PORT[_<port name>], PREFIX_PROXY_PORT=tcp://10.0.0.1:8080
+# and PREFIX_PROXY_PORT_8080_TCP[_PROTO|_PORT|_ADDR]: the proxy's own prefix, where PREFIX_PROXY_PORT
+# read as the listen port would fail every pod started after the Service. A family is recognized
+# by its SERVICE_HOST variable beside an address-shaped PORT; a setting the operator gives in the
+# pod's own env keeps its plain value (the container's env replaces a link of the same name), so
+# it is never taken for one.
+_LINK_ADDRESS = re.compile(r"(tcp|udp|sctp)://[^\s/]+:\d+", re.IGNORECASE)
+_LINK_PORT = re.compile(r"_PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?")
+
+
+def service_links(environ: Mapping[str, str]) -> set[str]:
+    """The names in ``environ`` (upper-cased) that Kubernetes set as a Service's links."""
+    upper = {name.upper(): value for name, value in environ.items()}
+    links = set()
+    for host in upper:
+        stem = host.removesuffix("_SERVICE_HOST")
+        if stem == host:
+            continue
+        family = {name[len(stem) :]: value for name, value in upper.items() if name.startswith(stem + "_")}
+        # An address (tcp://10.0.0.1:8080) is what only a link holds; a name the operator set keeps its value.
+        addresses = {rest for rest, value in family.items() if _LINK_ADDRESS.fullmatch(value)}
+        ports = {rest for rest in addresses if rest == "_PORT" or _LINK_PORT.fullmatch(rest)}
+        if not ports:
+            continue
+        for rest in family:
+            found = _LINK_PORT.fullmatch(rest)
+            named = rest in ("_SERVICE_HOST", "_SERVICE_PORT") or rest.startswith("_SERVICE_PORT_")
+            if named or rest in ports or (found and found[2] and rest[: found.start(2)] in ports):
+                links.add(stem + rest)
+    return links
+
+
 @dataclass(frozen=True)
 class Sources:
     """What the settings were built from."""
@@ -115,13 +149,17 @@ class Sources:
     prefix: str
     # Each of those names as the environment spells it.
     spelled: Mapping[str, str] = field(default_factory=dict)
+    # The ``prefix`` variables Kubernetes set as service links, not settings (:func:`service_links`).
+    links: frozenset[str] = frozenset()
 
     @classmethod
     def gather(cls, file: Path | None, flags: Mapping[str, Any], environ: Mapping[str, str], prefix: str) -> Sources:
         data = read_config_file(file) if file is not None else {}
+        links = frozenset(name for name in service_links(environ) if name.startswith(prefix))
         names = {name.upper(): name for name in environ if name.upper().startswith(prefix)}
+        names = {upper: name for upper, name in names.items() if upper not in links}
         variables = {upper: environ[name] for upper, name in names.items()}
-        return cls(file, data, dict(flags), variables, prefix, names)
+        return cls(file, data, dict(flags), variables, prefix, names, links)
 
     def origin(self, loc: Location) -> str:
         """Where the value at ``loc`` came from: ``--port``, ``PREFIX_PROXY_PORT``, ``FILE: canon.mode``

@@ -28,7 +28,7 @@ def test_an_answer_right_directly_and_wrong_through_the_proxy_is_counted_and_sho
 
 
 def test_a_weekday_answer_is_the_first_weekday_it_names() -> None:
-    """"Today is Wednesday, which is a Monday" answers Wednesday: a substring match called it right
+    """ "Today is Wednesday, which is a Monday" answers Wednesday: a substring match called it right
     for a Monday, and counted the model's noise as answers the proxy lost."""
     (probe,) = probes(1, ["date_line"])
     other = next(day for day in ("Monday", "Wednesday") if day != probe.expected)

@@ -522,3 +522,72 @@ def test_the_docs_name_only_variables_the_proxy_reads() -> None:
             for name in re.findall(r"PREFIX_PROXY_[A-Z0-9_]*[A-Z0-9]", line):
                 if name not in known and "did you mean" not in line and "__0__" not in name:
                     raise AssertionError(f"{path.name}: {name} is no setting: {line.strip()[:160]}")
+
+
+def service_link_environment(service: str, address: str, ports: list[tuple[str | None, int]]) -> dict[str, str]:
+    """What the kubelet puts in every pod's environment for a Service of its namespace
+    (pkg/kubelet/envvars: the name upper-cased, '-' as '_'; the first port is the service's port)."""
+    stem = service.upper().replace("-", "_")
+    env = {f"{stem}_SERVICE_HOST": address, f"{stem}_SERVICE_PORT": str(ports[0][1])}
+    env[f"{stem}_PORT"] = f"tcp://{address}:{ports[0][1]}"
+    for name, port in ports:
+        if name:
+            env[f"{stem}_SERVICE_PORT_{name.upper().replace('-', '_')}"] = str(port)
+        url = f"{stem}_PORT_{port}_TCP"
+        env.update({url: f"tcp://{address}:{port}", f"{url}_PROTO": "tcp", f"{url}_PORT": str(port)})
+        env[f"{url}_ADDR"] = address
+    return env
+
+
+# Services an operator names in the proxy's namespace: the proxy's own (the chart's and deploy/k8s's
+# name), one for its metrics port, and the Redis beside it.
+SERVICE_LINKS = {
+    **service_link_environment("prefix-proxy", "10.96.0.12", [("http", 8080), ("metrics", 9091)]),
+    **service_link_environment("prefix-proxy-metrics", "10.96.0.13", [(None, 9091)]),
+    **service_link_environment("prefix-proxy-redis", "10.96.0.14", [("redis", 6379)]),
+}
+
+
+def test_kubernetes_service_links_are_not_read_as_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Service named prefix-proxy gives every pod started after it PREFIX_PROXY_PORT=tcp://...: read
+    as the listen port, it failed check-config and serve alike (every restarted pod crashed). Links
+    are recognized as Kubernetes writes them and noted, not read."""
+    for name, value in SERVICE_LINKS.items():
+        monkeypatch.setenv(name, value)
+    settings = load_settings(None)
+    assert (settings.port, settings.metrics_port) == (8080, None)
+    lines, found, notes = check_settings(None)
+    assert lines and not found
+    assert len(notes) == 1 and notes[0].endswith(
+        "not read: Kubernetes sets these for a Service in the pod's namespace (service links; set "
+        "enableServiceLinks: false in the pod spec to leave them out)"
+    )
+    assert set(notes[0].split(": ", 1)[0].split(", ")) == set(SERVICE_LINKS)
+    result = run_cli("check-config", env=SERVICE_LINKS)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_setting_given_beside_service_links_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pod's own env replaces a link of the same name: the operator's port is a setting; the
+    rest of the family is still a link, and a misspelt setting is still named."""
+    env = {**SERVICE_LINKS, "PREFIX_PROXY_PORT": "9000", "PREFIX_PROXY_METRICS_PORT": "9191"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = load_settings(None)
+    assert (settings.port, settings.metrics_port) == (9000, 9191)
+    monkeypatch.setenv("PREFIX_PROXY_SERVICE_HOSTS", "x")
+    monkeypatch.setenv("PREFIX_PROXY_PORT_8080_TCP_ADDRESS", "10.96.0.12")
+    with pytest.raises(ConfigError) as raised:
+        load_settings(None)
+    assert [p.split(":", 1)[0] for p in raised.value.problems] == [
+        "PREFIX_PROXY_PORT_8080_TCP_ADDRESS",
+        "PREFIX_PROXY_SERVICE_HOSTS",
+    ]
+
+
+def test_an_address_shaped_value_without_its_service_is_a_setting_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a family Kubernetes wrote (its SERVICE_HOST beside an address) is skipped: the same value
+    on its own is the operator's, and wrong."""
+    monkeypatch.setenv("PREFIX_PROXY_PORT", "tcp://10.96.0.12:8080")
+    with pytest.raises(ConfigError, match="PREFIX_PROXY_PORT: input should be a valid integer"):
+        load_settings(None)

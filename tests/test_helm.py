@@ -40,6 +40,7 @@ import yaml
 from pydantic import BaseModel
 
 from proxy.config import BudgetOverrides, Settings
+from tests.test_config_checks import service_link_environment
 from tests.test_deploy import KUBERNETES_VERSIONS, manifests, need, servicemonitor_validator, unknown_keys, validate_k8s
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -496,13 +497,16 @@ def proxy_environment(objects: dict[str, dict[str, Any]]) -> dict[str, str]:
 def load_proxy_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Settings]:
     """Settings as the proxy reads them in the pod: config.yaml from the ConfigMap, env from the Deployment."""
 
-    def load(objects: dict[str, dict[str, Any]]) -> Settings:
+    def load(
+        objects: dict[str, dict[str, Any]],
+        environment: Callable[[dict[str, dict[str, Any]]], dict[str, str]] = proxy_environment,
+    ) -> Settings:
         for key in [k for k in os.environ if k.startswith("PREFIX_PROXY_")]:
             monkeypatch.delenv(key)
         config_text = objects["ConfigMap"]["data"]["config.yaml"]
         config = yaml.safe_load(config_text)
         assert not unknown_keys(Settings, config), f"unknown settings {unknown_keys(Settings, config)}"
-        env = proxy_environment(objects)
+        env = environment(objects)
         config_path = tmp_path / Path(env.pop("PREFIX_PROXY_CONFIG")).name
         config_path.write_text(config_text)
         monkeypatch.setenv("PREFIX_PROXY_CONFIG", str(config_path))
@@ -742,3 +746,24 @@ def test_tracing_in_the_chart_starts_the_proxy_of_the_image(
     assert "Tracing is on (config.tracing.enabled): the image must carry the otel extra" in notes
     plain = helm("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
     assert "Tracing is on" not in plain.stdout.split("NOTES:", 1)[1]
+
+
+def test_the_proxy_loads_beside_the_links_of_its_own_service(
+    rendered: Callable[[str], list[dict[str, Any]]], load_proxy_settings: Callable[..., Settings]
+) -> None:
+    """Released as the docs install it (``helm install prefix-proxy``), the Service is named
+    prefix-proxy, and a pod with service links on gets PREFIX_PROXY_PORT=tcp://...: the chart turns
+    them off, and the proxy loads even where they are on (a copied manifest, a second Service)."""
+    objects = by_kind(rendered("default"))
+    assert objects["Deployment"]["spec"]["template"]["spec"]["enableServiceLinks"] is False
+    service = objects["Service"]
+    assert service["metadata"]["name"] == "prefix-proxy" == RELEASE
+    ports = [(port.get("name"), port["port"]) for port in service["spec"]["ports"]]
+    links = service_link_environment(service["metadata"]["name"], "10.96.0.12", ports)
+    assert "PREFIX_PROXY_PORT" in links
+
+    def with_links(objects: dict[str, dict[str, Any]]) -> dict[str, str]:
+        return {**links, **proxy_environment(objects)}  # the container's own env replaces a link
+
+    settings = load_proxy_settings(objects, environment=with_links)
+    assert (settings.port, settings.metrics_port) == (8080, 9091)
