@@ -762,13 +762,26 @@ DEFAULT_ADMIN_ROUTES = [
     "/lora-adapters",
     "/models/load",
     "/models/unload",
-    # Ollama's model management (the engine inside is llama.cpp's).
+    # Its router mode also removes a cached model (DELETE /models) and downloads one (POST /models);
+    # GET /models is the model list. With --ui-mcp-proxy it fetches any URL (/cors-proxy), with
+    # --tools it runs the server's tools (/tools), and with --props it takes new settings (POST /props).
+    "DELETE /models",
+    "POST /models",
+    "/cors-proxy",
+    "/tools",
+    "POST /props",
+    # Ollama's model management (the engine inside is llama.cpp's), and its ollama.com account: signing
+    # the server out (cloud models gone for everyone), the account's name, searches it pays for.
     "/api/pull",
     "/api/push",
     "/api/create",
     "/api/copy",
     "/api/delete",
     "/api/blobs/*",
+    "/api/signout",
+    "/api/user/*",
+    "/api/me",
+    "/api/experimental/*",
 ]
 
 
@@ -785,18 +798,73 @@ UNGOVERNED_GENERATION_ROUTES = [
     "/completions",
     "/chat/completions",
     "/infill",
+    "/responses",
     "/api/chat",
     "/api/generate",
-    # Speech to text decodes tokens too (Whisper), outside the budget.
+    # Speech to text decodes tokens too (Whisper), outside the budget; llama-server answers it at
+    # the root too. Ollama's image routes run its generate handler.
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
+    "/audio/transcriptions",
+    "/v1/images/generations",
+    "/v1/images/edits",
+]
+
+
+# Routes of the engines that neither generate nor change the engine: what a tenant may reach through
+# the pass-through while tenants or budgets govern generation (a route not listed may generate, or
+# be an operator's: no list of the dangerous ones keeps up with the engines).
+TENANT_ROUTES = [
+    # vLLM 0.32: token counts, pooling models, the prompt a template renders, the server's state.
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/score",
+    "/v1/score",
+    "/pooling",
+    "/classify",
+    "/v2/embed",
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
+    "/v1/messages/render",
+    "/v1/responses/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions/derender",
+    "/v1/messages/count_tokens",
+    "/v1/models/*",
+    "GET /version",
+    "GET /health",
+    "GET /load",
+    "GET /ping",
+    # llama-server: its health, settings and model list, embeddings, reranking and templating.
+    "GET /v1/health",
+    "GET /props",
+    "GET /models",
+    "/embedding",
+    "/embeddings",
+    "/reranking",
+    "/v1/reranking",
+    "/apply-template",
+    # Ollama: its version, models, loaded models and embeddings.
+    "GET /",
+    "HEAD /",
+    "/api/version",
+    "/api/tags",
+    "/api/ps",
+    "/api/show",
+    "/api/embed",
+    "/api/embeddings",
 ]
 
 
 class RouteSettings(Section):
     """Routes of the backend the proxy has no handler of its own for (docs/protocols.md).
 
-    Patterns are paths, ``*`` matching any run of characters (``/fault_tolerance/*``).
+    Patterns are paths, ``*`` matching any run of characters (``/fault_tolerance/*``), each for
+    every method, or for one where a method comes first (``DELETE /models``).
     """
 
     # Forward the backend's other routes (tokenize, rerank, score, pooling, audio, routes added
@@ -813,6 +881,10 @@ class RouteSettings(Section):
     # salt: /invocations takes a chat body). With tenants or usage budgets configured they are a
     # way around both, so they answer 404 unless listed in allowed_routes.
     ungoverned_generation: list[str] = Field(default_factory=lambda: list(UNGOVERNED_GENERATION_ROUTES))
+    # While tenants or budgets govern generation and allowed_routes is unset, the only routes a
+    # tenant reaches through the pass-through (others 404): those known not to generate nor change
+    # the engine. allowed_routes, when set, replaces them.
+    tenant_routes: list[str] = Field(default_factory=lambda: list(TENANT_ROUTES))
 
 
 class ResponsesSettings(Section):

@@ -244,3 +244,92 @@ def test_proxy_paths_are_never_forwarded(recorder: tuple[Recorder, LiveServer]) 
 def test_passthrough_can_be_switched_off(proxy: LiveServer, make_proxy: Any) -> None:
     closed = make_proxy(routes={"passthrough": False})
     assert httpx.post(closed.url + "/tokenize", json={"model": "fake-model", "prompt": "x"}).status_code == 404
+
+
+GOVERNED_TENANTS = [{"name": "acme", "api_key": "sk-acme", "budget": {"tenant_tokens_per_window": 1000}}]
+AS_TENANT = {"authorization": "Bearer sk-acme"}
+
+
+def test_root_copies_and_image_routes_of_the_engines_are_generation_outside_the_pipeline(
+    recorder: tuple[Recorder, LiveServer],
+) -> None:
+    """llama-server serves POST /responses and /audio/transcriptions beside their /v1 routes (the same
+    handlers); Ollama's /v1/images/generations and /v1/images/edits run its generate handler: with
+    budgets governing generation, each is 404 and nothing reaches the engine."""
+    rec, upstream = recorder
+    proxy = proxy_for(upstream, tenants=GOVERNED_TENANTS, admin_api_key="adm", upstream_api_key="up-key")
+    try:
+        before = len(forwarded(rec))
+        body = {"model": "m", "input": "hi", "prompt": "a cat", "max_output_tokens": 100000}
+        paths = ("/responses", "/audio/transcriptions", "/v1/images/generations", "/v1/images/edits")
+        answered = {path: httpx.post(proxy.url + path, headers=AS_TENANT, json=body) for path in paths}
+        assert {path: r.status_code for path, r in answered.items()} == dict.fromkeys(paths, 404)
+        assert all("generates outside the proxy's pipeline" in r.text for r in answered.values())
+        assert len(forwarded(rec)) == before
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        # Ollama's ollama.com account: signing the server out, its name, searches it pays for.
+        ("POST", "/api/signout"),
+        ("DELETE", "/api/user/keys/c3NoLWVkMjU1MTk"),
+        ("POST", "/api/me"),
+        ("POST", "/api/experimental/web_search"),
+        ("POST", "/api/experimental/web_fetch"),
+        # llama-server's router mode removes and downloads models; its URL fetcher, tools, settings.
+        ("DELETE", "/models?model=llama"),
+        ("POST", "/models"),
+        ("GET", "/cors-proxy?url=http://169.254.169.254/"),
+        ("POST", "/tools"),
+        ("POST", "/props"),
+    ],
+)
+def test_engine_operator_routes_need_the_admin_key(
+    recorder: tuple[Recorder, LiveServer], method: str, path: str
+) -> None:
+    """Open or not, these reach the engine with the admin key only (and with the proxy's own key)."""
+    rec, upstream = recorder
+    for tenants in ([], GOVERNED_TENANTS):
+        proxy = proxy_for(upstream, tenants=tenants, admin_api_key="adm", upstream_api_key="up-key")
+        try:
+            before = len(forwarded(rec))
+            refused = httpx.request(method, proxy.url + path, headers=AS_TENANT, json={"query": "x"})
+            assert refused.status_code in (401, 403), (tenants, refused.status_code)
+            assert len(forwarded(rec)) == before
+            admitted = httpx.request(method, proxy.url + path, headers={"authorization": "Bearer adm"}, json={})
+            assert admitted.status_code == 200
+            assert forwarded(rec)[-1]["headers"]["authorization"] == "Bearer up-key"
+        finally:
+            proxy.stop()
+
+
+def test_a_governed_proxy_forwards_tenants_only_the_routes_known_to_be_theirs(
+    recorder: tuple[Recorder, LiveServer],
+) -> None:
+    """A route no list names (an engine's next generation route, an operator route nobody listed)
+    is 404 for a tenant while tenants or budgets govern generation; the listed ones are forwarded,
+    a method-qualified pattern by its method (GET /models is llama-server's model list, DELETE
+    /models removes one). An open proxy forwards what the engine serves, and allowed_routes is
+    the operator's way to open a route."""
+    rec, upstream = recorder
+    governed = proxy_for(upstream, tenants=GOVERNED_TENANTS, admin_api_key="adm")
+    open_proxy = proxy_for(upstream, admin_api_key="adm")
+    opened = proxy_for(upstream, tenants=GOVERNED_TENANTS, routes={"allowed_routes": ["/v1/new_route", "/tokenize"]})
+    try:
+        unknown = httpx.post(governed.url + "/v1/new_route", headers=AS_TENANT, json={"model": "m"})
+        assert unknown.status_code == 404
+        assert "routes.allowed_routes" in unknown.json()["error"]["message"]
+        assert not [r for r in forwarded(rec) if r["path"] == "/v1/new_route"]
+        for method, path in (("POST", "/tokenize"), ("GET", "/models"), ("GET", "/props"), ("POST", "/api/embed")):
+            assert httpx.request(method, governed.url + path, headers=AS_TENANT, json={}).status_code == 200, path
+        assert httpx.get(governed.url + "/props", headers=AS_TENANT).status_code == 200
+        assert httpx.post(open_proxy.url + "/v1/new_route", json={"model": "m"}).status_code == 200
+        assert httpx.post(opened.url + "/v1/new_route", headers=AS_TENANT, json={"model": "m"}).status_code == 200
+        assert httpx.post(opened.url + "/v1/score", headers=AS_TENANT, json={"model": "m"}).status_code == 404
+    finally:
+        governed.stop()
+        open_proxy.stop()
+        opened.stop()

@@ -25,7 +25,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Match, Route, Router
 
 from proxy.app import create_app
-from proxy.config import DEFAULT_ADMIN_ROUTES, UNGOVERNED_GENERATION_ROUTES, Settings
+from proxy.config import DEFAULT_ADMIN_ROUTES, TENANT_ROUTES, UNGOVERNED_GENERATION_ROUTES, Settings
 from proxy.http.paths import InvalidPath, canonical_path
 from proxy.routes.passthrough import KNOWN_ROUTES, PassthroughRoute, route_decision
 from tests.helpers import LiveServer
@@ -47,10 +47,11 @@ ENGINE_PATHS = sorted(
         "/v1/embeddings",
         "/v1/models",
         "/metrics",
-        *(p for p in DEFAULT_ADMIN_ROUTES if "*" not in p),
+        *(p.split(" ")[-1] for p in DEFAULT_ADMIN_ROUTES if "*" not in p),
         "/fault_tolerance/apply_config",
         *UNGOVERNED_GENERATION_ROUTES,
         *KNOWN_ROUTES,
+        *(p.split(" ")[-1] for p in TENANT_ROUTES if "*" not in p),
     }
 )
 
@@ -98,7 +99,8 @@ def proxy_reading(app: FastAPI, path: str) -> str:
         if match is Match.NONE:
             continue
         if isinstance(route, PassthroughRoute):
-            return route_decision(app.state.proxy, path, owned_spelling=child.get("prefix_proxy.owned_spelling", False))
+            owned_spelling = child.get("prefix_proxy.owned_spelling", False)
+            return route_decision(app.state.proxy, path, "POST", owned_spelling=owned_spelling)
         assert isinstance(route, Route)
         return "owned " + route.path
     return "unmatched"

@@ -101,21 +101,27 @@ _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 OWNED_SPELLING = "prefix_proxy.owned_spelling"
 
 
-def matches(path: str, patterns: list[str]) -> bool:
-    """Whether ``path`` matches a pattern, ASCII case aside: an upstream that matches routes
-    case-insensitively must not be handed ``/Reset_Prefix_Cache`` as a tenant route."""
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def matches(path: str, patterns: list[str], method: str | None = None) -> bool:
+    """Whether ``path`` (asked with ``method``) matches a pattern, ASCII case aside: an upstream that
+    matches routes case-insensitively must not be handed ``/Reset_Prefix_Cache`` as a tenant route.
+    A pattern that starts with a method (``DELETE /models``) matches that method's requests only."""
     path = path.lower()
-    return any(fnmatch.fnmatchcase(path, pattern.rstrip("/").lower() or "/") for pattern in patterns)
+    for pattern in patterns:
+        verb, _, route = pattern.partition(" ")
+        if route and verb.upper() in HTTP_METHODS:
+            if method is None or method.upper() != verb.upper():
+                continue
+            pattern = route.strip()
+        if fnmatch.fnmatchcase(path, pattern.rstrip("/").lower() or "/"):
+            return True
+    return False
 
 
-def _ungoverned(state: ProxyState, path: str) -> bool:
-    """A generation route the pipeline does not serve, while tenants or budgets govern generation
-    (and the operator did not allow it by name)."""
-    routes = state.settings.routes
-    if not matches(path, routes.ungoverned_generation):
-        return False
-    if routes.allowed_routes is not None and matches(path, routes.allowed_routes):
-        return False
+def _governed(state: ProxyState) -> bool:
+    """Whether tenants or budgets govern generation: routes outside the pipeline must not generate."""
     settings = state.settings
     budgets = settings.budget.tenant_tokens_per_window or settings.budget.session_tokens_per_window
     return not state.tenants.open or bool(budgets) or bool(settings.model_budgets)
@@ -125,23 +131,32 @@ def route_label(path: str, admin: bool) -> str:
     return "admin_passthrough" if admin else KNOWN_ROUTES.get(path, "other")
 
 
-RouteDecision = Literal["admin", "forward", "not_found", "ungoverned"]
+RouteDecision = Literal["admin", "forward", "not_found", "ungoverned", "unlisted"]
 
 
-def route_decision(state: ProxyState, path: str, *, owned_spelling: bool = False) -> RouteDecision:
-    """What the pass-through does with a canonical ``path``: forward it for the admin (``admin``) or
-    for a tenant (``forward``), or refuse it (404: ``not_found``, ``ungoverned``). One function for
-    the route and for the property test that holds it to a Starlette router's reading."""
+def route_decision(
+    state: ProxyState, path: str, method: str | None = None, *, owned_spelling: bool = False
+) -> RouteDecision:
+    """What the pass-through does with a canonical ``path`` asked with ``method``: forward it for
+    the admin (``admin``) or for a tenant (``forward``), or refuse it (404: ``not_found``, a
+    generation route outside the pipeline ``ungoverned``, a route not known to be a tenant's
+    ``unlisted``). One function for the route and for the property test that holds it to a
+    Starlette router's reading."""
     settings = state.settings.routes
-    admin = matches(path, settings.admin_routes)
+    admin = matches(path, settings.admin_routes, method)
     folded = path.lower()
     reserved = owned_spelling or any(folded == r or folded.startswith(r + "/") for r in RESERVED)
-    allowed = settings.allowed_routes is None or admin or matches(path, settings.allowed_routes)
-    if reserved or not settings.passthrough or not allowed or matches(path, settings.denied_routes):
+    allowed = settings.allowed_routes is None or admin or matches(path, settings.allowed_routes, method)
+    if reserved or not settings.passthrough or not allowed or matches(path, settings.denied_routes, method):
         return "not_found"
-    if not admin and _ungoverned(state, path):
+    if admin:
+        return "admin"
+    if settings.allowed_routes is not None or not _governed(state):
+        # An open proxy forwards what the engine serves; allowed_routes is the operator's own list.
+        return "forward"
+    if matches(path, settings.ungoverned_generation, method):
         return "ungoverned"
-    return "admin" if admin else "forward"
+    return "forward" if matches(path, settings.tenant_routes, method) else "unlisted"
 
 
 async def passthrough(request: Request) -> Response:
@@ -154,7 +169,7 @@ async def passthrough(request: Request) -> Response:
     except InvalidPath:
         path = None
     decision = (
-        route_decision(state, path, owned_spelling=request.scope.get(OWNED_SPELLING, False))
+        route_decision(state, path, request.method, owned_spelling=request.scope.get(OWNED_SPELLING, False))
         if path is not None
         else "not_found"
     )
@@ -172,6 +187,11 @@ async def passthrough(request: Request) -> Response:
             raise NotFound(
                 f"{path} generates outside the proxy's pipeline (no budget, no cache salt): use "
                 "/v1/chat/completions or /v1/completions, or list it in routes.allowed_routes"
+            )
+        if decision == "unlisted":
+            raise NotFound(
+                f"no route {path} for tenants: the proxy forwards only the engine routes known not to "
+                "generate nor change the engine (routes.tenant_routes); list it in routes.allowed_routes"
             )
         if admin:
             require_admin(state, request)
