@@ -25,14 +25,14 @@ MODEL = "m"
 
 
 class Capture:
-    def __init__(self, owner: str = "vllm", max_model_len: int | None = 4096) -> None:
-        self.owner, self.len = owner, max_model_len
+    def __init__(self, owner: str = "vllm", max_model_len: int | None = 4096, listed: str = MODEL) -> None:
+        self.owner, self.len, self.listed = owner, max_model_len, listed
         self.bodies: list[tuple[str, dict[str, Any], dict[str, str]]] = []
         self.responses: dict[str, list] = {}
 
     def app(self) -> Starlette:
         async def models(_: Request) -> JSONResponse:
-            entry: dict[str, Any] = {"id": MODEL, "object": "model", "owned_by": self.owner}
+            entry: dict[str, Any] = {"id": self.listed, "object": "model", "owned_by": self.owner}
             if self.len:
                 entry["max_model_len"] = self.len
             return JSONResponse({"object": "list", "data": [entry]})
@@ -263,3 +263,35 @@ def test_template_fields_count_toward_the_prompt(vllm: tuple[LiveServer, Capture
     body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], **field}
     assert _post(proxy, "/v1/chat/completions", body).status_code == 429
     assert upstream.bodies == []
+
+
+@pytest.mark.parametrize(
+    ("owner", "listed", "names"),
+    [
+        # Ollama fills in a name's tag (and namespace, host) and compares in any letter case.
+        ("library", "llama3:latest", ["llama3:latest", "llama3", "LLAMA3:latest", "registry.ollama.ai/library/llama3"]),
+        # llama-server with one model runs it whatever name the request gives.
+        ("llamacpp", "smollm2.gguf", ["smollm2.gguf", "gpt-4o", "anything"]),
+    ],
+)
+def test_a_name_the_engine_resolves_is_budgeted_as_its_model(owner: str, listed: str, names: list[str]) -> None:
+    """Looked up as sent, ``llama3`` was no known model: no engine, no context, a 512-token reserve for
+    a request with no limit, admitted, while Ollama ran it to the end of num_ctx (4096 > the 3,000
+    budget). Every spelling the engine runs as the listed model is that model's decision."""
+    context = 4096 if owner == "llamacpp" else None
+    for proxy, _ in _proxy(Capture(owner, context, listed), tenants=TENANTS):
+        msgs = [{"role": "user", "content": "hi"}]
+        answered = {name: _post(proxy, "/v1/chat/completions", {"model": name, "messages": msgs}) for name in names}
+        assert {name: r.status_code for name, r in answered.items()} == dict.fromkeys(names, 429)
+        bounded = _post(proxy, "/v1/chat/completions", {"model": names[-1], "messages": msgs, "max_tokens": 5})
+        assert bounded.status_code == 200, bounded.text
+
+
+def test_ollama_names_as_ollama_reads_them() -> None:
+    from proxy.backends.engines import ollama_name
+
+    full = "registry.ollama.ai/library/qwen2.5:7b"
+    assert {ollama_name(n) for n in ("qwen2.5:7b", "QWEN2.5:7B", "library/qwen2.5:7b", full)} == {full}
+    assert ollama_name("qwen2.5") == "registry.ollama.ai/library/qwen2.5:latest" != ollama_name("qwen2.5:7b")
+    assert ollama_name("example.com:5000/team/m:v1") == "example.com:5000/team/m:v1"
+    assert ollama_name("team/m") == "registry.ollama.ai/team/m:latest"

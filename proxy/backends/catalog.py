@@ -22,6 +22,7 @@ from proxy.backends.engines import (
     context_of,
     engine_of,
     ollama_context,
+    ollama_name,
     prompts_unlisted,
     slot_holding,
     slot_markers,
@@ -52,6 +53,11 @@ class ModelCatalog:
         self._ollama_num_ctx = ollama_num_ctx
         self._lengths: dict[str, int] = {}
         self._engines: dict[str, EngineKind] = {}
+        # Names the engines resolve to a listed model other than the model's own (``listed``).
+        self._aliases: dict[str, str] = {}
+        # The one model of a llama-server in single-model mode, which runs it whatever name a
+        # request gives (unlisted names go to every backend); None where no such model is listed.
+        self._any_name: str | None = None
         self._fresh_until = 0.0
         # Models whose llama-server lists no slot prompt text (its default), until when: a search by
         # text alone is not sent there again meanwhile.
@@ -61,11 +67,23 @@ class ModelCatalog:
         """The context a request for ``model`` may fill at its engine, where known."""
         if time.monotonic() >= self._fresh_until:
             await self._refresh()
-        return self._lengths.get(model)
+        return self._lengths.get(self.listed(model))
 
     def engine(self, model: str) -> EngineKind:
         """The engine serving ``model``, as last listed."""
-        return self._engines.get(model, GENERIC)
+        return self._engines.get(self.listed(model), GENERIC)
+
+    def listed(self, model: str) -> str:
+        """The listed model a request naming ``model`` runs on, as its engine reads the name: the name
+        itself where listed; Ollama's spelling of a listed name (``llama3`` for ``llama3:latest``,
+        any letter case); any name, for a llama-server serving one model. The name as given where
+        none runs it (vLLM refuses a name it does not serve)."""
+        if model in self._engines:
+            return model
+        alias = self._aliases.get(ollama_name(model))
+        if alias is not None:
+            return alias
+        return self._any_name or model
 
     async def count_prompt_tokens(self, body: dict[str, Any], headers: dict[str, str]) -> int | None:
         """The exact prompt tokens from the engine, or None if it cannot say: vLLM's ``POST /tokenize``
@@ -159,6 +177,9 @@ class ModelCatalog:
             return
         models = [m for m in data if isinstance(m, dict) and m.get("id") is not None]
         self._engines = {str(m["id"]): engine_of(m) for m in models}
+        self._aliases = {ollama_name(name): name for name, kind in self._engines.items() if kind == OLLAMA}
+        servers = [name for name, kind in self._engines.items() if kind == LLAMA_SERVER]
+        self._any_name = servers[0] if len(servers) == 1 else None
         lengths = {str(m["id"]): length for m in models if (length := context_of(m)) is not None}
         unsaid = [name for name, kind in self._engines.items() if kind == OLLAMA and name not in lengths]
         if unsaid:

@@ -204,3 +204,15 @@ def prompts_unlisted(slots: Any) -> bool:
         return False
     served = [slot for slot in slots if isinstance(slot, dict) and slot.get("n_prompt_tokens")]
     return bool(served) and not any(isinstance(slot.get("prompt"), str) and slot["prompt"] for slot in served)
+
+
+def ollama_name(name: str) -> str:
+    """An Ollama model's name as Ollama resolves it (server/routes.go ``getExistingName``, ``model.ParseName``):
+    the host ``registry.ollama.ai``, the namespace ``library`` and the tag ``latest`` filled in where
+    not given, compared in any letter case: ``llama3``, ``LLAMA3:latest`` and
+    ``registry.ollama.ai/library/llama3:latest`` are one model."""
+    parts = name.strip().lower().split("/")
+    model, colon, tag = parts[-1].partition(":")
+    namespace = parts[-2] if len(parts) >= 2 else "library"
+    host = "/".join(parts[:-2]) if len(parts) >= 3 else "registry.ollama.ai"
+    return f"{host}/{namespace}/{model}:{tag if colon and tag else 'latest'}"
