@@ -6,6 +6,7 @@ command exits 2."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -236,9 +237,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Read by prometheus_client when it is imported: values kept in files of that folder, for a server
+# of several worker processes (base images for gunicorn apps set it). The proxy is one process and
+# keeps its metrics in memory; read, the variable made serve fail on a missing or read-only folder.
+# Unset before anything imports prometheus_client (the parser imports the commands).
+PROMETHEUS_MULTIPROCESS_VARIABLES = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from proxy.config_sources import ConfigError
 
+    for name in PROMETHEUS_MULTIPROCESS_VARIABLES:
+        if os.environ.pop(name, None) is not None:
+            print(f"prefix-proxy: note: {name} is not read: the proxy is one process and keeps its metrics in memory",
+                  file=sys.stderr)  # fmt: skip
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))

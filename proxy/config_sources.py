@@ -18,7 +18,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, SecretStr, ValidationError
@@ -250,11 +249,21 @@ class Sources:
         return problems
 
     def _variable(self, loc: Location) -> str | None:
+        """The variable that gave the value at ``loc``: its own, or a section's whose JSON holds it
+        (a section's variable and the file's keys of that section are merged)."""
         for depth in range(len(loc), 0, -1):
             if any(isinstance(part, int) for part in loc[:depth]):
                 continue
             name = self.prefix + "__".join(str(part) for part in loc[:depth]).upper()
-            if name in self.environment:
+            if name not in self.environment:
+                continue
+            if depth == len(loc):
+                return name
+            try:
+                value = json.loads(self.environment[name])
+            except ValueError:
+                return name  # not JSON: the problem is the variable's
+            if _holds(value, loc[depth:]):
                 return name
         return None
 
@@ -403,17 +412,18 @@ def dotted(loc: Location) -> str:
 
 
 def masked_url(value: str) -> str:
-    """``value`` with a URL's password replaced by ``***`` (in text that is no URL, whatever stands
-    between ``://user:`` and ``@``)."""
-    try:
-        parts = urlsplit(value)
-    except ValueError:  # not a URL (an unclosed [): shown in a problem about it
-        return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", value)
-    if not parts.password:
+    """``value`` with a URL's password replaced by ``***``: whatever stands between ``://user:`` and
+    the last ``@``. Not where a URL parser ends the user part: a password with an unencoded ``#``,
+    ``?`` or ``/`` (generated passwords have them) ends the netloc early for the parser, so it finds
+    no password, while the text still holds it (and a problem line about that URL would print it)."""
+    scheme, separator, rest = value.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not separator or not at:
         return value
-    host = parts.netloc.rpartition("@")[2]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    user, colon, _ = userinfo.partition(":")
+    if not colon:
+        return value  # a user name alone
+    return f"{scheme}://{user}:***@{host}"
 
 
 def _unwrapped(annotation: Any) -> Any:

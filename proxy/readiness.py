@@ -114,9 +114,9 @@ async def check_backend(
     """``own_keys_only``: every request carries a tenant's own upstream key, never the proxy's."""
     upstream = backend.upstream
     url = masked_url(upstream.base_url)
-    response = await upstream.get_models(timeout_s=timeout_s)
+    response, why = await upstream.models_or_why(timeout_s=timeout_s)
     if response is None:
-        return BackendCheck(backend.name, url, DOWN, detail=f"unreachable: nothing answers at {url}")
+        return BackendCheck(backend.name, url, DOWN, detail=f"unreachable: {why or 'nothing answers'} at {url}")
     status = response.status_code
     if status >= 500:
         return BackendCheck(backend.name, url, DOWN, detail=f"GET {url}/models answered {status}")

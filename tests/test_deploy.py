@@ -217,6 +217,13 @@ def test_proxy_config_files_load_with_known_keys_only(
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data))
     monkeypatch.setenv("PREFIX_PROXY_CONFIG", str(path))
+    if name == "deploy/proxy.yaml":
+        # The compose stack's file, read as its proxy service reads it: with that service's
+        # environment, each ${VAR:-default} at its default (the environment wins over the file).
+        compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+        for key, value in compose["services"]["proxy"]["environment"].items():
+            if key != "PREFIX_PROXY_CONFIG":
+                monkeypatch.setenv(key, re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value)))
     settings = Settings()
     assert settings.sessions.store == "redis"
     if settings.kv_model:

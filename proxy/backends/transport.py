@@ -118,8 +118,9 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
 
     def __init__(self, limits: httpx.Limits) -> None:
         self._limits = limits
-        # httpx's default verification (certifi's CAs), as the transport this one replaced had.
-        self._ssl = httpx.create_ssl_context(trust_env=False)
+        # certifi's CAs, or those SSL_CERT_FILE / SSL_CERT_DIR name: how a pod is told to trust a
+        # private CA (redis-py's rediss:// honours them too). Proxy variables stay unread (above).
+        self._ssl = httpx.create_ssl_context(trust_env=True)
         self._session: aiohttp.ClientSession | None = None
         self._timeouts: dict[tuple[float | None, float | None, float | None], aiohttp.ClientTimeout] = {}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from typing import Any
 
@@ -182,18 +183,25 @@ class Upstream:
     ) -> httpx.Response | None:
         """``GET /models`` with the given credentials (default: the proxy's own), body read; None when
         the upstream cannot be reached."""
+        return (await self.models_or_why(headers, timeout_s))[0]
+
+    async def models_or_why(
+        self, headers: Mapping[str, str] | None = None, timeout_s: float = 3.0
+    ) -> tuple[httpx.Response | None, str]:
+        """:meth:`get_models`, and when it cannot be reached why not (a certificate the proxy does not
+        trust is not "nothing answers")."""
         headers = headers if headers is not None else self.auth_headers(None)
         try:
             response = await self.open("GET", "/models", headers=headers, timeout_s=timeout_s)
-        except UpstreamError:
-            return None
+        except UpstreamError as error:
+            return None, unreachable_reason(error)
         try:
             await response.aread()  # ``response.content`` is the listing
-        except httpx.HTTPError:
-            return None
+        except httpx.HTTPError as error:
+            return None, unreachable_reason(error)
         finally:
             await response.aclose()
-        return response
+        return response, ""
 
     async def probe_models(self, timeout_s: float = 3.0) -> list[dict[str, Any]] | None:
         """The models listed (``[]`` if the answer lists none), or None when the upstream is
@@ -286,3 +294,21 @@ class Redactor:
             if form in raw:
                 raw = raw.replace(form, REDACTED)
         return raw
+
+
+def unreachable_reason(error: BaseException) -> str:
+    """Why a backend could not be reached, in a few words: its certificate not trusted (with what
+    the TLS library said), or nothing answering."""
+    cause: BaseException | None = error
+    handshake = ""
+    while cause is not None:
+        # aiohttp's certificate error is an SSLCertVerificationError too; ssl's own, below it, says why.
+        if isinstance(cause, ssl.SSLCertVerificationError) and getattr(cause, "verify_message", None):
+            return (
+                f"its TLS certificate is not trusted ({cause.verify_message}): give the CA in SSL_CERT_FILE "
+                "(a PEM file) or SSL_CERT_DIR"
+            )
+        if isinstance(cause, ssl.SSLError) and not handshake:
+            handshake = f"the TLS handshake failed ({getattr(cause, 'reason', None) or cause})"
+        cause = cause.__cause__ or cause.__context__
+    return handshake
