@@ -38,6 +38,13 @@ turn, so the environment the clients report changes mid-session), saved by ``ben
   ``Git status:``, the history kept by agno's ``SqliteDb``; and gptme (``gptme`` 0.35.1, ``gptme -n
   --name``), three system messages (its 24k-token tool prompt, a cache-boundary note, then system
   information, the date and ``## Git Status``) kept as logged at the session's start;
+- three agent frameworks first run in session 31 (docs/clients.md): mini-swe-agent (``mini-swe-agent``
+  2.4.6: its machine's ``uname`` in the first user message, observations as user messages); an AutoGen
+  ``AssistantAgent`` (``autogen-agentchat`` 0.7.5) with a ``BufferedChatCompletionContext`` of 4 messages,
+  a sliding window without a session header that the proxy repairs (``WINDOW_REPAIRED``), its system
+  message holding the working directory, the time and the git status; and a CrewAI ``Agent`` (``crewai``
+  1.15.30) with those facts in its backstory, two tasks a turn, once on native tool calls and once
+  through LiteLLM's ReAct text (``crewai-react``);
 - and each agent again recorded with the fake's tool-calling replies (``--policy-replies``: a tool call then
   text every turn, so two requests a turn; replayed with text replies like every recording, the tool calls
   in the history are the client's text).
@@ -46,7 +53,8 @@ Each is replayed, in order, to a fresh fake vLLM directly and to another through
 (uvicorn, defaults), the fake answering what it answered when recorded. Through the proxy: every request
 answered, no unit of the client's system text torn (``bench.clients.audit.torn_units``: a label without
 what it introduces, an element emptied or split, a listing split), no line lost, no text the client did
-not send, and no more prefill than directly (the backend's own counters). No network, no client needed.
+not send (in its request, or for a repaired window in its session), and no more prefill than directly
+(the backend's own counters). No network, no client needed.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ from typing import Any
 
 import pytest
 
-from bench.clients.audit import moved_lines, system_texts, torn_units
+from bench.clients.audit import audit, moved_lines, system_texts, torn_units
 from bench.clients.recorder import Exchange
 from bench.clients.replay import Replay, load, replay
 
@@ -80,11 +88,34 @@ SESSIONS = (
     "pi-edits",
     "agno-edits",
     "gptme-edits",
+    "mini-swe-agent-plain",
+    "mini-swe-agent-edits",
+    "autogen-plain",
+    "autogen-edits",
+    "autogen-tools",
+    "autogen-long",
+    "crewai-plain",
+    "crewai-edits",
+    "crewai-tools",
+    "crewai-react-plain",
+    "crewai-react-edits",
 )
+# AutoGen's BufferedChatCompletionContext sends the system message and the last 4 messages, no session
+# header: once its window slides, the proxy restores what it dropped from the session's remembered tail
+# (summarizer.sliding_window_repair, default "inferred": docs/summarizer.md), so a request holds text
+# its own client request did not; every line of it the client sent earlier in the session.
+WINDOW_REPAIRED = {"autogen-plain", "autogen-edits", "autogen-long"}
 # Nothing in the system prompt smolagents builds varies (no clock, no directory, no status): the proxy
 # forwards its requests' system text as sent. gptme writes its date, directory and git status once, at the
 # session's start, and re-sends them as logged (its Markdown-bold keys read as no environment facts).
-NOTHING_TO_MOVE = {"smolagents-edits", "smolagents-tools", "gptme-edits"}
+# mini-swe-agent writes its machine's facts in the first user message.
+NOTHING_TO_MOVE = {
+    "smolagents-edits",
+    "smolagents-tools",
+    "gptme-edits",
+    "mini-swe-agent-plain",
+    "mini-swe-agent-edits",
+}
 # Continue CLI with nothing changing between turns: the environment block moves at the first request
 # (an environment span moves at first sight) into a system message of its own, whose role framing
 # adds 5 prompt tokens to every request; nothing in the session varies, so nothing pays it back.
@@ -117,6 +148,17 @@ PREFILL_CASES = [
     pytest.param("pi-edits", marks=FRAMING_COSTS_MORE),
     "agno-edits",
     "gptme-edits",
+    "mini-swe-agent-plain",
+    "mini-swe-agent-edits",
+    "autogen-plain",
+    "autogen-edits",
+    "autogen-tools",
+    "autogen-long",
+    "crewai-plain",
+    "crewai-edits",
+    "crewai-tools",
+    "crewai-react-plain",
+    "crewai-react-edits",
 ]
 
 
@@ -146,7 +188,11 @@ def test_replay_through_the_proxy_tears_no_unit(name: str) -> None:
     else:  # the session exercises relocation: the check below has moves to judge
         assert _moves(recording, proxied) >= 1
     assert proxied.torn == [], json.dumps(proxied.torn, indent=1, ensure_ascii=False)
-    assert proxied.foreign == [], proxied.foreign
+    assert proxied.foreign_in_session == [], proxied.foreign_in_session
+    if name in WINDOW_REPAIRED:
+        assert proxied.foreign, "the window never slid: the recording no longer exercises the repair"
+    else:
+        assert proxied.foreign == [], proxied.foreign
 
 
 @pytest.mark.parametrize("name", PREFILL_CASES)
@@ -197,3 +243,23 @@ def test_the_check_finds_an_emptied_wrapper_and_a_lost_line() -> None:
     assert [unit["first"] for unit in findings[0].torn if unit["kind"] == "element"] == [lines[opening][:120]]
     forwarded["messages"].pop(-2)  # the status lines now arrive nowhere
     assert torn_units([(_exchange(0, forwarded), _exchange(0, sent))])[0].lost == status
+
+
+def test_the_session_audit_takes_what_the_client_sent_before_and_nothing_else() -> None:
+    """A repaired window re-sends messages of the client's earlier requests: foreign to the request
+    they are added to, not to the session; a line no request sent is foreign to both."""
+    first = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"}]}
+    second = {
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "q2"},
+        ]
+    }
+    repaired = {"messages": [*first["messages"], *second["messages"][1:]]}
+    invented = {"messages": [*repaired["messages"][:-1], {"role": "user", "content": "q2\nnever sent"}]}
+    pairs = [(_exchange(0, first), _exchange(0, first)), (_exchange(1, repaired), _exchange(1, second))]
+    assert [f.backend_seq for f in audit(pairs)] == [1]
+    assert audit(pairs, session=True) == []
+    pairs[1] = (_exchange(1, invented), _exchange(1, second))
+    assert [f.lines for f in audit(pairs, session=True)] == [["never sent"]]

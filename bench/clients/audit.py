@@ -162,18 +162,25 @@ class ClientText:
         return [line for line in _lines(message.text) if line not in allowed]
 
 
-def audit(pairs: Iterable[tuple[Any, Any | None]]) -> list[Finding]:
+def audit(pairs: Iterable[tuple[Any, Any | None]], *, session: bool = False) -> list[Finding]:
     """``pairs``: (backend-side Exchange, the client-side Exchange it was made for, or None).
-    Returns one finding per backend request with foreign text (its first offending message)."""
+    Returns one finding per backend request with foreign text (its first offending message):
+    text its own client request did not hold, or (``session``) text no client request of the
+    session up to it held (a sliding window the proxy repaired re-sends what the client sent
+    before; text from nowhere is foreign either way)."""
     findings: list[Finding] = []
-    for backend, client in pairs:
+    sent: list[Message] = []
+    for backend, client in sorted(pairs, key=lambda pair: pair[0].seq):
         messages = messages_of(backend.path, backend.json_body())
         if not messages:
             continue
         if client is None:
             findings.append(Finding(backend.seq, backend.path, None, messages[-1].role, _lines(messages[-1].text)))
             continue
-        index = ClientText.of(messages_of(client.path, client.json_body()))
+        own = messages_of(client.path, client.json_body())
+        if session:
+            sent.extend(own)
+        index = ClientText.of(sent if session else own)
         for message in messages:
             foreign = index.foreign_lines(message)
             if foreign:

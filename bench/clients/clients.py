@@ -17,10 +17,13 @@ from types import ModuleType
 from bench.clients import (
     agent_turn,
     agno_agent,
+    autogen_agent,
+    crewai_agent,
     dify,
     install,
     langgraph_agent,
     llamaindex_agent,
+    mini_swe_agent,
     openai_agents,
     openwebui,
     pydantic_agent,
@@ -596,6 +599,68 @@ class AgnoAgent(PythonAgent):
     distribution = "agno"
 
 
+class MiniSweAgent(PythonAgent):
+    """mini-swe-agent's ``DefaultAgent`` with the text-based configuration ``mini`` ships
+    (``mini_textbased.yaml``: bash commands in ``mswea_bash_command`` blocks, observations and format errors
+    as user messages, ``<system_information>`` with the machine's ``uname`` in the first user message),
+    LiteLLM's ``openai/`` provider at the base URL; later turns go on with the same linear history, a
+    ``git status --short`` run by the user in human mode, then the new task (see mini_swe_agent.py)."""
+
+    name = "mini-swe-agent"
+    protocol = "chat"
+    driver = mini_swe_agent
+    distribution = "mini-swe-agent"
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        env = super().prepare(ws)
+        # LiteLLM's cost map is downloaded (unreachable here); mini's first-run prompt and banner off.
+        return {**env, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_CONFIGURED": "true",
+                "MSWEA_SILENT_STARTUP": "1", "MSWEA_COST_TRACKING": "ignore_errors"}  # fmt: skip
+
+
+class AutoGenAgent(PythonAgent):
+    """An AutoGen AgentChat ``AssistantAgent`` on ``OpenAIChatCompletionClient`` at the base URL with three
+    tools, a system message built at each start (working directory, time, git status) and a
+    ``BufferedChatCompletionContext`` (the last ``BUFFER`` messages a request: a sliding window, no
+    session header; see autogen_agent.py), the real ``autogen-agentchat`` and ``autogen-ext`` from PyPI."""
+
+    name = "autogen"
+    protocol = "chat"
+    driver = autogen_agent
+    distribution = "autogen-agentchat"
+
+
+class CrewAIAgent(PythonAgent):
+    """A CrewAI crew: one ``Agent`` (role, goal, a backstory whose placeholders hold the working directory,
+    time and git status) with three tools, memory off, two tasks in sequence each turn (the question, then
+    a summary with its answer as context; see crewai_agent.py), the real ``crewai`` from PyPI on its
+    native OpenAI provider at the base URL."""
+
+    name = "crewai"
+    protocol = "chat"
+    driver = crewai_agent
+    distribution = "crewai"
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        env = super().prepare(ws)
+        return {**env, "CREWAI_DISABLE_TELEMETRY": "true", "CREWAI_DISABLE_TRACKING": "true",
+                "CREWAI_TRACING_ENABLED": "false", "OTEL_SDK_DISABLED": "true"}  # fmt: skip
+
+
+class CrewAIReActAgent(CrewAIAgent):
+    """The same crew through LiteLLM (``LLM(..., is_litellm=True)``), which knows no function calling for
+    the model: CrewAI renders the tools into the system prompt and parses ReAct text (``Thought:``,
+    ``Action:``, ``Final Answer:``)."""
+
+    name = "crewai-react"
+
+    def install(self) -> Path:  # the same venv as crewai's
+        return CrewAIAgent().install()
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        return {**super().prepare(ws), "CREWAI_BENCH_LITELLM": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+
+
 CLIENTS: dict[str, type[Client]] = {
     c.name: c
     for c in (
@@ -619,5 +684,9 @@ CLIENTS: dict[str, type[Client]] = {
         SmolagentsAgent,
         LlamaIndexChat,
         AgnoAgent,
+        MiniSweAgent,
+        AutoGenAgent,
+        CrewAIAgent,
+        CrewAIReActAgent,
     )
 }

@@ -75,6 +75,9 @@ class Replay:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     foreign: list[dict[str, Any]] = field(default_factory=list)
+    # Text no request of the client's session held up to then (``foreign`` less a repaired window's
+    # re-sent messages: ``audit(..., session=True)``).
+    foreign_in_session: list[dict[str, Any]] = field(default_factory=list)
     torn: list[dict[str, Any]] = field(default_factory=list)
     backend_requests: list[dict[str, Any]] = field(default_factory=list)  # the bodies the backend got
 
@@ -131,6 +134,7 @@ def replay(recording: dict[str, Any], mode: str, *, model: str = "fake-model") -
     else:
         pairs = [(b, b) for b in received]
     result.foreign = [f.to_json() for f in audit(pairs)]
+    result.foreign_in_session = [f.to_json() for f in audit(pairs, session=True)]
     result.torn = [t.to_json() for t in torn_units(pairs)]
     result.backend_requests = [
         {"path": b.path, "body": b.json_body()} for b in received if b.path.split("?")[0] in GENERATION_PATHS
