@@ -263,3 +263,21 @@ def test_the_session_audit_takes_what_the_client_sent_before_and_nothing_else() 
     assert audit(pairs, session=True) == []
     pairs[1] = (_exchange(1, invented), _exchange(1, second))
     assert [f.lines for f in audit(pairs, session=True)] == [["never sent"]]
+
+
+@pytest.mark.parametrize("name", ["crewai-plain", "crewai-edits", "crewai-react-plain", "crewai-react-edits"])
+def test_a_templated_task_finds_the_block_where_the_task_before_it_left_it(name: str) -> None:
+    """Each CrewAI turn sends two one-shot requests with one system prompt, byte for byte: the task,
+    then a summary task whose template opens the same way every turn. The moved block (working
+    directory, time, git status) went before the first task's question and, the summary task read as
+    templated (``after_templated_user``), after the second's: the second shared only the stable
+    system text with the request just before it (+69 to +85 prefill on a turn). Before a templated
+    question, a block that extends a prompt the app forwarded stays there."""
+    recording, _, proxied = _session(name)
+    for index in (3, 5, 7):  # the summary task of turns 2-4
+        before, after = (r["body"]["messages"] for r in recording["requests"][index - 1 : index + 1])
+        assert before[0] == after[0]  # the client: one system prompt for both tasks
+        got_before, got_after = (r["body"]["messages"] for r in proxied.backend_requests[index - 1 : index + 1])
+        shared = next(i for i, (a, b) in enumerate(zip(got_before, got_after, strict=False)) if a != b)
+        roles = [m["role"] for m in got_before], [m["role"] for m in got_after]
+        assert shared >= len(got_before) - 1, (index, roles)

@@ -195,6 +195,18 @@ def _relocate(
             layout.record_forwarded(messages)
         return Relocation(actions + moved, system_count, system_tail)
     position, target = _fresh_position(messages, system_count, placement, layout)
+    if target == "after_templated_user" and layout is not None:
+        # Before the templated question, the block extends a prompt the app forwarded (another task
+        # sent with this very system prompt, the block before its question): there it is cached, and
+        # after the question it would cost the request the question too. The template's reason to go
+        # after it holds where the block is new.
+        trial = list(messages)
+        outcome = _insert(trial, splits, position - 1, placement, None, fresh=True)
+        if layout.continues(trial, outcome.stable_count + 1):
+            layout.record_block(messages, system_count, position - 1, _moved_lines(splits))
+            layout.record_forwarded(trial, outcome.stable_count)
+            messages[:] = trial
+            return Relocation(actions + outcome.actions, outcome.stable_count, inserted=outcome.inserted)
     outcome = _insert(messages, splits, position, placement, layout, fresh=True, target=target)
     return Relocation(actions + outcome.actions, outcome.stable_count, inserted=outcome.inserted)
 
