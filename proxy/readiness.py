@@ -77,11 +77,16 @@ class StoreCheck:
     kind: str  # "memory" or "redis"
     status: str  # UP or DOWN
     url: str = ""  # credentials masked
+    # What a store that answered with an error said (a refused password, a database that does not
+    # exist); empty where it did not answer.
+    answered: str = ""
 
     def summary(self) -> dict[str, Any]:
         out = {"kind": self.kind, "status": self.status}
         if self.url:
             out["url"] = self.url
+        if self.answered:
+            out["answered"] = self.answered
         return out
 
 
@@ -155,8 +160,8 @@ async def check_store(sessions: SessionService, kind: str, url: str) -> StoreChe
         return StoreCheck(kind, UP)
     try:
         answered = await sessions.call(sessions.store.ping())
-    except StoreUnavailable:
-        answered = False
+    except StoreUnavailable as error:
+        return StoreCheck(kind, DOWN, masked_url(url), error.reason)
     return StoreCheck(kind, UP if answered else DOWN, masked_url(url))
 
 

@@ -59,9 +59,10 @@ def announce(settings: Settings, result: readiness.Readiness) -> None:
         )
     if result.store.status != readiness.UP:
         logger.warning(
-            "session store %s at %s does not answer: requests pass through without sessions until it does; %s",
+            "session store %s at %s %s: requests pass through without sessions until it does; %s",
             result.store.kind,
             masked_url(settings.sessions.redis_url),
+            f"answered with an error ({result.store.answered})" if result.store.answered else "does not answer",
             "/readyz answers 503 meanwhile (readiness.require_store)"
             if settings.readiness.require_store
             else "the replica stays ready, degraded (readiness.require_store: false)",

@@ -203,3 +203,29 @@ def test_the_compose_config_file_holds_no_key_its_environment_always_replaces() 
     }
     in_file = _flat(yaml.safe_load((root / "deploy/proxy.yaml").read_text()))
     assert not (in_file & from_env), sorted(".".join(k) for k in in_file & from_env)
+
+
+def test_a_redis_that_refuses_the_database_is_told_apart_from_one_that_does_not_answer(tmp_path: Path) -> None:
+    """redis://HOST/16 on a server with 16 databases (0-15): Redis answers "ERR DB index is out of
+    range" on every connection. check-config passes; serve's start-up warning must say why, not that
+    the store "does not answer" (the operator goes looking for a network problem)."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.upper().startswith("PREFIX_PROXY_")},
+        "PREFIX_PROXY_UPSTREAM": "http://127.0.0.1:9/v1",
+        "PREFIX_PROXY_SESSIONS__STORE": "redis",
+        "PREFIX_PROXY_SESSIONS__REDIS_URL": "redis://127.0.0.1:6379/16",
+    }
+    assert run_cli("check-config", env=env, cwd=tmp_path).returncode == 0
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--port", str(port)],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert wait_healthy(f"http://127.0.0.1:{port}", timeout_s=20)
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=30)
+    (line,) = [line for line in output.splitlines() if "session store redis at" in line]
+    assert "does not answer" not in line and "DB index is out of range" in line, line
+    assert "answered with an error (ResponseError: DB index is out of range)" in line

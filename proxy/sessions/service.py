@@ -51,7 +51,23 @@ T = TypeVar("T")
 
 
 class StoreUnavailable(Exception):
-    """The session store cannot be used right now; serve without session features."""
+    """The session store cannot be used right now; serve without session features. ``reason``: what
+    the store answered, where it answered at all (an error, as a refused password or a database that
+    does not exist); empty where it did not answer."""
+
+    def __init__(self, reason: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _answered(error: BaseException) -> str:
+    """What a store that answered with an error said: Redis's error replies (``ERR DB index is out of
+    range``, ``NOPERM``) and refused credentials (``WRONGPASS``), by redis-py's names for them; ""
+    for a store that did not answer (a connection refused or lost, a timeout)."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    if names & {"ResponseError", "AuthenticationError", "AuthenticationWrongNumberOfArgsError"}:
+        return f"{type(error).__name__}: {error}"[:200]
+    return ""
 
 
 @dataclass
@@ -159,7 +175,7 @@ class SessionService:
                 # fail once after the store came back, each failure another pass-through pause.
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.store.reset(), timeout=self._settings.operation_timeout_s)
-            raise StoreUnavailable() from exc
+            raise StoreUnavailable(_answered(exc)) from exc
         if self._degraded:
             self._degraded = False
             self._metrics.store_up.set(1)
@@ -174,7 +190,9 @@ class SessionService:
         if not self._degraded:
             self._degraded = True
             self._metrics.store_up.set(0)
-            logger.warning("session store unavailable (%s): serving without sessions", type(exc).__name__)
+            logger.warning(
+                "session store unavailable (%s): serving without sessions", _answered(exc) or type(exc).__name__
+            )
 
     def explicit_id(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
         """The session the client names (a session header, ``prompt_cache_key``, ``user``), hashed; no I/O."""
