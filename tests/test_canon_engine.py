@@ -342,3 +342,24 @@ def test_restored_calls_are_the_same_whether_earlier_calls_are_scanned_or_counte
             forwarded[scanned_max] = out
     assert forwarded[0] == forwarded[1 << 30]
     assert "chatcmpl-tool-" in forwarded[0][-1]
+
+
+def test_a_generated_call_is_found_by_its_id_only_to_restore_its_own_arguments() -> None:
+    """A client keeps the backend's id: its arguments may come back in another key order (restored),
+    never with other values, and never in another tenant (an id is the client's to choose)."""
+    memory = ToolCallMemory()
+    prior = [{"role": "user", "content": "weather in Paris?"}]
+    generated = '{"city": "Paris", "unit": "C"}'
+    remember_generated_calls(prior, "t", [("chatcmpl-tool-1", "get_weather", generated)], memory)
+
+    def sent(namespace: str, arguments: str) -> dict[str, Any]:
+        # Another user message: the position key does not find the call, only its id can.
+        history = _dify_agent_history("chatcmpl-tool-1", arguments)
+        history[1] = {"role": "user", "content": "and now?"}
+        result = canonicalize({"model": "m", "messages": history}, RELOCATE, namespace=namespace, tool_memory=memory)
+        call: dict[str, Any] = result.body["messages"][2]["tool_calls"][0]
+        return call
+
+    assert sent("t", '{"unit": "C", "city": "Paris"}')["function"]["arguments"] == generated
+    assert sent("t", '{"city": "Rome", "unit": "C"}')["function"]["arguments"] == '{"city": "Rome", "unit": "C"}'
+    assert sent("other", '{"unit": "C", "city": "Paris"}')["function"]["arguments"] == '{"unit": "C", "city": "Paris"}'

@@ -52,12 +52,16 @@ class GeneratedCall:
 
 
 class ToolCallMemory:
-    """Bounded LRU of tool calls the backend generated, by position key and by their own id
-    (that one forgets the least recently remembered: looking a call up by id is no use)."""
+    """Bounded LRU of tool calls the backend generated, by position key and, per tenant, by their
+    own id (that one forgets the least recently remembered: looking a call up by id is no use).
+
+    An id is the client's to choose: only a call the backend generated is found by its id, only in
+    the tenant it was generated for, and only to restore the form of the very arguments the client
+    re-sends (``_restore``), never their values."""
 
     def __init__(self, max_entries: int = 200_000) -> None:
         self._entries: LRUCache[int, GeneratedCall] = LRUCache(max_entries)
-        self._by_id: LRUCache[str, GeneratedCall] = LRUCache(max_entries)
+        self._by_id: LRUCache[tuple[str, str], GeneratedCall] = LRUCache(max_entries)
         # Per tenant and conversation, what was decided for the last request's calls (and the
         # anchors of its messages): the next request looks up only the calls it adds.
         self.anchored: Continuations[Restored] = Continuations()
@@ -66,16 +70,20 @@ class ToolCallMemory:
         # (a Dify app's clock changes its system prompt, and so the list, on every request).
         self.called: Continuations[int] = Continuations()
 
-    def remember(self, key: int, call: GeneratedCall) -> None:
+    def remember(self, key: int, call: GeneratedCall, generated_for: str | None = None) -> None:
+        """Remember ``call`` under ``key``; ``generated_for``: the namespace (tenant) the backend
+        generated it for, which finds it by its id too (a call a client sent is found by key only)."""
         self._entries[key] = call
-        self._by_id[call.id] = call
+        if generated_for is not None:
+            self._by_id[(generated_for, call.id)] = call
 
     def recall(self, key: int) -> GeneratedCall | None:
         return self._entries.get(key)
 
-    def by_id(self, call_id: Any) -> GeneratedCall | None:
-        """The call the backend generated with this id, when the client kept the original id."""
-        return peek(self._by_id, call_id) if isinstance(call_id, str) else None
+    def by_id(self, namespace: str, call_id: Any) -> GeneratedCall | None:
+        """The call the backend generated with this id for ``namespace``, when the client kept the
+        original id."""
+        return peek(self._by_id, (namespace, call_id)) if isinstance(call_id, str) else None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -291,7 +299,11 @@ def _restore(
                     # only within the same conversation, never into another that happens to ask the
                     # same thing (a client's own ids must stay its own).
                     original = (
-                        (memory.by_id(old_id) or memory.recall(key) or memory.recall(extend(histories[index], key)))
+                        (
+                            _same_call(memory.by_id(namespace, old_id), function.get("arguments", ""))
+                            or memory.recall(key)
+                            or memory.recall(extend(histories[index], key))
+                        )
                         if memory is not None
                         else None
                     )
@@ -377,6 +389,15 @@ class _EarlierCalls:
             self._used.add(call_id)
 
 
+def _same_call(found: GeneratedCall | None, sent: Any) -> GeneratedCall | None:
+    """``found`` where its arguments are the ones the client re-sends, in another form at most
+    (canonically equal: what the position key holds too): a restoration changes how arguments are
+    written, never what they say, whatever id a client puts on a call."""
+    if found is None or canonical_arguments(found.arguments) != canonical_arguments(sent):
+        return None
+    return found
+
+
 def _renders_differently(generated: str, sent: Any) -> bool:
     """Whether the client's arguments reach the prompt otherwise than the bytes the backend
     generated. The engine parses a call's argument string before the chat template renders it
@@ -426,7 +447,7 @@ def remember_generated_calls(
     earlier = Counter(_base_keys(messages, namespace))
     for position, (call_id, name, arguments) in enumerate(calls):
         base = call_key(namespace, anchor, ordinal, position, name, arguments)
-        memory.remember(nth_key(base, earlier[base]), GeneratedCall(id=call_id, arguments=arguments))
+        memory.remember(nth_key(base, earlier[base]), GeneratedCall(id=call_id, arguments=arguments), namespace)
 
 
 def _base_keys(messages: list[dict[str, Any]], namespace: str) -> list[int]:

@@ -155,13 +155,14 @@ class SharedToolCalls(ToolCallMemory):
         super().__init__()
         self._journal = journal
 
-    def remember(self, key: int, call: GeneratedCall) -> None:
+    def remember(self, key: int, call: GeneratedCall, generated_for: str | None = None) -> None:
         if self.recall(key) != call and len(call.arguments) <= MAX_SHARED_ARGUMENT_BYTES:
-            self._journal.add(["T", key, call.id, call.arguments])
-        super().remember(key, call)
+            entry: list[Any] = ["T", key, call.id, call.arguments]
+            self._journal.add([*entry, generated_for] if generated_for is not None else entry)
+        super().remember(key, call, generated_for)
 
-    def apply(self, key: int, call: GeneratedCall) -> None:
-        super().remember(key, call)
+    def apply(self, key: int, call: GeneratedCall, generated_for: str | None = None) -> None:
+        super().remember(key, call, generated_for)
 
 
 class SharedCanonicalizer(Canonicalizer):
@@ -217,7 +218,8 @@ class SharedCanonicalizer(Canonicalizer):
             block = tuple((int(m), int(p), int(h)) for m, p, h in entry[2])
             self.layouts.apply_block(int(entry[1]), block, int(entry[3]))
         elif kind == "T" and isinstance(self.tool_memory, SharedToolCalls):
-            self.tool_memory.apply(int(entry[1]), GeneratedCall(id=str(entry[2]), arguments=str(entry[3])))
+            generated_for = str(entry[4]) if len(entry) > 4 and entry[4] is not None else None
+            self.tool_memory.apply(int(entry[1]), GeneratedCall(id=str(entry[2]), arguments=str(entry[3])), generated_for)
         elif kind == "O" and isinstance(self.tool_orders, SharedToolOrders):
             raw = str(entry[4]).encode("utf-8", "surrogatepass")
             if xxhash.xxh3_64_intdigest(raw) != int(entry[2]):
