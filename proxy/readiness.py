@@ -19,7 +19,16 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.backends import GENERIC, LLAMA_SERVER, OLLAMA, Backend, BackendPool, context_of, engine_of
+from proxy.backends import (
+    GENERIC,
+    LLAMA_SERVER,
+    OLLAMA,
+    Backend,
+    BackendPool,
+    context_of,
+    described_context,
+    engine_of,
+)
 from proxy.config_sources import masked_url
 from proxy.sessions import SessionService, StoreUnavailable
 
@@ -147,6 +156,10 @@ async def check_backend(
         models = tuple(str(m["id"]) for m in entries)
         engine = engine_of(entries[0]) if entries else GENERIC
         contexts = tuple(context_of(m) for m in entries)
+        if engine != OLLAMA and None in contexts:
+            # Said elsewhere by the engine itself (llama-server's /props, TGI's /info).
+            described = await described_context(upstream)
+            contexts = tuple(described if context is None else context for context in contexts)
         detail = "" if models else "it serves no model yet"
         return BackendCheck(backend.name, url, UP, models, detail, engine, contexts)
     hint = f"; did you mean {url}/v1?" if not upstream.base_url.endswith("/v1") else ""

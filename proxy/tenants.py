@@ -141,6 +141,8 @@ class TenantDirectory:
         salt_key: SaltKey | None = None,
     ) -> None:
         self._isolate_caches = isolate_caches
+        # Models whose engine refused a cache_salt (``refuses_salt``); bounded by the models served.
+        self._unsalted: set[str] = set()
         self.salt_key = salt_key or SaltKey(None)
         self._redis_lookup = redis_lookup
         # Redis lookups by key digest: (tenant or None for an unknown key, fresh until), known and
@@ -182,10 +184,23 @@ class TenantDirectory:
             return body
         if any(name in body for name in DEPLOYMENT_FIELDS):
             body = {name: value for name, value in body.items() if name not in DEPLOYMENT_FIELDS}
-        if not self._isolate_caches:
+        if not self._isolate_caches or body.get("model") in self._unsalted:
             return body
         salt = tenant_cache_salt(self.salt_key.secret, tenant.name, body.get("cache_salt"))
         return {**body, "cache_salt": salt}
+
+    def refuses_salt(self, model: str) -> None:
+        """The engine serving ``model`` refused a request for its ``cache_salt`` (a vLLM before
+        0.6.5, or on its V0 engine): its requests go without one from now on, and the tenants share
+        its prefix cache, which a warning says once."""
+        if model not in self._unsalted:
+            self._unsalted.add(model)
+            logger.warning(
+                "the engine serving %r refused cache_salt: its requests go without one, so tenants share its "
+                "prompt cache (a fast answer tells a tenant another sent the same prefix); one engine per "
+                "tenant keeps them apart",
+                model,
+            )
 
     def without_deployment_fields(self, body: Any) -> Any:
         """A JSON body forwarded as the client wrote it (embeddings, pooling, scores) without the

@@ -5,7 +5,7 @@ whose prefix cache most likely holds it; a dead backend's requests go to the nex
 """
 
 from proxy.backends.backend import INVALID_ANSWER, NO_FIRST_TOKEN, STREAM_CUT, Backend, OutlierDetection, backend_name
-from proxy.backends.catalog import ModelCatalog
+from proxy.backends.catalog import ModelCatalog, described_context
 from proxy.backends.echo import EchoedHeaders
 from proxy.backends.engines import (
     GENERIC,
@@ -15,6 +15,7 @@ from proxy.backends.engines import (
     context_of,
     context_overflow,
     engine_of,
+    error_of,
     limit_fields,
     refuses_answer_room,
 )
@@ -47,7 +48,9 @@ __all__ = [
     "backend_name",
     "context_of",
     "context_overflow",
+    "described_context",
     "engine_of",
+    "error_of",
     "key_forms",
     "limit_fields",
     "make_policy",

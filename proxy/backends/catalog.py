@@ -21,14 +21,16 @@ from proxy.backends.engines import (
     EngineKind,
     context_of,
     engine_of,
+    info_context,
     ollama_context,
     ollama_name,
     prompts_unlisted,
+    props_context,
     slot_holding,
     slot_markers,
 )
 from proxy.backends.pool import BackendPool
-from proxy.backends.upstream import read_response
+from proxy.backends.upstream import Upstream, read_response
 from proxy.http import ProxyError
 
 logger = logging.getLogger("prefix_proxy.models")
@@ -59,6 +61,8 @@ class ModelCatalog:
         # request gives (unlisted names go to every backend); None where no such model is listed.
         self._any_name: str | None = None
         self._fresh_until = 0.0
+        # Contexts engines stated in refusing prompts past them (``learn_context``).
+        self._refused_at: dict[str, int] = {}
         # Models whose llama-server lists no slot prompt text (its default), until when: a search by
         # text alone is not sent there again meanwhile.
         self._prompts_unlisted: dict[str, float] = {}
@@ -185,8 +189,34 @@ class ModelCatalog:
         if unsaid:
             found = await asyncio.gather(*(self._ollama_context(name) for name in unsaid))
             lengths.update(zip(unsaid, found, strict=True))
+        for name, length in self._refused_at.items():
+            if name in self._engines:
+                lengths.setdefault(name, length)
+        if any(name not in lengths for name in self._engines):
+            # A listing without the context (older llama-server builds, llamafile, TGI): what the
+            # engine says of itself elsewhere.
+            described = await self._described_context()
+            if described is not None:
+                lengths.update({name: described for name in self._engines if name not in lengths})
         self._lengths = lengths
         self._fresh_until = time.monotonic() + self._ttl
+
+    def learn_context(self, model: str, context: int) -> None:
+        """The context an engine stated in refusing a prompt past it: kept until the listing says
+        otherwise (an engine whose listing and self-description said nothing is compacted before
+        it from then on)."""
+        name = self.listed(model)
+        self._refused_at[name] = context
+        self._lengths[name] = context
+
+    async def _described_context(self) -> int | None:
+        """The context the first backend that says one describes: llama-server's ``GET /props``,
+        TGI's ``GET /info``; None where none does (asked only for a listing without contexts)."""
+        for backend in self._upstream.backends:
+            context = await described_context(backend.upstream)
+            if context is not None:
+                return context
+        return None
 
     async def _ollama_context(self, model: str) -> int:
         """An Ollama model's ``num_ctx`` (``POST /api/show``), else the configured default."""
@@ -208,3 +238,22 @@ class ModelCatalog:
             except (ProxyError, ValueError):
                 continue
         return self._ollama_num_ctx
+
+
+async def described_context(upstream: Upstream) -> int | None:
+    """The context an engine describes at its root, where its model listing does not: llama-server's
+    ``GET /props`` (``default_generation_settings.n_ctx``, older builds and llamafile), TGI's ``GET
+    /info`` (``max_total_tokens``). None where neither answers with one."""
+    for path, read in (("/props", props_context), ("/info", info_context)):
+        try:
+            response = await upstream.open(
+                "GET", path, headers=upstream.auth_headers(None), root=True, timeout_s=SHOW_TIMEOUT_S
+            )
+            raw = await read_response(response)
+            if response.status_code == 200:
+                found = read(json.loads(raw))
+                if found is not None:
+                    return found
+        except (ProxyError, ValueError):
+            continue
+    return None

@@ -93,6 +93,12 @@ def props_context(props: Any) -> int | None:
     return _count(settings.get("n_ctx")) if isinstance(settings, dict) else None
 
 
+def info_context(info: Any) -> int | None:
+    """Hugging Face TGI's ``GET /info``: ``max_total_tokens`` (a request's input and new tokens
+    together, past which TGI refuses it)."""
+    return _count(info.get("max_total_tokens")) if isinstance(info, dict) else None
+
+
 _NUM_CTX = re.compile(r"^\s*num_ctx\s+(\d+)\s*$", re.MULTILINE)
 
 
@@ -112,33 +118,68 @@ class ContextOverflow:
     context: int | None
 
 
-_VLLM_OVERFLOW = re.compile(r"maximum context length is (\d+) tokens.*?(?:requested|you requested) (\d+) tokens", re.S)
+# How engines say a prompt is past their context, each with what it counted where it says so:
+# (the pattern, the group of the prompt's tokens, the group of the context). vLLM (nested since
+# 0.10.1, flat before: the same words), SGLang's two messages, TGI's validation errors.
+_OVERFLOWS = (
+    (re.compile(r"maximum context length is (\d+) tokens.*?(?:requested|you requested) (\d+) tokens", re.S), 2, 1),
+    (re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)"), 1, 2),
+    (re.compile(r"maximum context length of (\d+) tokens.*?(\d+) tokens from the input", re.S), 2, 1),
+    (re.compile(r"`inputs` tokens \+ `max_new_tokens` must be <= (\d+)\. Given: (\d+) `inputs` tokens"), 2, 1),
+    (re.compile(r"`inputs` must have less than (\d+) tokens\. Given: (\d+)"), 2, 1),
+)
+# The same refusals where their numbers are not found (a release that words them otherwise).
+_OVERFLOW_WORDS = re.compile(r"maximum context length|longer than the model's context length|`inputs` tokens \+")
+# Statuses a context refusal comes with: 400 (vLLM, SGLang, llama-server), 413, 422 (TGI).
+_REFUSAL_STATUSES = frozenset({400, 413, 422})
+
+
+def error_of(raw: bytes) -> tuple[str, str] | None:
+    """An engine's error answer read whatever its shape, as (message, type): OpenAI's nested
+    ``{"error": {"message", "type"}}`` (vLLM since 0.10.1, llama-server), the flat ``{"object":
+    "error", "message", "type"}`` (vLLM before, SGLang), ``{"error": "...", "error_type"}`` (TGI),
+    FastAPI's ``{"detail": "..."}``; None where it holds no message."""
+    if len(raw) > 64 * 1024:
+        return None
+    try:
+        body = loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error")
+    if isinstance(error, dict):
+        message, kind = error.get("message"), error.get("type")
+    elif isinstance(error, str):
+        message, kind = error, body.get("error_type")
+    else:
+        message, kind = body.get("message", body.get("detail")), body.get("type")
+    if not isinstance(message, str):
+        return None
+    return message, kind if isinstance(kind, str) else ""
 
 
 def context_overflow(status: int, raw: bytes) -> ContextOverflow | None:
-    """Whether an error answer is the engine refusing a prompt past its context (vLLM's message,
-    llama-server's ``exceed_context_size_error``), or None for any other error."""
-    if status != 400 or len(raw) > 64 * 1024:
+    """Whether an error answer is the engine refusing a prompt past its context (the words of
+    vLLM, SGLang and TGI, llama-server's ``exceed_context_size_error``), or None for any other error."""
+    if status not in _REFUSAL_STATUSES or len(raw) > 64 * 1024:
         return None
     try:
         body = loads(raw)
     except ValueError:
         return None
     error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, str):
-        error = {"message": error}
-    if not isinstance(error, dict):
-        return None
-    if error.get("type") == "exceed_context_size_error":
+    if isinstance(error, dict) and error.get("type") == "exceed_context_size_error":
         return ContextOverflow(_count(error.get("n_prompt_tokens")), _count(error.get("n_ctx")))
-    message = error.get("message")
-    if isinstance(message, str):
-        found = _VLLM_OVERFLOW.search(message)
+    read = error_of(raw)
+    if read is None:
+        return None
+    message = read[0]
+    for pattern, prompt, context in _OVERFLOWS:
+        found = pattern.search(message)
         if found is not None:
-            return ContextOverflow(int(found.group(2)), int(found.group(1)))
-        if "maximum context length" in message:
-            return ContextOverflow(None, None)
-    return None
+            return ContextOverflow(int(found.group(prompt)), int(found.group(context)))
+    return ContextOverflow(None, None) if _OVERFLOW_WORDS.search(message) else None
 
 
 def _count(value: Any) -> int | None:

@@ -346,6 +346,8 @@ def normalize_upstream_error(status: int, raw: bytes) -> bytes:
         message = str(parsed["message"])[:2000]
     elif isinstance(parsed, dict) and "detail" in parsed:
         message = str(parsed["detail"])[:2000]
+    elif isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
+        message = parsed["error"][:2000]  # TGI's {"error": "...", "error_type": "validation"}
     else:
         message = f"upstream returned HTTP {status}"
     error_type = "invalid_request_error" if status < 500 else "upstream_error"

@@ -84,12 +84,13 @@ class CacheBreak:
     block_size: int = 16
     settled: bool = False
 
-    def settle(self, prompt_tokens: int, cached_tokens: int) -> None:
+    def settle(self, prompt_tokens: int, cached_tokens: int | None) -> None:
         """Calibrate the estimates on the reported prompt tokens; flag what the backend lost.
 
         Expected cached tokens: the forwarded prefix, cut to full blocks and to ``prompt - 1``
         (vLLM always recomputes the last token). Served fewer by more than two blocks and a tenth
         (estimates are per-byte): the prefix was evicted, or the request went to a cold replica.
+        ``cached_tokens`` None: the engine does not say (nothing is judged evicted).
         """
         if self.settled or prompt_tokens <= 0:
             return
@@ -98,6 +99,8 @@ class CacheBreak:
         expected = min(int(self.expected_bytes * per_byte), prompt_tokens - 1)
         self.expected_cached = max(0, expected - expected % self.block_size)
         self.tokens_lost = int(self.lost_bytes * per_byte)
+        if cached_tokens is None:
+            return
         shortfall = self.expected_cached - cached_tokens
         if shortfall > max(2 * self.block_size, self.expected_cached // 10) and self.cause in (NONE, "unknown"):
             self.cause = "cache_evicted"

@@ -32,15 +32,24 @@ class PendingBreak:
     explanation: CacheBreak
     prompt_id: int
     memory: BreakMemory
+    model: str = ""
+    # The models whose answers said how many prompt tokens were cached (shared by the tracker).
+    reporting: set[str] | None = None
 
     def header(self) -> str:
         return self.explanation.header()
 
     def settle(self, usage: Usage | None) -> bool:
-        """Apply the reported usage; True the first time (then count it)."""
+        """Apply the reported usage; True the first time (then count it). An eviction is judged only
+        for a model whose answers have said what was cached: an engine that never reports reuse
+        (TGI, Ollama) would otherwise show every continuing turn as evicted."""
         if usage is None or self.explanation.settled:
             return False
-        self.explanation.settle(usage.prompt_tokens, usage.cached_tokens)
+        reporting = self.reporting if self.reporting is not None else set()
+        if usage.cached_reported and usage.cached_tokens:
+            reporting.add(self.model)
+        cached = usage.cached_tokens if self.model in reporting or self.reporting is None else None
+        self.explanation.settle(usage.prompt_tokens, cached)
         self.memory.calibrate(self.prompt_id, usage.prompt_tokens)
         return self.explanation.settled
 
@@ -61,6 +70,9 @@ class CacheBreakTracker:
         # Per tenant: another tenant's id is not found.
         self._answers: LRUCache[tuple[str, str], int] = LRUCache(max(1, settings.memory_prompts))
         self._metrics = metrics
+        # Models whose answers have said how many prompt tokens were cached (bounded by the models
+        # the backends serve: a model's name reaches here once a backend answered for it).
+        self._reporting: set[str] = set()
         # Per tenant and conversation, the last prompt digested: the next one hashes only what it adds
         # (``forwarded``: the memory shared with the other parts that read these messages).
         self._forwarded: Continuations[Any] = forwarded if forwarded is not None else Continuations()
@@ -92,7 +104,8 @@ class CacheBreakTracker:
         moved = any(action.startswith("volatile_moved") for action in actions)
         key = f"{tenant}\x1f{conversation}" if conversation else None
         explanation, prompt_id = self.memory.observe(prompt, key, moved_volatile=moved, tokens_per_byte=tokens_per_byte)
-        return PendingBreak(explanation, prompt_id, self.memory)
+        model = forwarded.get("model")
+        return PendingBreak(explanation, prompt_id, self.memory, str(model), self._reporting)
 
     def remember_answer(self, tenant: str, answer_id: str, pending: PendingBreak) -> None:
         if answer_id and len(answer_id) <= 256:

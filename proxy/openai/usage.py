@@ -20,6 +20,10 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Whether the answer said how many prompt tokens were cached (``prompt_tokens_details.cached_tokens``):
+    # vLLM leaves it out on a miss, and engines that do not report reuse (TGI, Ollama, SGLang without
+    # --enable-cache-report) always do: 0 then means "not said", not "none cached".
+    cached_reported: bool = True
 
     @property
     def total_tokens(self) -> int:
@@ -55,10 +59,11 @@ class Usage:
         completion = strict_count(completion)
         details = usage.get("prompt_tokens_details")
         cached: Any = details.get("cached_tokens") if isinstance(details, dict) else None
+        reported = cached is not None
         cached = 0 if cached is None else strict_count(cached)
         if prompt is None or completion is None or cached is None:
             return None
-        parsed = cls(prompt, completion, cached)
+        parsed = cls(prompt, completion, cached, reported)
         return parsed if parsed.plausible else None
 
 

@@ -219,7 +219,8 @@ class SharedCanonicalizer(Canonicalizer):
             self.layouts.apply_block(int(entry[1]), block, int(entry[3]))
         elif kind == "T" and isinstance(self.tool_memory, SharedToolCalls):
             generated_for = str(entry[4]) if len(entry) > 4 and entry[4] is not None else None
-            self.tool_memory.apply(int(entry[1]), GeneratedCall(id=str(entry[2]), arguments=str(entry[3])), generated_for)
+            call = GeneratedCall(id=str(entry[2]), arguments=str(entry[3]))
+            self.tool_memory.apply(int(entry[1]), call, generated_for)
         elif kind == "O" and isinstance(self.tool_orders, SharedToolOrders):
             raw = str(entry[4]).encode("utf-8", "surrogatepass")
             if xxhash.xxh3_64_intdigest(raw) != int(entry[2]):

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.app_state import ProxyState
-from proxy.backends import context_overflow
+from proxy.backends import context_overflow, error_of
 from proxy.canon import CanonResult, stable_prefix_hash
 from proxy.chat import ChatTurn
 from proxy.http import ProxyError, RequestContext, ServerError, parse_json_object, read_body
@@ -226,9 +226,16 @@ async def forward_turn(
                 on_answer=ending.answer_named,
                 answer_fields=answer_fields,
             )
+            if not attempt and "cache_salt" in outgoing and _salt_refused(answer):
+                # An engine that takes no cache_salt (vLLM before 0.6.5, or on its V0 engine): the
+                # salt the proxy added is left out for this model from now on, and the turn sent again.
+                state.tenants.refuses_salt(str(outgoing.get("model")))
+                ctx.actions.append("resent_without_cache_salt")
+                ctx.upstream_over()
+                continue
             # The engine refused the prompt as past its context: compacted and sent once more, before
             # anything reached the client (never a context error the engine would not have given).
-            if attempt or not _past_context(answer) or not await turn.compact_for_engine():
+            if attempt or not _past_context(state, ctx.model, answer) or not await turn.compact_for_engine():
                 break
             ctx.actions.append("compacted_for_engine_context")
             ctx.upstream_over()
@@ -253,8 +260,21 @@ def canonicalize(state: ProxyState, ctx: RequestContext, tenant: Tenant, view: P
     return canon
 
 
-def _past_context(answer: UpstreamAnswer) -> bool:
-    return isinstance(answer, WholeAnswer) and context_overflow(answer.status, answer.raw) is not None
+def _salt_refused(answer: UpstreamAnswer) -> bool:
+    """Whether the engine refused the request for its ``cache_salt`` field (an unknown field, or one
+    its engine does not support)."""
+    if not isinstance(answer, WholeAnswer) or answer.status not in (400, 422):
+        return False
+    error = error_of(answer.raw)
+    return error is not None and "cache_salt" in error[0]
+
+
+def _past_context(state: ProxyState, model: str | None, answer: UpstreamAnswer) -> bool:
+    """Whether the engine refused the prompt for its context; the context it stated, learned."""
+    overflow = context_overflow(answer.status, answer.raw) if isinstance(answer, WholeAnswer) else None
+    if overflow is not None and overflow.context is not None and model:
+        state.models.learn_context(model, overflow.context)
+    return overflow is not None
 
 
 def _restructured(forwarded: list[Any], sent: list[Any]) -> bool:
