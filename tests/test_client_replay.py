@@ -45,6 +45,11 @@ turn, so the environment the clients report changes mid-session), saved by ``ben
   message holding the working directory, the time and the git status; and a CrewAI ``Agent`` (``crewai``
   1.15.30) with those facts in its backstory, two tasks a turn, once on native tool calls and once
   through LiteLLM's ReAct text (``crewai-react``);
+- two agents whose system prompt changes mid-conversation (docs/clients.md): deepagents (``deepagents``
+  0.7.32, a list-of-parts system message with our environment section, its to-do list and its
+  ``<agent_memory>``, once with the memory growing every turn) and Letta Code (``letta`` 0.34.12, local
+  mode: a ``<memory_update>`` block appended to its system prompt by a committed memory edit; it asks
+  ``GET /v1/models`` before every turn);
 - and each agent again recorded with the fake's tool-calling replies (``--policy-replies``: a tool call then
   text every turn, so two requests a turn; replayed with text replies like every recording, the tool calls
   in the history are the client's text).
@@ -70,6 +75,7 @@ import pytest
 from bench.clients.audit import audit, moved_lines, system_texts, torn_units
 from bench.clients.recorder import Exchange
 from bench.clients.replay import Replay, load, replay
+from bench.clients.run import GENERATION_PATHS
 
 RECORDED = Path(__file__).parent / "recorded"
 SESSIONS = (
@@ -99,6 +105,11 @@ SESSIONS = (
     "crewai-tools",
     "crewai-react-plain",
     "crewai-react-edits",
+    "deepagents-edits",
+    "deepagents-memory-edits",
+    "deepagents-tools",
+    "letta-edits",
+    "letta-memory-edits",
 )
 # AutoGen's BufferedChatCompletionContext sends the system message and the last 4 messages, no session
 # header: once its window slides, the proxy restores what it dropped from the session's remembered tail
@@ -115,6 +126,9 @@ NOTHING_TO_MOVE = {
     "gptme-edits",
     "mini-swe-agent-plain",
     "mini-swe-agent-edits",
+    # Letta Code's system prompt holds no environment (its <system-reminder> blocks are in the user turn)
+    # and nothing in it changes while its memory does not.
+    "letta-edits",
 }
 # Continue CLI with nothing changing between turns: the environment block moves at the first request
 # (an environment span moves at first sight) into a system message of its own, whose role framing
@@ -159,6 +173,15 @@ PREFILL_CASES = [
     "crewai-tools",
     "crewai-react-plain",
     "crewai-react-edits",
+    # deepagents: the clock in the first text part of a list-of-parts system message (0.22x direct); its
+    # memory (<agent_memory>, the last part) grows each turn (0.59x); a tool call then text each turn.
+    "deepagents-edits",
+    "deepagents-memory-edits",
+    "deepagents-tools",
+    # Letta Code: nothing moves (1.00x); a committed memory edit appends <memory_update> to the end of
+    # the system prompt, after the tools' place (0.41x: 66,203 direct, 27,333 through the proxy).
+    "letta-edits",
+    "letta-memory-edits",
 ]
 
 
@@ -171,7 +194,8 @@ def _session(name: str) -> tuple[dict[str, Any], Replay, Replay]:
 def _moves(recording: dict[str, Any], proxied: Replay) -> int:
     """How many forwarded requests had lines of the client's system text moved."""
     count = 0
-    for sent, got in zip(recording["requests"], proxied.backend_requests, strict=True):
+    generations = [r for r in recording["requests"] if r["path"].split("?")[0] in GENERATION_PATHS]
+    for sent, got in zip(generations, proxied.backend_requests, strict=True):
         forwarded = system_texts(got["path"], got["body"])
         texts = system_texts(sent["path"], sent["body"])
         count += any(moved_lines(text, forwarded, i)[0] for i, text in enumerate(texts))

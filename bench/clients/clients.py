@@ -19,6 +19,7 @@ from bench.clients import (
     agno_agent,
     autogen_agent,
     crewai_agent,
+    deepagents_agent,
     dify,
     install,
     langgraph_agent,
@@ -661,6 +662,98 @@ class CrewAIReActAgent(CrewAIAgent):
         return {**super().prepare(ws), "CREWAI_BENCH_LITELLM": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 
 
+class DeepAgent(PythonAgent):
+    """A LangChain Deep Agent (``create_deep_agent`` on ``ChatOpenAI`` at the base URL): deepagents' built-in
+    file tools on a ``FilesystemBackend`` rooted at the repository, ``task`` and its subagent, the to-do list
+    (``write_todos``), long-term memory from ``/AGENTS.md`` rendered at the end of the system prompt, and our
+    instructions first with an environment section (working directory, time, git status); the system message
+    goes out as a list of text parts (see deepagents_agent.py), the real ``deepagents`` from PyPI."""
+
+    name = "deepagents"
+    protocol = "chat"
+    driver = deepagents_agent
+    distribution = "deepagents"
+
+
+class DeepAgentMemory(DeepAgent):
+    """The same agent whose memory grows each turn (``AGENTS.md`` gains a line after every turn, the edit its
+    memory prompt asks for): the ``<agent_memory>`` element (the last text part of the system message, before
+    deepagents' memory guidelines) changes every request from the second on."""
+
+    name = "deepagents-memory"
+
+    def install(self) -> Path:  # the same venv as deepagents'
+        return DeepAgent().install()
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        return {**super().prepare(ws), "DEEPAGENTS_BENCH_MEMORY": "1"}
+
+
+class LettaCode(Client):
+    """Letta Code (PyPI ``letta``: the ``letta`` command with its bundled Node.js runtime) in local mode
+    (``~/.letta/settings.json`` ``preferredBackendMode: local``, agents and conversations stored on this
+    machine) with an ``openai-compatible`` provider at the base URL, written where ``letta backend local``
+    and ``letta connect openai-compatible --base-url ...`` write them. ``letta -p --new-agent`` starts the
+    agent and its first conversation (``local-conv-1`` in a fresh HOME); later turns ``--conversation
+    local-conv-1``. Its ~29k-character system prompt ends with the agent's memory blocks (``<human>``,
+    ``<persona>``, ``<memory>``: the files of its memory repository) and the skills list; the first user
+    message holds ``<system-reminder>`` blocks (local time, working directory, git status, agent ids)."""
+
+    name = "letta"
+    protocol = "chat"
+    memory_edits = False
+
+    def install(self) -> Path:
+        return install.pip_package(self.name, "letta==0.34.12", "letta", timeout=900.0)
+
+    def prepare(self, ws: Workspace) -> dict[str, str]:
+        letta = ws.home / ".letta"
+        providers = letta / "lc-local-backend" / "providers"
+        providers.mkdir(parents=True, exist_ok=True)
+        (letta / "settings.json").write_text(json.dumps({"preferredBackendMode": "local", "tokenStreaming": False,
+                                                         "autoConversationTitles": False}, indent=2))  # fmt: skip
+        stamp = "2026-12-01T09:00:00.000Z"
+        provider = {
+            "id": "local-provider-openai-compatible",
+            "name": "openai-compatible",
+            "provider_type": "openai-compatible",
+            "provider_category": "byok",
+            "auth": {"type": "api", "key": DUMMY_KEY},
+            "base_url": ws.openai_base,
+            "created_at": stamp,
+            "updated_at": stamp,
+        }
+        (providers / "auth.json").write_text(json.dumps({"version": 1, "providers": {"openai-compatible": provider}}))
+        return {}
+
+    def turn(self, binary: Path, ws: Workspace, index: int, prompt: str) -> list[str]:
+        more = ["--new-agent"] if index == 0 else ["--conversation", "local-conv-1"]
+        command = [str(binary), "-p", prompt, "-m", f"openai-compatible/{ws.model}", *more, "--output-format", "json"]
+        if not self.memory_edits or index == 0 or index % 2:
+            return command
+        # Before turns 3 and 5: the agent's memory edit (a line in MEMORY.md of its memory repository,
+        # committed as its memory tool commits), which Letta Code renders into the system prompt.
+        edit = (
+            'm=$(ls -d "$HOME"/.letta/lc-local-backend/memfs/*/memory) && '
+            'printf -- "- Remembered before turn %s: the user wants one-sentence answers.\n" "$0" >> "$m/MEMORY.md" && '
+            'git -C "$m" -c user.name=letta -c user.email=letta@example.invalid commit -qam "update memory" && '
+            'exec "$@"'
+        )
+        return ["sh", "-c", edit, str(index + 1), *command]
+
+
+class LettaCodeMemory(LettaCode):
+    """Letta Code whose memory changes between turns (a line committed to its ``MEMORY.md`` before the third
+    and the fifth turn, as its memory tool does): Letta Code appends a ``<memory_update>`` element with the
+    freshly rendered memory blocks to the end of the conversation's system prompt."""
+
+    name = "letta-memory"
+    memory_edits = True
+
+    def install(self) -> Path:  # the same venv as letta's
+        return LettaCode().install()
+
+
 CLIENTS: dict[str, type[Client]] = {
     c.name: c
     for c in (
@@ -688,5 +781,9 @@ CLIENTS: dict[str, type[Client]] = {
         AutoGenAgent,
         CrewAIAgent,
         CrewAIReActAgent,
+        DeepAgent,
+        DeepAgentMemory,
+        LettaCode,
+        LettaCodeMemory,
     )
 }
