@@ -113,6 +113,14 @@ class EngineDouble:
                     )
                 status, error = vllm_flat("1 validation error for ChatCompletionRequest\n" + why)
                 return JSONResponse(error, status_code=status)
+            if "seed" in body and not isinstance(body["seed"], int):
+                # pydantic quotes the input it could not read (vLLM's request models).
+                message = (
+                    "1 validation error for ChatCompletionRequest\nseed\n  Input should be a valid integer, "
+                    f"unable to parse string as an integer [type=int_parsing, input_value={body['seed']!r}, "
+                    "input_type=str]"
+                )
+                return JSONResponse(vllm_nested(message)[1], status_code=400)
             if self.strict and any(m.get("role") == "system" for m in body["messages"][1:]):
                 # TGI: raise_exception in the template -> InferError::TemplateError -> 422; vLLM: 400.
                 message = (
@@ -341,3 +349,21 @@ def test_a_llama_server_context_is_read_from_props_when_the_listing_lacks_it() -
         proxy.stop()
         upstream.stop()
     assert list(engines.values()) == [{"engine": "llama-server", "context": 2048}], engines
+
+
+def test_an_error_that_quotes_cache_salt_does_not_switch_salting_off() -> None:
+    """A tenant provokes a 400 whose message quotes its own input ("cache_salt" as a seed, echoed by
+    pydantic): not the engine refusing the field. Salting stays on for every tenant."""
+    tenants = [{"name": "a", "api_key": "sk-a"}, {"name": "b", "api_key": "sk-b"}]
+    for proxy, double in _serve(EngineDouble("vllm-0.11"), tenants=tenants):
+        quoted = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": "cache_salt"}
+        provoked = httpx.post(
+            proxy.url + "/v1/chat/completions", json=quoted, headers={"authorization": "Bearer sk-a"}, timeout=20
+        )
+        assert provoked.status_code == 400 and "input_value='cache_salt'" in provoked.text
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        answer = httpx.post(
+            proxy.url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-b"}, timeout=20
+        )
+        assert answer.status_code == 200
+        assert "cache_salt" in double.bodies[-1], "tenant b's request went without its cache salt"

@@ -10,6 +10,7 @@ reply are read in the protocol's own terms, and a turn ends the same way streame
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from functools import partial
@@ -194,9 +195,12 @@ async def forward_turn(
         ctx.route_key = turn.routing_key
         ctx.actions.extend(turn.actions)
         answer_fields = None
+        unsalted = False  # sent again without the cache_salt the engine refused
         for attempt in range(2):
             forwarded = turn.forwarded
             outgoing = state.tenants.cache_salted(tenant, view.restore(forwarded))
+            if unsalted:
+                outgoing = {name: value for name, value in outgoing.items() if name != "cache_salt"}
             if protocol.path == "/chat/completions" and (slot := await turn.summary_slot()) is not None:
                 # llama-server: the first turn carrying a new summary keeps to its conversation's slot.
                 outgoing = {**outgoing, "id_slot": slot}
@@ -227,12 +231,16 @@ async def forward_turn(
                 answer_fields=answer_fields,
             )
             if not attempt and "cache_salt" in outgoing and _salt_refused(answer):
-                # An engine that takes no cache_salt (vLLM before 0.6.5, or on its V0 engine): the
-                # salt the proxy added is left out for this model from now on, and the turn sent again.
-                state.tenants.refuses_salt(str(outgoing.get("model")))
+                # An engine that takes no cache_salt (vLLM before 0.6.5, or on its V0 engine): the turn
+                # is sent again without the salt the proxy added; only if the engine then takes it is
+                # the salt left out for this model from now on (an error a tenant provoked that merely
+                # quotes the field's name must not switch isolation off for every tenant).
+                unsalted = True
                 ctx.actions.append("resent_without_cache_salt")
                 ctx.upstream_over()
                 continue
+            if unsalted and (isinstance(answer, StreamingAnswer) or answer.status < 400):
+                state.tenants.refuses_salt(str(outgoing.get("model")))
             # The engine refused the prompt as past its context: compacted and sent once more, before
             # anything reached the client (never a context error the engine would not have given).
             if attempt or not _past_context(state, ctx.model, answer) or not await turn.compact_for_engine():
@@ -260,13 +268,20 @@ def canonicalize(state: ProxyState, ctx: RequestContext, tenant: Tenant, view: P
     return canon
 
 
+# How an engine refuses the field itself: pydantic's error for an unknown field (the field's name
+# on a line of its own, then "Extra inputs are not permitted"), vLLM's check_cache_salt_support.
+_SALT_REFUSAL = re.compile(
+    r"(?m)^\s*cache_salt\s*$\s*^\s*Extra inputs are not permitted|Parameter 'cache_salt' is not supported"
+)
+
+
 def _salt_refused(answer: UpstreamAnswer) -> bool:
     """Whether the engine refused the request for its ``cache_salt`` field (an unknown field, or one
-    its engine does not support)."""
+    its engine does not support), in the words engines refuse a field with."""
     if not isinstance(answer, WholeAnswer) or answer.status not in (400, 422):
         return False
     error = error_of(answer.raw)
-    return error is not None and "cache_salt" in error[0]
+    return error is not None and _SALT_REFUSAL.search(error[0]) is not None
 
 
 def _past_context(state: ProxyState, model: str | None, answer: UpstreamAnswer) -> bool:
