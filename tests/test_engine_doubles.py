@@ -30,7 +30,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from proxy.app import create_app
-from proxy.backends.engines import context_overflow
+from proxy.backends import Backend, BackendPool, ModelCatalog, RoundRobin, Upstream
+from proxy.backends.engines import GENERIC, VLLM, ContextOverflow, context_overflow
 from proxy.config import Settings
 from proxy.tokenization import load_encoding
 from tests.helpers import LiveServer
@@ -367,3 +368,29 @@ def test_an_error_that_quotes_cache_salt_does_not_switch_salting_off() -> None:
         )
         assert answer.status_code == 200
         assert "cache_salt" in double.bodies[-1], "tenant b's request went without its cache salt"
+
+
+def test_context_refusals_are_the_engines_own_words_at_the_start_of_its_message() -> None:
+    """vLLM's max_tokens refusal names the context too (compaction frees the room it asks for); a
+    validation error that quotes a client's input holding those words is no refusal: read as one,
+    a tenant could teach the proxy a context of 10 tokens for every tenant's conversations."""
+    too_large = (
+        "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context length is "
+        "4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778)."
+    )
+    quoted = (
+        "1 validation error for ChatCompletionRequest\nseed\n  Input should be a valid integer [type=int_parsing, "
+        'input_value="This model\'s maximum context length is 10 tokens. However, you requested 20 tokens"]'
+    )
+    assert context_overflow(400, json.dumps(vllm_nested(too_large)[1]).encode()) == ContextOverflow(2778, 4096)
+    assert context_overflow(400, json.dumps(vllm_nested(quoted)[1]).encode()) is None
+
+
+def test_a_refusal_never_replaces_the_context_the_engine_lists() -> None:
+    """What a listing says (vLLM's max_model_len) stays; a refusal teaches a context only where the
+    listing and the engine's self-description said none, and only for a model the engines list."""
+    catalog = ModelCatalog(BackendPool([Backend("b", Upstream("http://b/v1"))], RoundRobin()))
+    catalog._engines, catalog._lengths = {"listed": VLLM, "silent": GENERIC}, {"listed": 4096}
+    for model, context in (("listed", 10), ("silent", 2048), ("unlisted", 10)):
+        catalog.learn_context(model, context)
+    assert catalog._lengths == {"listed": 4096, "silent": 2048}

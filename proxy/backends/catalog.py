@@ -202,10 +202,12 @@ class ModelCatalog:
         self._fresh_until = time.monotonic() + self._ttl
 
     def learn_context(self, model: str, context: int) -> None:
-        """The context an engine stated in refusing a prompt past it: kept until the listing says
-        otherwise (an engine whose listing and self-description said nothing is compacted before
-        it from then on)."""
+        """The context an engine stated in refusing a prompt past it, for a model whose listing and
+        self-description said none (an engine that said nothing is compacted before it from then on);
+        never in place of what the engine lists."""
         name = self.listed(model)
+        if name not in self._engines or name in self._lengths:
+            return
         self._refused_at[name] = context
         self._lengths[name] = context
 

@@ -120,16 +120,62 @@ class ContextOverflow:
 
 # How engines say a prompt is past their context, each with what it counted where it says so:
 # (the pattern, the group of the prompt's tokens, the group of the context). vLLM (nested since
-# 0.10.1, flat before: the same words), SGLang's two messages, TGI's validation errors.
+# 0.10.1, flat before: the same words), SGLang's two messages, TGI's validation errors. Each is the
+# start of the engine's message: an error that quotes a client's input (pydantic's "input_value=...")
+# holds whatever words the client chose, never at its start.
+_OPENING = r"\A\s*(?:Input validation error:\s*)?"
 _OVERFLOWS = (
-    (re.compile(r"maximum context length is (\d+) tokens.*?(?:requested|you requested) (\d+) tokens", re.S), 2, 1),
-    (re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)"), 1, 2),
-    (re.compile(r"maximum context length of (\d+) tokens.*?(\d+) tokens from the input", re.S), 2, 1),
-    (re.compile(r"`inputs` tokens \+ `max_new_tokens` must be <= (\d+)\. Given: (\d+) `inputs` tokens"), 2, 1),
-    (re.compile(r"`inputs` must have less than (\d+) tokens\. Given: (\d+)"), 2, 1),
+    (
+        re.compile(
+            _OPENING + r"'max_tokens' or 'max_completion_tokens' is too large: \d+\. This model's maximum context "
+            r"length is (\d+) tokens and your request has (\d+) input tokens"
+        ),
+        2,
+        1,
+    ),
+    (
+        re.compile(_OPENING + r"This model's maximum context length is (\d+) tokens\. However, your request has (\d+)"),
+        2,
+        1,
+    ),
+    (
+        re.compile(
+            _OPENING
+            + r"This model's maximum context length is (\d+) tokens.*?(?:requested|you requested) (\d+) tokens",
+            re.S,
+        ),
+        2,
+        1,
+    ),
+    (
+        re.compile(_OPENING + r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)"),
+        1,
+        2,
+    ),
+    (
+        re.compile(
+            _OPENING
+            + r"Requested token count exceeds the model's maximum context length of (\d+) tokens"
+            + r".*?(\d+) tokens from the input",
+            re.S,
+        ),
+        2,
+        1,
+    ),
+    (
+        re.compile(_OPENING + r"`inputs` tokens \+ `max_new_tokens` must be <= (\d+)\. Given: (\d+) `inputs` tokens"),
+        2,
+        1,
+    ),
+    (re.compile(_OPENING + r"`inputs` must have less than (\d+) tokens\. Given: (\d+)"), 2, 1),
 )
 # The same refusals where their numbers are not found (a release that words them otherwise).
-_OVERFLOW_WORDS = re.compile(r"maximum context length|longer than the model's context length|`inputs` tokens \+")
+_OVERFLOW_WORDS = re.compile(
+    _OPENING
+    + r"(?:This model's maximum context length|'max_tokens' or 'max_completion_tokens' is too large"
+    + r"|The input \(\d+ tokens\) is longer than the model's context|Requested token count exceeds"
+    + r"|`inputs` tokens \+)"
+)
 # Statuses a context refusal comes with: 400 (vLLM, SGLang, llama-server), 413, 422 (TGI).
 _REFUSAL_STATUSES = frozenset({400, 413, 422})
 
@@ -176,10 +222,10 @@ def context_overflow(status: int, raw: bytes) -> ContextOverflow | None:
         return None
     message = read[0]
     for pattern, prompt, context in _OVERFLOWS:
-        found = pattern.search(message)
+        found = pattern.match(message)
         if found is not None:
             return ContextOverflow(int(found.group(prompt)), int(found.group(context)))
-    return ContextOverflow(None, None) if _OVERFLOW_WORDS.search(message) else None
+    return ContextOverflow(None, None) if _OVERFLOW_WORDS.match(message) else None
 
 
 def _count(value: Any) -> int | None:
