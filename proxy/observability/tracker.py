@@ -23,6 +23,8 @@ from proxy.openai import Continuations, Usage
 from proxy.recent import peek
 
 HEADER = "x-prefix-proxy-cache-break"
+# Model names remembered as reporting cached tokens.
+REPORTING_MODELS = 1024
 
 
 @dataclass
@@ -34,7 +36,7 @@ class PendingBreak:
     memory: BreakMemory
     model: str = ""
     # The models whose answers said how many prompt tokens were cached (shared by the tracker).
-    reporting: set[str] | None = None
+    reporting: LRUCache[str, bool] | None = None
 
     def header(self) -> str:
         return self.explanation.header()
@@ -45,10 +47,10 @@ class PendingBreak:
         (TGI, Ollama) would otherwise show every continuing turn as evicted."""
         if usage is None or self.explanation.settled:
             return False
-        reporting = self.reporting if self.reporting is not None else set()
-        if usage.cached_reported and usage.cached_tokens:
-            reporting.add(self.model)
-        cached = usage.cached_tokens if self.model in reporting or self.reporting is None else None
+        reporting = self.reporting
+        if reporting is not None and usage.cached_reported and usage.cached_tokens:
+            reporting[self.model] = True
+        cached = usage.cached_tokens if reporting is None or self.model in reporting else None
         self.explanation.settle(usage.prompt_tokens, cached)
         self.memory.calibrate(self.prompt_id, usage.prompt_tokens)
         return self.explanation.settled
@@ -70,9 +72,10 @@ class CacheBreakTracker:
         # Per tenant: another tenant's id is not found.
         self._answers: LRUCache[tuple[str, str], int] = LRUCache(max(1, settings.memory_prompts))
         self._metrics = metrics
-        # Models whose answers have said how many prompt tokens were cached (bounded by the models
-        # the backends serve: a model's name reaches here once a backend answered for it).
-        self._reporting: set[str] = set()
+        # Models whose answers have said how many prompt tokens were cached, by the name requests
+        # give (a backend answered for it; bounded: an engine that resolves names loosely answers
+        # for any number of spellings).
+        self._reporting: LRUCache[str, bool] = LRUCache(REPORTING_MODELS)
         # Per tenant and conversation, the last prompt digested: the next one hashes only what it adds
         # (``forwarded``: the memory shared with the other parts that read these messages).
         self._forwarded: Continuations[Any] = forwarded if forwarded is not None else Continuations()
