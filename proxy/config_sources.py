@@ -411,19 +411,38 @@ def dotted(loc: Location) -> str:
     return text
 
 
+# A URL's host and port as a parser reads them.
+_WELL_FORMED_AUTHORITY = re.compile(r"[\w.-]+(:\d+)?|\[[0-9A-Fa-f:.]+\](:\d+)?")
+
+
 def masked_url(value: str) -> str:
-    """``value`` with a URL's password replaced by ``***``: whatever stands between ``://user:`` and
-    the last ``@``. Not where a URL parser ends the user part: a password with an unencoded ``#``,
-    ``?`` or ``/`` (generated passwords have them) ends the netloc early for the parser, so it finds
-    no password, while the text still holds it (and a problem line about that URL would print it)."""
+    """``value`` with a URL's password replaced by ``***``. The user part ends at the last ``@``
+    before the host: of the authority where the host after it is well formed (an ``@`` in the path
+    or query is no password's end), else of the whole text: a password with an unencoded ``#``, ``?``
+    or ``/`` (generated passwords have them) ends a parser's netloc early, so it finds no password,
+    while the text still holds it (and a problem line about that URL would print it). Where it is
+    ambiguous, it masks."""
     scheme, separator, rest = value.partition("://")
-    userinfo, at, host = rest.rpartition("@")
-    if not separator or not at:
+    if not separator:
         return value
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    userinfo, at, host = authority.rpartition("@")
+    if at and _WELL_FORMED_AUTHORITY.fullmatch(host):
+        tail = rest[len(authority) :]
+    elif not at and (":" not in authority or "@" not in rest):
+        # No user part: a password needs its ':' before the first delimiter (an '@' in a path, as
+        # Cloudflare's @cf/ model names, is kept). A host:port with an '@' later stays ambiguous
+        # (user:1234#rest@host), and is masked as a password would be.
+        return value
+    else:
+        userinfo, at, host = rest.rpartition("@")
+        if not at:
+            return value
+        tail = ""
     user, colon, _ = userinfo.partition(":")
     if not colon:
         return value  # a user name alone
-    return f"{scheme}://{user}:***@{host}"
+    return f"{scheme}://{user}:***@{host}{tail}"
 
 
 def _unwrapped(annotation: Any) -> Any:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from proxy.backends.transport import tls_problem
 from proxy.capacity import DTYPE_BYTES, PRESETS, shape_from_hf_config
 from proxy.config import Settings, load_with_sources, notes
 from proxy.config_sources import ConfigError, Sources, effective, problem_line
@@ -62,6 +63,9 @@ def problems(settings: Settings, sources: Sources) -> list[str]:
         if why:
             message = f"redis-py refuses it: {why}; fix the URL (or redis_cluster / redis_sentinels)"
             found.append(problem_line(sources, ("sessions", "redis_url"), message, sessions.redis_url))
+    tls = tls_problem()
+    if tls:
+        found.append(tls)
     return found
 
 

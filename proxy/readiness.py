@@ -156,9 +156,9 @@ async def check_backend(
         models = tuple(str(m["id"]) for m in entries)
         engine = engine_of(entries[0]) if entries else GENERIC
         contexts = tuple(context_of(m) for m in entries)
-        if engine != OLLAMA and None in contexts:
+        if None in contexts:
             # Said elsewhere by the engine itself (llama-server's /props, TGI's /info).
-            described = await described_context(upstream)
+            described = await described_context(upstream, engine)
             contexts = tuple(described if context is None else context for context in contexts)
         detail = "" if models else "it serves no model yet"
         return BackendCheck(backend.name, url, UP, models, detail, engine, contexts)

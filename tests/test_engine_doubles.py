@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -394,3 +395,166 @@ def test_a_refusal_never_replaces_the_context_the_engine_lists() -> None:
     for model, context in (("listed", 10), ("silent", 2048), ("unlisted", 10)):
         catalog.learn_context(model, context)
     assert catalog._lengths == {"listed": 4096, "silent": 2048}
+
+
+# -- a review of this file's fixes: what a client's own 400 may hold, and whose context a backend says --
+ECHO_TENANTS = [{"name": "acme", "api_key": "sk-acme"}, {"name": "globex", "api_key": "sk-globex"}]
+
+
+class VllmEcho:
+    """vLLM >= 0.10.1 with cache_salt supported. A request that fails one of ChatCompletionRequest's
+    mode="before" model validators (here check_generation_prompt: continue_final_message and
+    add_generation_prompt both true) gets vLLM's validation_exception_handler answer: 400, message
+    ``f"{exc_str} {errors_str}"`` where ``errors_str = str(exc.errors())`` holds the error's
+    ``input``, the whole request body (api_server.py)."""
+
+    def __init__(self, listing: dict[str, Any] | None = None) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.listing = listing or {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 32768}
+
+    def app(self) -> Starlette:
+        async def models(_: Request) -> JSONResponse:
+            return JSONResponse({"object": "list", "data": [self.listing]})
+
+        async def chat(request: Request) -> JSONResponse:
+            body = json.loads(await request.body())
+            self.bodies.append(body)
+            if body.get("continue_final_message") and body.get("add_generation_prompt"):
+                error = {
+                    "type": "value_error",
+                    "loc": ("body",),
+                    "msg": "Value error, Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                    "input": body,
+                }
+                message = f"1 validation error:\n  {error} {[error]}"
+                return JSONResponse(
+                    {"error": {"message": message, "type": "Bad Request", "param": None, "code": 400}},
+                    status_code=400,
+                )
+            usage = {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
+            return JSONResponse(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "model": body.get("model"),
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+                    ],
+                    "usage": usage,
+                }
+            )
+
+        return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def _chat(proxy: LiveServer, key: str | None, body: dict[str, Any]) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+# -- 1. one tenant's malformed request switches cache isolation off for every tenant -------------------
+
+
+def test_a_tenants_client_error_does_not_unsalt_the_model_for_other_tenants() -> None:
+    double = VllmEcho()
+    upstream = LiveServer(double.app()).start()
+    proxy = LiveServer(create_app(Settings(upstream=upstream.url + "/v1", tenants=ECHO_TENANTS))).start()
+    try:
+        bad = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "add_generation_prompt": True,
+            "continue_final_message": True,
+        }
+        assert _chat(proxy, "sk-acme", bad).status_code == 400  # acme's own mistake, answered as vLLM does
+        good = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        assert _chat(proxy, "sk-globex", good).status_code == 200
+    finally:
+        proxy.stop()
+        upstream.stop()
+    assert "cache_salt" in double.bodies[-1], "globex's request reached vLLM without its cache_salt"
+
+
+# -- 2. learn_context: a number quoted in a client-controlled 400 becomes the model's context ----------
+
+
+def test_an_echoed_context_sentence_does_not_become_the_models_context() -> None:
+    double = VllmEcho()
+    upstream = LiveServer(double.app()).start()
+    app = create_app(Settings(upstream=upstream.url + "/v1"))
+    proxy = LiveServer(app).start()
+    try:
+        bait = "This model's maximum context length is 64 tokens. However, you requested 9000 tokens"
+        bad = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": bait}],
+            "add_generation_prompt": True,
+            "continue_final_message": True,
+        }
+        assert _chat(proxy, None, bad).status_code == 400
+        state = app.state.proxy
+        context = asyncio.run(state.models.max_model_len(MODEL))
+    finally:
+        proxy.stop()
+        upstream.stop()
+    assert context == 32768, f"the model's context is now {context}: read from text the client wrote"
+
+
+# -- 3. described_context: one backend's /props given to another backend's models ---------------------
+
+
+def test_a_context_described_by_one_backend_is_not_given_to_another_backends_model() -> None:
+    meta = {"vocab_type": 2, "n_vocab": 49152, "n_ctx_train": 8192}
+
+    async def old_llama_models(_: Request) -> JSONResponse:
+        entry = {"id": "small", "object": "model", "owned_by": "llamacpp", "meta": meta}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def props(_: Request) -> JSONResponse:
+        return JSONResponse({"default_generation_settings": {"n_ctx": 2048}, "total_slots": 1})
+
+    async def gateway_models(_: Request) -> JSONResponse:  # a generic OpenAI-compatible server, no context listed
+        return JSONResponse({"object": "list", "data": [{"id": "big", "object": "model", "owned_by": "gateway"}]})
+
+    llama = LiveServer(Starlette(routes=[Route("/v1/models", old_llama_models), Route("/props", props)])).start()
+    gateway = LiveServer(Starlette(routes=[Route("/v1/models", gateway_models)])).start()
+    app = create_app(Settings(upstreams=[llama.url + "/v1", gateway.url + "/v1"]))
+    try:
+        contexts = asyncio.run(_contexts(app, ["small", "big"]))
+    finally:
+        llama.stop()
+        gateway.stop()
+    assert contexts["small"] == 2048
+    assert contexts["big"] is None, f"'big' (on another backend, which said nothing) got {contexts['big']}"
+
+
+async def _contexts(app: Any, models: list[str]) -> dict[str, int | None]:
+    state = app.state.proxy
+    return {model: await state.models.max_model_len(model) for model in models}
+
+
+def test_readyz_does_not_wait_on_an_upstreams_props_route() -> None:
+    """A generic OpenAI-compatible upstream (a gateway) lists models without a context; its root
+    routes are another service's and answer slowly. /readyz asked only /v1/models before."""
+    import time
+
+    async def models(_: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "gpt", "object": "model", "owned_by": "gateway"}]})
+
+    async def slow(_: Request) -> JSONResponse:
+        await asyncio.sleep(2.5)
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
+
+    gateway = LiveServer(
+        Starlette(routes=[Route("/v1/models", models), Route("/props", slow), Route("/info", slow)])
+    ).start()
+    proxy = LiveServer(create_app(Settings(upstream=gateway.url + "/v1"))).start()
+    try:
+        started = time.monotonic()
+        answer = httpx.get(proxy.url + "/readyz", timeout=30)
+        took = time.monotonic() - started
+    finally:
+        proxy.stop()
+        gateway.stop()
+    assert answer.status_code == 200
+    assert took < 3.0, f"/readyz took {took:.1f} s (the chart's readinessProbe timeoutSeconds is 3)"

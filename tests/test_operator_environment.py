@@ -229,3 +229,34 @@ def test_a_redis_that_refuses_the_database_is_told_apart_from_one_that_does_not_
     (line,) = [line for line in output.splitlines() if "session store redis at" in line]
     assert "does not answer" not in line and "DB index is out of range" in line, line
     assert "answered with an error (ResponseError: DB index is out of range)" in line
+
+
+def test_a_missing_ssl_cert_file_is_one_line_from_check_config_and_serve(tmp_path: Path) -> None:
+    """SSL_CERT_FILE naming nothing: the upstream client failed to build (FileNotFoundError in serve's
+    traceback, an http upstream included) while check-config said OK. Both now name the variable."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.upper().startswith("PREFIX_PROXY_")},
+        "SSL_CERT_FILE": str(tmp_path / "absent.pem"),
+        "PREFIX_PROXY_UPSTREAM": "http://127.0.0.1:9/v1",
+    }
+    expected = f"SSL_CERT_FILE={tmp_path / 'absent.pem'}: the upstream client cannot load it (No such file"
+    for command in (["check-config"], ["serve", "--port", str(free_port())]):
+        result = run_cli(*command, env=env, cwd=tmp_path)
+        assert result.returncode == 2, (command, result.stderr[-400:])
+        assert "Traceback" not in result.stderr and expected in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        # Cloudflare's model names hold an '@' in the path: no user part, the URL as written.
+        (
+            "https://gateway.ai.cloudflare.com/v1/acct/gw/workers-ai/@cf/meta/llama",
+            "https://gateway.ai.cloudflare.com/v1/acct/gw/workers-ai/@cf/meta/llama",
+        ),
+        ("http://user:pw@gw:8000/v1?owner=a@b", "http://user:***@gw:8000/v1?owner=a@b"),
+        ("redis://default:1234#abc@redis:6379/0", "redis://default:***@redis:6379/0"),  # a port? no: masked
+    ],
+)
+def test_masked_url_keeps_the_host_and_masks_where_unsure(url: str, expected: str) -> None:
+    assert masked_url(url) == expected

@@ -61,9 +61,14 @@ def recorder() -> Iterator[tuple[Recorder, LiveServer]]:
     server.stop()
 
 
+# What the proxy asks a backend of its own accord: its model list, and where that gives no context,
+# what the server says of itself (llama-server's /props, TGI's /info).
+PROXY_PROBES = frozenset({"/v1/models", "/props", "/info"})
+
+
 def forwarded(rec: Recorder) -> list[dict[str, Any]]:
-    """What the backend got for clients' requests: the proxy's own start-up probe of the model list aside."""
-    return [r for r in rec.seen if not (r["method"] == "GET" and r["path"] == "/v1/models")]
+    """What the backend got for clients' requests: the proxy's own probes aside."""
+    return [r for r in rec.seen if not (r["method"] == "GET" and r["path"] in PROXY_PROBES)]
 
 
 def proxy_for(upstream: LiveServer, **settings: Any) -> LiveServer:
@@ -333,3 +338,13 @@ def test_a_governed_proxy_forwards_tenants_only_the_routes_known_to_be_theirs(
         governed.stop()
         open_proxy.stop()
         opened.stop()
+
+
+def test_head_reaches_a_tenants_get_route() -> None:
+    """A GET route answers HEAD too, as every router in front of the engines does."""
+    from proxy.routes.passthrough import route_decision
+
+    app = create_app(Settings(tenants=GOVERNED_TENANTS))
+    assert route_decision(app.state.proxy, "/health", "GET") == "forward"
+    assert route_decision(app.state.proxy, "/health", "HEAD") == "forward"
+    assert route_decision(app.state.proxy, "/health", "POST") == "unlisted"

@@ -192,12 +192,12 @@ class ModelCatalog:
         for name, length in self._refused_at.items():
             if name in self._engines:
                 lengths.setdefault(name, length)
-        if any(name not in lengths for name in self._engines):
+        silent = [name for name in self._engines if name not in lengths]
+        if silent:
             # A listing without the context (older llama-server builds, llamafile, TGI): what the
-            # engine says of itself elsewhere.
-            described = await self._described_context()
-            if described is not None:
-                lengths.update({name: described for name in self._engines if name not in lengths})
+            # engine serving the model says of itself elsewhere.
+            described = await asyncio.gather(*(self._described_context(name) for name in silent))
+            lengths.update({name: n for name, n in zip(silent, described, strict=True) if n is not None})
         self._lengths = lengths
         self._fresh_until = time.monotonic() + self._ttl
 
@@ -211,13 +211,16 @@ class ModelCatalog:
         self._refused_at[name] = context
         self._lengths[name] = context
 
-    async def _described_context(self) -> int | None:
-        """The context the first backend that says one describes: llama-server's ``GET /props``,
-        TGI's ``GET /info``; None where none does (asked only for a listing without contexts)."""
+    async def _described_context(self, model: str) -> int | None:
+        """The context a backend that lists ``model`` describes for itself (``described_context``);
+        None where none does. Only a backend known to list the model is asked: another backend's
+        context is not this model's."""
+        kind = self._engines.get(model, GENERIC)
         for backend in self._upstream.backends:
-            context = await described_context(backend.upstream)
-            if context is not None:
-                return context
+            if backend.models is not None and model in backend.models:
+                context = await described_context(backend.upstream, kind)
+                if context is not None:
+                    return context
         return None
 
     async def _ollama_context(self, model: str) -> int:
@@ -242,20 +245,38 @@ class ModelCatalog:
         return self._ollama_num_ctx
 
 
-async def described_context(upstream: Upstream) -> int | None:
-    """The context an engine describes at its root, where its model listing does not: llama-server's
-    ``GET /props`` (``default_generation_settings.n_ctx``, older builds and llamafile), TGI's ``GET
-    /info`` (``max_total_tokens``). None where neither answers with one."""
-    for path, read in (("/props", props_context), ("/info", info_context)):
-        try:
-            response = await upstream.open(
-                "GET", path, headers=upstream.auth_headers(None), root=True, timeout_s=SHOW_TIMEOUT_S
-            )
-            raw = await read_response(response)
-            if response.status_code == 200:
-                found = read(json.loads(raw))
-                if found is not None:
-                    return found
-        except (ProxyError, ValueError):
-            continue
-    return None
+# What an engine says of itself where its listing gives no context, by the engine's kind: llama-server's
+# ``GET /props`` (older builds and llamafile list no n_ctx), TGI's ``GET /info`` (its listing is an
+# unknown server's). Asked briefly, both at once, and remembered per backend for DESCRIBED_TTL_S
+# (answer or none): readiness probes and model refreshes ask it again and again.
+DESCRIBED_PATHS = {LLAMA_SERVER: ("/props",), GENERIC: ("/info", "/props")}
+DESCRIBED_TIMEOUT_S = 1.0
+DESCRIBED_TTL_S = 300.0
+
+
+async def described_context(upstream: Upstream, kind: EngineKind) -> int | None:
+    """The context the engine at ``upstream`` describes at its root, where its model listing does not:
+    llama-server's ``GET /props`` (``default_generation_settings.n_ctx``), TGI's ``GET /info``
+    (``max_total_tokens``). None where none answers with one, and for an engine of another kind."""
+    paths = DESCRIBED_PATHS.get(kind, ())
+    if not paths:
+        return None
+    known = upstream.described.get(kind)
+    if known is not None and time.monotonic() - known[0] < DESCRIBED_TTL_S:
+        return known[1]
+    found = await asyncio.gather(*(_described_at(upstream, path) for path in paths))
+    context = next((value for value in found if value is not None), None)
+    upstream.described[kind] = (time.monotonic(), context)
+    return context
+
+
+async def _described_at(upstream: Upstream, path: str) -> int | None:
+    read = props_context if path == "/props" else info_context
+    try:
+        response = await upstream.open(
+            "GET", path, headers=upstream.auth_headers(None), root=True, timeout_s=DESCRIBED_TIMEOUT_S
+        )
+        raw = await read_response(response)
+        return read(json.loads(raw)) if response.status_code == 200 else None
+    except (ProxyError, ValueError):
+        return None

@@ -18,6 +18,8 @@ between ``Upstream`` and here handles cookies at all). No proxy from the environ
 
 from __future__ import annotations
 
+import os
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
 
@@ -108,6 +110,28 @@ def read_all(response: httpx.Response) -> Callable[[], Awaitable[bytes]] | None:
     return reader if callable(reader) else None
 
 
+def upstream_tls_context() -> ssl.SSLContext:
+    """How backends' certificates are verified: certifi's CAs, or those SSL_CERT_FILE / SSL_CERT_DIR
+    name (replacing certifi's), which is how a pod is told to trust a private CA (redis-py's
+    rediss:// reads them too). Raises OSError / ssl.SSLError where they name nothing loadable
+    (``tls_problem`` says so before start)."""
+    return httpx.create_ssl_context(trust_env=True)
+
+
+def tls_problem() -> str | None:
+    """Why the upstream client could not verify certificates as the environment asks (one line
+    naming the variable), or None."""
+    try:
+        upstream_tls_context()
+    except (OSError, ssl.SSLError) as error:
+        # httpx reads SSL_CERT_FILE where it is set, else SSL_CERT_DIR.
+        name = next((name for name in ("SSL_CERT_FILE", "SSL_CERT_DIR") if os.environ.get(name)), None)
+        named = f"{name}={os.environ[name]}" if name else "the CA certificates"
+        reason = getattr(error, "strerror", None) or str(error)
+        return f"{named}: the upstream client cannot load it ({reason}): give a PEM file of CA certificates or unset it"
+    return None
+
+
 class UpstreamTransport(httpx.AsyncBaseTransport):
     """httpx's request in, httpx's response out (its body not yet read), aiohttp's pool underneath.
 
@@ -118,14 +142,14 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
 
     def __init__(self, limits: httpx.Limits) -> None:
         self._limits = limits
-        # certifi's CAs, or those SSL_CERT_FILE / SSL_CERT_DIR name: how a pod is told to trust a
-        # private CA (redis-py's rediss:// honours them too). Proxy variables stay unread (above).
-        self._ssl = httpx.create_ssl_context(trust_env=True)
+        self._ssl: ssl.SSLContext | None = None  # made with the session (upstream_tls_context)
         self._session: aiohttp.ClientSession | None = None
         self._timeouts: dict[tuple[float | None, float | None, float | None], aiohttp.ClientTimeout] = {}
 
     def _open_session(self) -> aiohttp.ClientSession:
         # Made on the first request, inside the event loop that serves them.
+        if self._ssl is None:
+            self._ssl = upstream_tls_context()
         connector = aiohttp.TCPConnector(
             limit=self._limits.max_connections or 0,
             keepalive_timeout=self._limits.keepalive_expiry,

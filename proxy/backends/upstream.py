@@ -108,6 +108,9 @@ class Upstream:
         self.root_url = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
         self._api_key = api_key
         self._urls: dict[tuple[str, bool], httpx.URL] = {}
+        # What the server says of itself at its root where its model listing is silent (the context
+        # of proxy.backends.catalog.described_context), by engine kind, with when it was asked.
+        self.described: dict[str, tuple[float, int | None]] = {}
         # The request extension every transport reads its timeouts from.
         self._timeouts = {"timeout": httpx.Timeout(timeout_s, connect=connect_timeout_s).as_dict()}
         if transport is None:

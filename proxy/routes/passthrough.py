@@ -112,7 +112,9 @@ def matches(path: str, patterns: list[str], method: str | None = None) -> bool:
     for pattern in patterns:
         verb, _, route = pattern.partition(" ")
         if route and verb.upper() in HTTP_METHODS:
-            if method is None or method.upper() != verb.upper():
+            asked = method.upper() if method is not None else None
+            # A GET route answers HEAD too (as Starlette's and the engines' routers do).
+            if asked != verb.upper() and not (asked == "HEAD" and verb.upper() == "GET"):
                 continue
             pattern = route.strip()
         if fnmatch.fnmatchcase(path, pattern.rstrip("/").lower() or "/"):
