@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -535,3 +535,59 @@ def test_a_placeholder_key_is_scrubbed_only_where_it_is_a_credential() -> None:
     assert scrub(echoed) == b'{"error": {"message": "bad header Authorization: [redacted]", "code": 401}}'
     long_key = "sk-upstream-0123456789"
     assert Redactor(key_forms(long_key))(f"key {long_key} refused".encode()) == b"key [redacted] refused"
+
+
+# -- a 2xx answer of the pass-through that echoes the request's headers (a debug build, a gateway) --
+ECHO_TENANTS = [{"name": "acme", "api_key": "sk-acme"}]
+UPSTREAM_KEY = "sk-upstream-very-secret-0123456789"
+
+
+async def echo_headers(request: Request) -> JSONResponse:
+    # A debugging build / misconfigured gateway in front of the engine: 200 with what it was sent.
+    return JSONResponse({"count": 1, "tokens": [1], "max_model_len": 4096, "debug": dict(request.headers)})
+
+
+async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 4096}]})
+
+
+@pytest.fixture
+def echo_upstream() -> Iterator[LiveServer]:
+    server = LiveServer(
+        Starlette(routes=[Route("/tokenize", echo_headers, methods=["POST"]), Route("/v1/models", models)])
+    ).start()
+    yield server
+    server.stop()
+
+
+def test_an_upstream_2xx_echo_does_not_hand_a_tenant_the_upstream_key(
+    make_proxy: Callable[..., LiveServer], echo_upstream: LiveServer
+) -> None:
+    proxy = make_proxy(upstream=echo_upstream.url + "/v1", upstream_api_key=UPSTREAM_KEY, tenants=ECHO_TENANTS)
+    r = httpx.post(
+        proxy.url + "/tokenize",
+        headers={"authorization": "Bearer sk-acme"},
+        json={"model": "m", "prompt": "hi"},
+    )
+    assert r.status_code == 200, r.text
+    assert UPSTREAM_KEY not in r.text, r.text
+
+
+def test_a_credential_split_across_chunks_is_redacted() -> None:
+    """The pass-through relays a body as it comes: a credential split across two chunks (or a
+    single byte at a time) is found whole; text around it is relayed as it was."""
+    import asyncio
+
+    from proxy.backends import Redactor
+
+    body = b'{"debug": {"authorization": "Bearer ' + UPSTREAM_KEY.encode() + b'"}, "ok": true}'
+
+    async def relayed(size: int) -> bytes:
+        async def chunks() -> AsyncIterator[bytes]:
+            for at in range(0, len(body), size):
+                yield body[at : at + size]
+
+        return b"".join([chunk async for chunk in Redactor([UPSTREAM_KEY]).stream(chunks())])
+
+    expected = body.replace(UPSTREAM_KEY.encode(), b"[redacted]")
+    assert all(asyncio.run(relayed(size)) == expected for size in (1, 7, 40, len(body)))

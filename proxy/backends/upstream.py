@@ -298,6 +298,24 @@ class Redactor:
                 raw = raw.replace(form, REDACTED)
         return raw
 
+    def stream(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+        """``chunks`` redacted as they come: the last bytes of each (the longest credential's length
+        less one) are held back until the next, so that a credential split across two chunks is
+        found whole."""
+        return self._redacted(chunks, max((len(form) for form in self._forms), default=1) - 1)
+
+    async def _redacted(self, chunks: AsyncIterable[bytes], hold: int) -> AsyncIterator[bytes]:
+        pending = b""
+        async for chunk in chunks:
+            data = self(pending + chunk)
+            if len(data) <= hold:
+                pending = data
+                continue
+            pending = data[len(data) - hold :] if hold else b""
+            yield data[: len(data) - hold]
+        if pending:
+            yield pending
+
 
 def unreachable_reason(error: BaseException) -> str:
     """Why a backend could not be reached, in a few words: its certificate not trusted (with what

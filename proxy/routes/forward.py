@@ -103,13 +103,20 @@ def upstream_headers(state: ProxyState, request: Request, ctx: RequestContext) -
     return headers
 
 
+def sent_credentials(state: ProxyState, ctx: RequestContext) -> list[str]:
+    """The credentials the proxy itself sends upstream (its upstream key, a tenant's, a URL's user
+    and password): never to be relayed back to a client."""
+    credentials = [c for backend in state.backends.backends for c in backend.upstream.credentials]
+    credentials.extend(key_forms(ctx.upstream_api_key))
+    return credentials
+
+
 def credential_scrubber(state: ProxyState, ctx: RequestContext) -> Callable[[bytes], bytes] | None:
     """What removes the credentials the proxy itself sent upstream (its upstream key, a tenant's,
     a URL's user and password) from what the upstream answers; None when it sent none. Built on
     first use: most answers carry no error to scrub. The client's own credentials, passed on by an
     open proxy, are the client's to see."""
-    credentials = [c for backend in state.backends.backends for c in backend.upstream.credentials]
-    credentials.extend(key_forms(ctx.upstream_api_key))
+    credentials = sent_credentials(state, ctx)
     if not credentials:
         return None
     redactor: Redactor | None = None

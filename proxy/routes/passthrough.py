@@ -25,6 +25,7 @@ from starlette.routing import BaseRoute, Match, Route
 from starlette.types import Scope
 
 from proxy.app_state import ProxyState, get_state
+from proxy.backends import Redactor
 from proxy.http import (
     MAX_MODEL_CHARS,
     PATH_SAFE,
@@ -56,6 +57,7 @@ from proxy.routes.forward import (
     error_response,
     new_context,
     proxy_headers,
+    sent_credentials,
     upstream_headers,
 )
 
@@ -338,9 +340,17 @@ def _streamed(state: ProxyState, ctx: RequestContext, response: httpx.Response) 
     overhead = ctx.relay_start_overhead(time.perf_counter())
     headers.update(overhead_header(overhead))
 
+    credentials = sent_credentials(state, ctx)
+    encoded = response.headers.get("content-encoding", "identity").lower() not in ("", "identity")
+
     async def body() -> AsyncIterator[bytes]:
+        chunks: AsyncIterator[bytes] = response.aiter_raw()
+        if credentials and not encoded:
+            # An answer is the backend's to write, a debug echo of the request's headers included:
+            # the credentials the proxy sent are not relayed (an encoded body cannot be read here).
+            chunks = Redactor(credentials).stream(chunks)
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in chunks:
                 yield chunk
         except (httpx.TransportError, httpx.TimeoutException):
             # Headers are out: the answer can only stop short; the access log says why.
