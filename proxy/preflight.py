@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from proxy.backends.transport import tls_problem
+from proxy.backends import tls_problem
 from proxy.capacity import DTYPE_BYTES, PRESETS, shape_from_hf_config
 from proxy.config import Settings, load_with_sources, notes
 from proxy.config_sources import ConfigError, Sources, effective, problem_line

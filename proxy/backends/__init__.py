@@ -21,6 +21,7 @@ from proxy.backends.engines import (
 )
 from proxy.backends.policies import POLICIES, Affinity, LeastInFlight, RoundRobin, RoutingPolicy, make_policy
 from proxy.backends.pool import BACKEND_EXTENSION, TRIAL_EXTENSION, BackendPool
+from proxy.backends.transport import tls_problem
 from proxy.backends.upstream import Redactor, Upstream, key_forms, upstream_error_kind
 
 __all__ = [
@@ -55,5 +56,6 @@ __all__ = [
     "limit_fields",
     "make_policy",
     "refuses_answer_room",
+    "tls_problem",
     "upstream_error_kind",
 ]
