@@ -591,3 +591,23 @@ def test_a_credential_split_across_chunks_is_redacted() -> None:
 
     expected = body.replace(UPSTREAM_KEY.encode(), b"[redacted]")
     assert all(asyncio.run(relayed(size)) == expected for size in (1, 7, 40, len(body)))
+
+
+def test_a_stream_is_held_back_only_where_a_credential_could_begin() -> None:
+    """An event's end goes to the client with its chunk: only bytes that could start a credential
+    wait for the next chunk."""
+    import asyncio
+
+    from proxy.backends import Redactor
+
+    async def relayed(parts: list[bytes]) -> list[bytes]:
+        async def chunks() -> AsyncIterator[bytes]:
+            for part in parts:
+                yield part
+
+        return [chunk async for chunk in Redactor([UPSTREAM_KEY]).stream(chunks())]
+
+    events = [b'data: {"text": "a"}\n\n', b'data: {"text": "b"}\n\n']
+    assert asyncio.run(relayed(events)) == events
+    split = [b'data: "' + UPSTREAM_KEY[:5].encode(), UPSTREAM_KEY[5:].encode() + b'"\n\n']
+    assert asyncio.run(relayed(split)) == [b'data: "', b'[redacted]"\n\n']

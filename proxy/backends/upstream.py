@@ -299,22 +299,33 @@ class Redactor:
         return raw
 
     def stream(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
-        """``chunks`` redacted as they come: the last bytes of each (the longest credential's length
-        less one) are held back until the next, so that a credential split across two chunks is
-        found whole."""
-        return self._redacted(chunks, max((len(form) for form in self._forms), default=1) - 1)
+        """``chunks`` redacted as they come. Only what could be the start of a credential, at the end
+        of a chunk, waits for the next (a credential split across two chunks is found whole); the
+        rest goes at once (an event's end is not held back from a client streaming it)."""
+        return self._redacted(chunks)
 
-    async def _redacted(self, chunks: AsyncIterable[bytes], hold: int) -> AsyncIterator[bytes]:
+    async def _redacted(self, chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         pending = b""
         async for chunk in chunks:
             data = self(pending + chunk)
-            if len(data) <= hold:
-                pending = data
-                continue
-            pending = data[len(data) - hold :] if hold else b""
-            yield data[: len(data) - hold]
+            held = self._unfinished(data)
+            pending = data[len(data) - held :] if held else b""
+            if len(data) > held:
+                yield data[: len(data) - held]
         if pending:
             yield pending
+
+    def _unfinished(self, data: bytes) -> int:
+        """How many of ``data``'s last bytes begin a credential that does not end in it."""
+        held = 0
+        for form in self._forms:
+            at = data.find(form[:1], max(0, len(data) - len(form) + 1))
+            while at != -1 and len(data) - at > held:
+                if form.startswith(data[at:]):
+                    held = len(data) - at
+                    break
+                at = data.find(form[:1], at + 1)
+        return held
 
 
 def unreachable_reason(error: BaseException) -> str:
