@@ -860,6 +860,24 @@ TENANT_ROUTES = [
 ]
 
 
+# The methods a route pattern may name (``DELETE /models``).
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def _route_patterns(patterns: list[str] | None) -> list[str] | None:
+    """Each a path from ``/`` (``*`` matching any run of characters), or a method, one space and a
+    path: anything else would match no request, silently."""
+    for pattern in patterns or ():
+        verb, space, route = pattern.partition(" ")
+        path = route if space and verb.upper() in HTTP_METHODS else pattern
+        if not path.startswith(("/", "*")) or any(character.isspace() for character in path):
+            raise ValueError(
+                f"{pattern!r} is not a route pattern: write a path from / ('*' matches any run of characters), "
+                "or a method, a space and a path (DELETE /models)"
+            )
+    return patterns
+
+
 class RouteSettings(Section):
     """Routes of the backend the proxy has no handler of its own for (docs/protocols.md).
 
@@ -885,6 +903,10 @@ class RouteSettings(Section):
     # tenant reaches through the pass-through (others 404): those known not to generate nor change
     # the engine. allowed_routes, when set, replaces them.
     tenant_routes: list[str] = Field(default_factory=lambda: list(TENANT_ROUTES))
+
+    _patterns = field_validator(
+        "admin_routes", "denied_routes", "allowed_routes", "ungoverned_generation", "tenant_routes"
+    )(_route_patterns)
 
 
 class ResponsesSettings(Section):

@@ -591,3 +591,12 @@ def test_an_address_shaped_value_without_its_service_is_a_setting_error(monkeypa
     monkeypatch.setenv("PREFIX_PROXY_PORT", "tcp://10.96.0.12:8080")
     with pytest.raises(ConfigError, match="PREFIX_PROXY_PORT: input should be a valid integer"):
         load_settings(None)
+
+
+@pytest.mark.parametrize("pattern", ["DELETE\t/models", " DELETE /models", "no-slash", "", "/v1/ x"])
+def test_a_route_pattern_that_could_match_nothing_is_named(tmp_path: Path, pattern: str) -> None:
+    """A pattern is a path from / or a method, a space and a path: anything else loaded and silently
+    matched no request (an admin route left open)."""
+    found = problems(f"routes:\n  admin_routes: [{json.dumps(pattern)}]\n", tmp_path)
+    assert len(found) == 1 and found[0].startswith("routes.admin_routes: ") and "is not a route pattern" in found[0]
+    assert problems("routes:\n  admin_routes: ['delete /models', '/slots/*', '*']\n", tmp_path) == []

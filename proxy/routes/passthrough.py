@@ -26,6 +26,7 @@ from starlette.types import Scope
 
 from proxy.app_state import ProxyState, get_state
 from proxy.backends import Redactor
+from proxy.config import HTTP_METHODS
 from proxy.http import (
     MAX_MODEL_CHARS,
     PATH_SAFE,
@@ -101,9 +102,6 @@ _FORWARDED_RESPONSE_HEADERS = ("content-type", "content-encoding", "content-disp
 _BODYLESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 # Set by PassthroughRoute on a request whose path is an owned route's in another letter case.
 OWNED_SPELLING = "prefix_proxy.owned_spelling"
-
-
-HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 def matches(path: str, patterns: list[str], method: str | None = None) -> bool:
