@@ -176,8 +176,10 @@ _OVERFLOW_WORDS = re.compile(
     + r"|The input \(\d+ tokens\) is longer than the model's context|Requested token count exceeds"
     + r"|`inputs` tokens \+)"
 )
-# Statuses a context refusal comes with: 400 (vLLM, SGLang, llama-server), 413, 422 (TGI).
-_REFUSAL_STATUSES = frozenset({400, 413, 422})
+# How engines refuse a request they cannot take (a field they do not know, a template that cannot
+# render it): 400 (vLLM, SGLang, llama-server), 422 (TGI). A prompt past the context may be a 413 too.
+REFUSAL_STATUSES = frozenset({400, 422})
+_CONTEXT_REFUSAL_STATUSES = REFUSAL_STATUSES | {413}
 
 
 def error_of(raw: bytes) -> tuple[str, str] | None:
@@ -185,14 +187,22 @@ def error_of(raw: bytes) -> tuple[str, str] | None:
     ``{"error": {"message", "type"}}`` (vLLM since 0.10.1, llama-server), the flat ``{"object":
     "error", "message", "type"}`` (vLLM before, SGLang), ``{"error": "...", "error_type"}`` (TGI),
     FastAPI's ``{"detail": "..."}``; None where it holds no message."""
+    body = _error_body(raw)
+    return _message_of(body) if body is not None else None
+
+
+def _error_body(raw: bytes) -> dict[str, Any] | None:
+    """An error answer's JSON object, where it is one of a size an error has."""
     if len(raw) > 64 * 1024:
         return None
     try:
         body = loads(raw)
     except ValueError:
         return None
-    if not isinstance(body, dict):
-        return None
+    return body if isinstance(body, dict) else None
+
+
+def _message_of(body: dict[str, Any]) -> tuple[str, str] | None:
     error = body.get("error")
     if isinstance(error, dict):
         message, kind = error.get("message"), error.get("type")
@@ -208,16 +218,13 @@ def error_of(raw: bytes) -> tuple[str, str] | None:
 def context_overflow(status: int, raw: bytes) -> ContextOverflow | None:
     """Whether an error answer is the engine refusing a prompt past its context (the words of
     vLLM, SGLang and TGI, llama-server's ``exceed_context_size_error``), or None for any other error."""
-    if status not in _REFUSAL_STATUSES or len(raw) > 64 * 1024:
+    body = _error_body(raw) if status in _CONTEXT_REFUSAL_STATUSES else None
+    if body is None:
         return None
-    try:
-        body = loads(raw)
-    except ValueError:
-        return None
-    error = body.get("error") if isinstance(body, dict) else None
+    error = body.get("error")
     if isinstance(error, dict) and error.get("type") == "exceed_context_size_error":
         return ContextOverflow(_count(error.get("n_prompt_tokens")), _count(error.get("n_ctx")))
-    read = error_of(raw)
+    read = _message_of(body)
     if read is None:
         return None
     message = read[0]

@@ -7,15 +7,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from proxy.app_state import ProxyState
+from proxy.backends import REFUSAL_STATUSES
 from proxy.http import RequestContext
 from proxy.protocols import CHAT_COMPLETIONS
 from proxy.routes.forward import api_endpoint, new_context
 from proxy.routes.pipeline import TurnOptions, forward_turn, read_request
 from proxy.tenants import Tenant
-
-# How engines refuse a request their chat template cannot render: 400 (vLLM, SGLang, llama-server),
-# 422 (TGI's template_error).
-REFUSED = frozenset({400, 422})
 
 
 async def chat_completions(state: ProxyState, request: Request, ctx: RequestContext, tenant: Tenant) -> Response:
@@ -24,7 +21,11 @@ async def chat_completions(state: ProxyState, request: Request, ctx: RequestCont
     view = CHAT_COMPLETIONS.view(body, state.canonicalizer.tool_orders, tenant.name)
     options = TurnOptions(diagnostics=diagnostics)
     response = await forward_turn(state, request, ctx, tenant, CHAT_COMPLETIONS, view, options)
-    if response.status_code in REFUSED and ctx.restructured and not state.canonicalizer.keeps_structure(ctx.model):
+    if (
+        response.status_code in REFUSAL_STATUSES
+        and ctx.restructured
+        and not state.canonicalizer.keeps_structure(ctx.model)
+    ):
         # Strict chat templates (Mistral's, Gemma's) refuse a system message after the first one.
         # Once such a refusal is cured by keeping the client's message order, it is kept for the model.
         state.canonicalizer.keep_structure(ctx.model)
@@ -36,7 +37,7 @@ async def chat_completions(state: ProxyState, request: Request, ctx: RequestCont
         retry.shadow_accounted = True
         view = CHAT_COMPLETIONS.view(body, state.canonicalizer.tool_orders, tenant.name)
         response = await forward_turn(state, request, retry, tenant, CHAT_COMPLETIONS, view, options)
-        if response.status_code in REFUSED:
+        if response.status_code in REFUSAL_STATUSES:
             state.canonicalizer.forget_structure(ctx.model)  # the request itself was the problem
     return response
 

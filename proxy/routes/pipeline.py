@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.app_state import ProxyState
-from proxy.backends import context_overflow, error_of
+from proxy.backends import REFUSAL_STATUSES, context_overflow, error_of
 from proxy.canon import CanonResult, stable_prefix_hash
 from proxy.chat import ChatTurn
 from proxy.http import ProxyError, RequestContext, ServerError, parse_json_object, read_body
@@ -278,7 +278,7 @@ _SALT_REFUSAL = re.compile(
 def _salt_refused(answer: UpstreamAnswer) -> bool:
     """Whether the engine refused the request for its ``cache_salt`` field (an unknown field, or one
     its engine does not support), in the words engines refuse a field with."""
-    if not isinstance(answer, WholeAnswer) or answer.status not in (400, 422):
+    if not isinstance(answer, WholeAnswer) or answer.status not in REFUSAL_STATUSES:
         return False
     error = error_of(answer.raw)
     return error is not None and _SALT_REFUSAL.search(error[0]) is not None
