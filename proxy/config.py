@@ -5,6 +5,7 @@ is reported as one line naming its source (:mod:`proxy.config_sources`)."""
 
 from __future__ import annotations
 
+import errno
 import importlib
 import ipaddress
 import json
@@ -137,18 +138,35 @@ def _listen_host(value: str) -> str:
         if re.fullmatch(r"[0-9.]+", value) or ":" in value:
             raise ValueError(f"not an IP address (an IPv4 address is four numbers from 0 to 255): {hint}") from None
     try:
-        found = socket.getaddrinfo(value, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        bound_socket(value, 0).close()
     except (socket.gaierror, UnicodeError):
         raise ValueError(f"no address has this name here: {hint}") from None
-    reason = ""
-    for family, kind, protocol, _, address in found:
+    except OSError as error:
+        raise ValueError(f"not an address of this machine ({error.strerror or error}): {hint}") from None
+    return value
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port``: the host's addresses as ``getaddrinfo`` gives them
+    (every family: a name that has an IPv6 address only, as in an IPv6-only cluster), IPv4 first
+    (``localhost`` is 127.0.0.1, as uvicorn binds it). What the settings' check probes (port 0) and
+    ``serve`` listens on are bound by this one function. Raises ``socket.gaierror`` (or
+    ``UnicodeError``) for a name that does not resolve, and the telling ``OSError`` where no address
+    binds (an address in use, where one was)."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    failure: OSError | None = None
+    for family, kind, protocol, _, address in sorted(found, key=lambda entry: entry[0] != socket.AF_INET):
+        sock = socket.socket(family, kind, protocol)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            with socket.socket(family, kind, protocol) as probe:
-                probe.bind(address)
-            return value
+            sock.bind(address)
         except OSError as error:
-            reason = error.strerror or str(error)
-    raise ValueError(f"not an address of this machine ({reason}): {hint}")
+            sock.close()
+            failure = failure if failure is not None and failure.errno == errno.EADDRINUSE else error
+            continue
+        return sock
+    assert failure is not None  # getaddrinfo answers at least one address or raises
+    raise failure
 
 
 ListenHost = Annotated[str, AfterValidator(_listen_host)]

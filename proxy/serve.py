@@ -32,7 +32,7 @@ from fastapi import FastAPI
 from uvicorn.config import STARTUP_FAILURE
 
 from proxy.app import create_app, create_metrics_app
-from proxy.config import Settings
+from proxy.config import Settings, bound_socket
 from proxy.config_sources import ConfigError
 from proxy.http import InboundLimits, ReadDeadline, deadline_protocol
 
@@ -111,31 +111,21 @@ def server_config(
 
 
 def listen(host: str, port: int, setting: str) -> socket.socket:
-    """A socket bound to ``host``:``port`` (the server listens on it once it starts): the host's
-    addresses as the settings' check found them (``getaddrinfo``, every family: a name that has an
-    IPv6 address only, as in an IPv6-only cluster), IPv4 first (``localhost`` is 127.0.0.1, as
-    uvicorn binds it); :class:`ConfigError` naming ``setting`` when none can be bound."""
+    """A socket bound to ``host``:``port`` as the settings' check bound it (``bound_socket``; the
+    server listens on it once it starts); :class:`ConfigError` naming ``setting`` when it cannot be."""
     try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        sock = bound_socket(host, port)
     except (socket.gaierror, UnicodeError) as error:
         reason = getattr(error, "strerror", None) or str(error)
         raise ConfigError([f"{setting}: cannot listen on {host}:{port}: {reason}: choose another host"]) from None
-    failure: OSError | None = None
-    for family, kind, protocol, _, address in sorted(found, key=lambda entry: entry[0] != socket.AF_INET):
-        sock = socket.socket(family, kind, protocol)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as error:
-            sock.close()
-            failure = failure if failure is not None and failure.errno == errno.EADDRINUSE else error
-            continue
-        sock.set_inheritable(True)
-        return sock
-    assert failure is not None  # getaddrinfo answers at least one address or raises
-    reason = failure.strerror or str(failure)
-    held = " (another process listens there): stop it, or" if failure.errno == errno.EADDRINUSE else ":"
-    raise ConfigError([f"{setting}: cannot listen on {host}:{port}: {reason}{held} choose another {setting}"]) from None
+    except OSError as failure:
+        reason = failure.strerror or str(failure)
+        held = " (another process listens there): stop it, or" if failure.errno == errno.EADDRINUSE else ":"
+        raise ConfigError(
+            [f"{setting}: cannot listen on {host}:{port}: {reason}{held} choose another {setting}"]
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 @dataclass
